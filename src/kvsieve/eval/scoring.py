@@ -1,0 +1,28 @@
+"""Offline answer scoring: ROUGE-1 recall against the reference and exact substring."""
+
+from __future__ import annotations
+
+import re
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+def rouge1_recall(answer: str, reference: str) -> float:
+    """Fraction of the reference's words (with multiplicity) that the answer contains."""
+    ref = _words(reference)
+    if not ref:
+        return 0.0
+    pool = _words(answer)
+    hits = 0
+    for word in ref:
+        if word in pool:
+            pool.remove(word)
+            hits += 1
+    return hits / len(ref)
+
+
+def contains(answer: str, reference: str) -> bool:
+    """Whether the reference appears in the answer, ignoring case, punctuation and spacing."""
+    return " ".join(_words(reference)) in " ".join(_words(answer))

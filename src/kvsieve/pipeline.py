@@ -1,0 +1,143 @@
+"""Runs select -> feed -> compress -> decode and records what each stage did (DESIGN.md's flow).
+
+Each stage is an option object; `None` means the stage's plain default (no selection, one-pass
+prefill, no compression). The prefill attention kernel (dense or e.g. CritiPrefill) applies to
+every pass that prefills: the selector's scoring pass and the feed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from kvsieve.attention import PrefillKernel, attention_hooks
+from kvsieve.compress import Compressor
+from kvsieve.decode import Sampling, decode
+from kvsieve.errors import KvsieveError
+from kvsieve.feed import Feed
+from kvsieve.feed.full import FullPrefill
+from kvsieve.models import architecture
+from kvsieve.prompt import Prompt, build_prompt
+from kvsieve.select import Selector
+
+
+@dataclass
+class StageRecord:
+    """One stage's method, wall time and details (sizes, chosen layer, ...)."""
+
+    stage: str
+    method: str
+    seconds: float
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    prefill_seconds: float  # time to first token: selection + feed + compression
+    decode_seconds: float
+    decode_tokens_per_s: float
+    kv_cache_length: int  # cache entries per layer and KV head when decoding ended
+    stages: list[StageRecord]
+    selected_indices: list[int] | None = None
+    selected_text: str | None = None
+
+
+def _check_context(model: PreTrainedModel, feed: Feed, prompt: Prompt, sampling: Sampling) -> None:
+    max_positions = architecture(model).max_positions
+    needed = prompt.length + sampling.max_new_tokens
+    if feed.needs_full_context and needed > max_positions:
+        raise KvsieveError(
+            f"The prompt has {prompt.length} tokens; with max_new_tokens={sampling.max_new_tokens} it needs "
+            f"{needed} positions, but this model was trained for {max_positions}. Full prefill and "
+            "GemFilter's scoring pass see every position, so shorten the context or lower max_new_tokens."
+        )
+
+
+def run(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: Prompt,
+    *,
+    select: Selector | None = None,
+    feed: Feed | None = None,
+    attention: PrefillKernel | None = None,
+    compress: Compressor | None = None,
+    sampling: Sampling | None = None,
+    stream: Callable[[str], None] | None = None,
+) -> GenerationResult:
+    """Generate from an already-built `Prompt` through the chosen stages."""
+    sampling = sampling or Sampling()
+    sampling.validate()
+    feed = feed or FullPrefill()
+    if prompt.ids.ndim != 2 or prompt.ids.shape[0] != 1:
+        raise KvsieveError(f"kvsieve runs batch size 1; got prompt ids of shape {tuple(prompt.ids.shape)}.")
+    _check_context(model, feed, prompt, sampling)
+    stages: list[StageRecord] = []
+    ids, selected = prompt.ids, None
+    start = time.perf_counter()
+    with attention_hooks(kernel=attention):
+        if select is not None:
+            selection = select.select(model, prompt)
+            selected = selection.indices
+            ids = prompt.ids[:, selected]
+            stages.append(
+                StageRecord("select", select.name, time.perf_counter() - start, {"kept": len(selected), **selection.details})
+            )
+        feed_start = time.perf_counter()
+        with attention_hooks(observers=compress.observers() if compress else ()):
+            prefilled = feed.prefill(model, ids)
+        stages.append(
+            StageRecord("feed", feed.name, time.perf_counter() - feed_start, {"tokens": ids.shape[1], **prefilled.details})
+        )
+    if compress is not None:
+        compress_start = time.perf_counter()
+        details = compress.compress(prefilled.cache)
+        stages.append(StageRecord("compress", compress.name, time.perf_counter() - compress_start, details))
+    prefill_seconds = time.perf_counter() - start
+    decoded = decode(
+        model, tokenizer, prefilled.cache, prefilled.last_logits, prefilled.next_position, sampling, stream
+    )
+    stages.append(StageRecord("decode", "sampling" if sampling.temperature else "greedy", decoded.seconds))
+    return GenerationResult(
+        text=decoded.text,
+        tokens=decoded.tokens,
+        finish_reason=decoded.finish_reason,
+        prompt_tokens=prompt.length,
+        prefill_seconds=prefill_seconds,
+        decode_seconds=decoded.seconds,
+        decode_tokens_per_s=decoded.steps / decoded.seconds if decoded.steps else 0.0,
+        kv_cache_length=prefilled.cache.get_seq_length(),
+        stages=stages,
+        selected_indices=None if selected is None else selected.tolist(),
+        selected_text=None if selected is None else tokenizer.decode(ids[0]),
+    )
+
+
+def generate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    context: str,
+    question: str | None = None,
+    *,
+    raw: bool = False,
+    select: Selector | None = None,
+    feed: Feed | None = None,
+    attention: PrefillKernel | None = None,
+    compress: Compressor | None = None,
+    sampling: Sampling | None = None,
+    stream: Callable[[str], None] | None = None,
+) -> GenerationResult:
+    """Answer `question` about `context` (chat template), or continue `context + question` (raw=True)."""
+    prompt = build_prompt(tokenizer, context, question, raw=raw)
+    return run(
+        model, tokenizer, prompt, select=select, feed=feed, attention=attention, compress=compress,
+        sampling=sampling, stream=stream,
+    )

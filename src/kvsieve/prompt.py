@@ -1,0 +1,71 @@
+"""Turning a long context and a question into token ids.
+
+The result records how many tokens at the end are the question and the chat template's suffix
+(`tail_len`), because selection stages keep that tail: a GemFilter that drops the question
+cannot answer it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from kvsieve.errors import KvsieveError
+
+_PLACEHOLDER = "\x00KVSIEVE_CONTEXT\x00"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Token ids (1, n) plus where the context sits in them."""
+
+    ids: torch.Tensor
+    context_start: int
+    context_len: int
+
+    @property
+    def length(self) -> int:
+        return self.ids.shape[1]
+
+    @property
+    def tail_len(self) -> int:
+        """Tokens after the context: the question and the template's suffix."""
+        return self.length - self.context_start - self.context_len
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+
+def build_prompt(
+    tokenizer: PreTrainedTokenizerBase, context: str, question: str | None = None, raw: bool = False
+) -> Prompt:
+    """Build the prompt for `context` (the long document) and an optional `question`.
+
+    Chat mode (default) wraps "context, blank line, question" as one user turn in the
+    tokenizer's chat template with the generation prompt appended. Raw mode feeds the context
+    followed by the question exactly as given: no template, no BOS, nothing added.
+    Prefix, context and suffix are tokenized separately so their boundaries are exact.
+    """
+    if question is not None and not question.strip():
+        raise KvsieveError("The question is empty. Pass a non-empty question, or none at all.")
+    if not context.strip() and not question:
+        raise KvsieveError("The prompt is empty: give a context (file or stdin) and/or a question.")
+    if raw:
+        prefix, suffix = "", question or ""
+    else:
+        if not getattr(tokenizer, "chat_template", None):
+            raise KvsieveError(
+                "This tokenizer has no chat template, so chat mode cannot format the prompt. "
+                "Use raw mode (--raw / raw=True) to feed the text exactly as given."
+            )
+        content = _PLACEHOLDER + (f"\n\n{question}" if question else "")
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        )
+        prefix, suffix = rendered.split(_PLACEHOLDER)
+    prefix_ids, context_ids, suffix_ids = (_encode(tokenizer, part) for part in (prefix, context, suffix))
+    ids = torch.tensor([prefix_ids + context_ids + suffix_ids], dtype=torch.long)
+    return Prompt(ids=ids, context_start=len(prefix_ids), context_len=len(context_ids))

@@ -1,0 +1,30 @@
+"""The `select` stage: which prompt tokens are prefilled at all.
+
+A selector looks at the whole prompt and returns the sorted indices of the tokens to keep; the
+pipeline then prefills only those, with fresh positions 0..k-1. To add a method, write a class
+with a `name` and a `select()` method returning a `Selection`, next to `gemfilter.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from transformers import PreTrainedModel
+
+from kvsieve.prompt import Prompt
+
+
+@dataclass
+class Selection:
+    """Sorted, unique indices into the prompt, and what the selector did."""
+
+    indices: torch.Tensor
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+class Selector(Protocol):
+    name: str
+
+    def select(self, model: PreTrainedModel, prompt: Prompt) -> Selection: ...
