@@ -89,13 +89,17 @@ def run(
             selected = selection.indices
             ids = prompt.ids[:, selected]
             stages.append(
-                StageRecord("select", select.name, time.perf_counter() - start, {"kept": len(selected), **selection.details})
+                StageRecord(
+                    "select", select.name, time.perf_counter() - start, {"kept": len(selected), **selection.details}
+                )
             )
         feed_start = time.perf_counter()
         with attention_hooks(observers=compress.observers() if compress else ()):
             prefilled = feed.prefill(model, ids)
         stages.append(
-            StageRecord("feed", feed.name, time.perf_counter() - feed_start, {"tokens": ids.shape[1], **prefilled.details})
+            StageRecord(
+                "feed", feed.name, time.perf_counter() - feed_start, {"tokens": ids.shape[1], **prefilled.details}
+            )
         )
     if compress is not None:
         compress_start = time.perf_counter()
@@ -138,6 +142,13 @@ def generate(
     """Answer `question` about `context` (chat template), or continue `context + question` (raw=True)."""
     prompt = build_prompt(tokenizer, context, question, raw=raw)
     return run(
-        model, tokenizer, prompt, select=select, feed=feed, attention=attention, compress=compress,
-        sampling=sampling, stream=stream,
+        model,
+        tokenizer,
+        prompt,
+        select=select,
+        feed=feed,
+        attention=attention,
+        compress=compress,
+        sampling=sampling,
+        stream=stream,
     )

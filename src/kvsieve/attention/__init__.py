@@ -43,9 +43,7 @@ _active: ContextVar[_Hooks | None] = ContextVar("kvsieve_attention_hooks", defau
 
 
 @contextmanager
-def attention_hooks(
-    observers: Sequence[Observer] = (), kernel: PrefillKernel | None = None
-) -> Iterator[None]:
+def attention_hooks(observers: Sequence[Observer] = (), kernel: PrefillKernel | None = None) -> Iterator[None]:
     """Activate observers and/or a prefill kernel for forward passes inside the block.
 
     Nested blocks add their observers to the outer ones and keep the outer kernel unless they

@@ -24,18 +24,14 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
 
-def dense_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
-) -> torch.Tensor:
+def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:
     """Causal SDPA. query (b, h, q, d); key/value (b, kv_heads, k, d), never stored repeated.
 
     Returns (b, h, q, d).
     """
     q_len, k_len = query.shape[2], key.shape[2]
     if q_len == 1 or q_len == k_len:
-        return F.scaled_dot_product_attention(
-            query, key, value, scale=scaling, is_causal=q_len > 1, enable_gqa=True
-        )
+        return F.scaled_dot_product_attention(query, key, value, scale=scaling, is_causal=q_len > 1, enable_gqa=True)
     n_rep = query.shape[1] // key.shape[1]
     mask = bottom_right_causal_mask(q_len, k_len, query.device)
     return F.scaled_dot_product_attention(
