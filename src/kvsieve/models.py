@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
 from kvsieve.attention import ATTENTION_NAME
 from kvsieve.errors import KvsieveError
@@ -168,6 +169,8 @@ def load_model(
                 f"Cannot load model '{name_or_path}': give a local transformers folder (with config.json) "
                 "or a .gguf file, or no model to use the embedded default. kvsieve never downloads models."
             )
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a per-tensor bar on every load is noise in a CLI
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(
@@ -175,4 +178,7 @@ def load_model(
         )
     except (OSError, ValueError) as error:
         raise KvsieveError(f"Cannot load model from '{folder}': {error}") from error
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     return prepare(model), tokenizer

@@ -1,0 +1,345 @@
+"""The `kvsieve` command line: generate, inspect, calibrate, bench, demo.
+
+User mistakes (bad options, unreadable files, unsupported models) print one clear message and
+exit with status 2; they never show a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from kvsieve.errors import KvsieveError
+
+DESCRIPTION = """kvsieve: faster, smaller long-context inference for Hugging Face causal LMs.
+Runs on the embedded SmolLM2-135M-Instruct by default (no network needed)."""
+
+
+# ----------------------------------------------------------------------------- argument groups
+
+
+def _count(text: str) -> int | float:
+    """A token count ("1024") or a fraction of the prompt ("0.25")."""
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is neither a token count nor a fraction") from None
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers") from None
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of numbers") from None
+
+
+def _add_model(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", help="local transformers folder or .gguf file (default: embedded SmolLM2-135M-Instruct)"
+    )
+
+
+def _add_prompt(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--context", "-c", default="-", help="file with the long context, '-' for stdin (default)")
+    parser.add_argument("--question", "-q", help="question about the context (appended after a blank line)")
+    parser.add_argument(
+        "--raw", action="store_true", help="feed context + question exactly as given: no chat template, no BOS"
+    )
+
+
+def _add_gemfilter(parser: argparse.ArgumentParser, default_select: str | None) -> None:
+    group = parser.add_argument_group("selection (GemFilter)")
+    if default_select is None:
+        group.add_argument(
+            "--select", choices=["none", "gemfilter"], default="none", help="token selection before prefill"
+        )
+    group.add_argument("--k", type=_count, default=1024, help="tokens to keep: a count or a fraction (default 1024)")
+    group.add_argument(
+        "--layer", type=int, help="0-based filter layer (default: the calibrated layer, else the middle one)"
+    )
+    group.add_argument("--kernel", type=int, default=5, help="average-pooling kernel, odd (default 5)")
+    group.add_argument(
+        "--no-keep-tail",
+        dest="keep_tail",
+        action="store_false",
+        help="let the question and template suffix be dropped (the reference code's behaviour)",
+    )
+
+
+def _add_sampling(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("decoding")
+    group.add_argument("--max-new-tokens", type=int, default=64, help="maximum tokens to generate (default 64)")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    group.add_argument("--seed", type=int, help="random seed for sampling")
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _gemfilter(args: argparse.Namespace):
+    from kvsieve.select.gemfilter import GemFilter
+
+    return GemFilter(k=args.k, layer=args.layer, kernel=args.kernel, keep_tail=args.keep_tail)
+
+
+def _sampling(args: argparse.Namespace):
+    from kvsieve.decode import Sampling
+
+    return Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed, tuple(args.stop))
+
+
+def _read_context(source: str) -> str:
+    if source == "-":
+        if sys.stdin is None or sys.stdin.isatty():
+            raise KvsieveError("No context: pass --context FILE or pipe the text on stdin.")
+        return sys.stdin.read()
+    try:
+        return Path(source).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise KvsieveError(f"Cannot read context file '{source}': {error}") from error
+
+
+def _load(args: argparse.Namespace):
+    from kvsieve.models import load_model
+
+    return load_model(args.model)
+
+
+def _err(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _report(result) -> None:
+    _err(
+        f"\n[{result.prompt_tokens} prompt tokens | time to first token {result.prefill_seconds:.2f} s | "
+        f"{len(result.tokens)} tokens at {result.decode_tokens_per_s:.1f} tok/s | "
+        f"KV cache {result.kv_cache_length} | finished: {result.finish_reason}]"
+    )
+    for stage in result.stages:
+        details = ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in stage.details.items())
+        _err(f"  {stage.stage:<8} {stage.method:<10} {stage.seconds:6.2f} s  {details}")
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from kvsieve.pipeline import generate
+
+    context = _read_context(args.context)
+    model, tokenizer = _load(args)
+    select = _gemfilter(args) if args.select == "gemfilter" else None
+    stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
+    result = generate(
+        model, tokenizer, context, args.question, raw=args.raw, select=select, sampling=_sampling(args), stream=stream
+    )
+    if args.json:
+        print(json.dumps(asdict(result), indent=1))
+    else:
+        print()
+        _report(result)
+
+
+def cmd_inspect(args: argparse.Namespace) -> None:
+    from kvsieve.prompt import build_prompt
+
+    context = _read_context(args.context)
+    model, tokenizer = _load(args)
+    prompt = build_prompt(tokenizer, context, args.question, raw=args.raw)
+    selection = _gemfilter(args).select(model, prompt)
+    kept = set(selection.indices.tolist())
+    color = sys.stdout.isatty() and not os.environ.get("NO_COLOR") and not args.plain
+    on, off = ("\x1b[1;30;43m", "\x1b[0m") if color else ("[[", "]]")
+    pieces, inside = [], False
+    for i, token in enumerate(prompt.ids[0].tolist()):
+        if (i in kept) != inside:
+            pieces.append(on if not inside else off)
+            inside = not inside
+        pieces.append(tokenizer.decode([token]))
+    pieces.append(off if inside else "")
+    print("".join(pieces))
+    d = selection.details
+    _err(
+        f"\nGemFilter kept {len(kept)} of {prompt.length} tokens ({100 * len(kept) / prompt.length:.1f}%) "
+        f"at filter layer {d['layer']}; tail kept: {d['kept_tail']} tokens; first pass {d['first_pass_seconds']:.2f} s."
+        + ("" if color else " Kept spans are shown [[like this]].")
+    )
+
+
+def cmd_calibrate(args: argparse.Namespace) -> None:
+    from kvsieve.select.calibrate import calibrate, calibration_file, plot_recall
+
+    model, tokenizer = _load(args)
+    result = calibrate(model, tokenizer, args.lengths, args.depths, args.k, args.probe, save=not args.no_save)
+    print(f"{'layer':>5}  {'needle tokens in top-k':>22}")
+    for layer, recall in enumerate(result.recall):
+        mark = "  <- recommended" if layer == result.layer else ""
+        print(f"{layer:>5}  {recall:>22.3f}{mark}")
+    args.plot.parent.mkdir(parents=True, exist_ok=True)
+    plot_recall(result, args.plot, f"GemFilter filter-layer calibration ({args.probe}, k={args.k})")
+    print(f"\nRecommended filter layer: {result.layer}. Curve: {args.plot}")
+    if not args.no_save:
+        print(f"Saved to {calibration_file()}; GemFilter now defaults to layer {result.layer} for this model.")
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from kvsieve.eval.bench import bench, summarize
+
+    rows = bench(args.methods, args.lengths, args.repeats, args.k, args.layer, args.model)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    summary = summarize(rows)
+    args.out.write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))
+    print(
+        f"{'length':>6} {'method':<10} {'TTFT s (min/med/max)':<22} {'speedup vs full':<20} "
+        f"{'peak MB (med)':>13} {'added MB (med)':>14} {'mem ratio':>9}"
+    )
+    for s in summary:
+        ttft = "/".join(f"{v:.2f}" for v in s["ttft_s"])
+        speed = "/".join(f"{v:.2f}" for v in s["speedup"]) if s["speedup"] else "-"
+        mem = f"{s['memory_ratio'][1]:.2f}" if s["memory_ratio"] else "-"
+        print(
+            f"{s['length']:>6} {s['method']:<10} {ttft:<22} {speed:<20} {s['peak_mb'][1]:>13.0f} "
+            f"{s['added_mb'][1]:>14.0f} {mem:>9}"
+        )
+    print(f"\nRaw rows and summary: {args.out}")
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from kvsieve.decode import Sampling
+    from kvsieve.eval.data import needle_case
+    from kvsieve.eval.scoring import rouge1_recall
+    from kvsieve.models import load_model
+    from kvsieve.pipeline import generate
+    from kvsieve.select.gemfilter import GemFilter
+
+    model, tokenizer = load_model(args.model)
+    case = needle_case(tokenizer, args.length, args.depth)
+    print(
+        f"Haystack: {args.length} tokens of Paul Graham essays; needle at {args.depth:.0%} depth:\n  {case.needle}\n"
+        f"Question: {case.question}\n"
+    )
+    sampling = Sampling(max_new_tokens=48)
+    runs = [("full attention", None), (f"GemFilter k={args.k}", GemFilter(k=args.k, layer=args.layer))]
+    results = []
+    for label, select in runs:
+        print(f"--- {label}: ", end="", flush=True)
+        result = generate(
+            model,
+            tokenizer,
+            case.context,
+            case.question,
+            select=select,
+            sampling=sampling,
+            stream=lambda p: print(p, end="", flush=True),
+        )
+        results.append(result)
+        score = rouge1_recall(result.text, case.answer)
+        print(
+            f"\n    time to first token {result.prefill_seconds:.2f} s, KV cache {result.kv_cache_length} tokens, "
+            f"ROUGE-1 recall {score:.2f}\n"
+        )
+    full, gem = results
+    details = gem.stages[0].details
+    print(
+        f"GemFilter ran layers 0..{details['layer']} on all {full.prompt_tokens} tokens, kept {details['kept']}, "
+        f"and was {full.prefill_seconds / gem.prefill_seconds:.2f}x faster to the first token."
+    )
+    needle_pos = gem.selected_text.find("San Francisco is eat")
+    if needle_pos >= 0:
+        print(f"The needle survived selection: ...{gem.selected_text[max(0, needle_pos - 80) : needle_pos + 100]}...")
+    else:
+        print("The needle's sentence was not kept intact by the selection.")
+    print("See what was kept: kvsieve inspect --context FILE --question ...")
+
+
+# ----------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvsieve", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("generate", help="answer a question about a long context", description=cmd_generate.__doc__)
+    p.description = "Generate from a long context (file or stdin) and a question; the answer streams to stdout."
+    _add_model(p)
+    _add_prompt(p)
+    _add_gemfilter(p, default_select=None)
+    _add_sampling(p)
+    p.add_argument("--json", action="store_true", help="print the whole result (timings, stages, ids) as JSON")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("inspect", help="show which tokens GemFilter keeps")
+    p.description = "Run GemFilter's selection and print the prompt with the kept tokens highlighted."
+    _add_model(p)
+    _add_prompt(p)
+    _add_gemfilter(p, default_select="gemfilter")
+    p.add_argument("--plain", action="store_true", help="mark kept spans with [[ ]] instead of colour")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("calibrate", help="measure which filter layer finds needles best")
+    p.description = (
+        "Run needle probes, report per layer the fraction of needle tokens in GemFilter's top-k, plot the curve, "
+        "recommend a layer and remember it as GemFilter's default for this model."
+    )
+    _add_model(p)
+    p.add_argument("--lengths", type=_int_list, default=[2048, 4096], help="probe lengths in tokens")
+    p.add_argument("--depths", type=_float_list, default=[0.1, 0.3, 0.5, 0.7, 0.9], help="needle depths in [0, 1]")
+    p.add_argument("--k", type=int, default=256, help="top-k used to score each layer (default 256)")
+    p.add_argument("--probe", choices=["passkey", "needle"], default="passkey", help="probe kind (default passkey)")
+    p.add_argument("--plot", type=Path, default=Path("calibration.png"), help="PNG of the curve")
+    p.add_argument("--no-save", action="store_true", help="do not remember the recommended layer")
+    p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("bench", help="time-to-first-token and peak memory, full vs GemFilter")
+    p.description = (
+        "Measure time to first token and peak memory of full prefill and GemFilter over prompt lengths. "
+        "Each run is its own process; repeats interleave configurations; ratios compare runs of the same repeat."
+    )
+    _add_model(p)
+    p.add_argument("--lengths", type=_int_list, default=[2048, 4096, 8000], help="prompt lengths in tokens")
+    p.add_argument("--methods", type=lambda s: s.split(","), default=["full", "gemfilter"], help="full,gemfilter")
+    p.add_argument("--repeats", type=int, default=3, help="repeats per configuration (default 3)")
+    p.add_argument("--k", type=int, default=1024, help="GemFilter k (default 1024)")
+    p.add_argument("--layer", type=int, help="GemFilter filter layer (default: calibrated)")
+    p.add_argument("--out", type=Path, default=Path("runs/bench.json"), help="where to write raw results")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("demo", help="needle question on a long essay haystack: full vs GemFilter")
+    p.description = "Answer a needle question from a Paul Graham essays haystack with full attention and GemFilter."
+    _add_model(p)
+    p.add_argument("--length", type=int, default=4000, help="haystack length in tokens (default 4000)")
+    p.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1] (default 0.5)")
+    p.add_argument("--k", type=int, default=1024, help="GemFilter k (default 1024)")
+    p.add_argument("--layer", type=int, help="GemFilter filter layer (default: calibrated)")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except KvsieveError as error:
+        _err(f"kvsieve: error: {error}")
+        return 2
+    except KeyboardInterrupt:
+        _err("kvsieve: interrupted")
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

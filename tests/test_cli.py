@@ -1,0 +1,137 @@
+"""The kvsieve CLI on the real default model: each command's happy path and each bad input."""
+
+import json
+
+import pytest
+
+from kvsieve.cli import main
+from kvsieve.eval.data import passkey_case
+from kvsieve.models import load_model
+
+pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture(scope="module")
+def passkey_file(tmp_path_factory):
+    _, tokenizer = load_model()
+    case = passkey_case(tokenizer, 700, 0.5, seed=5)
+    path = tmp_path_factory.mktemp("ctx") / "context.txt"
+    path.write_text(case.context)
+    return path, case
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_full_and_gemfilter(capsys, passkey_file):
+    path, case = passkey_file
+    code, out, err = run_cli(capsys, "generate", "-c", str(path), "-q", case.question, "--max-new-tokens", "16")
+    assert code == 0 and case.answer in out and "time to first token" in err
+    code, out, _ = run_cli(
+        capsys, "generate", "-c", str(path), "-q", case.question, "--select", "gemfilter", "--k", "0.5", "--json"
+    )
+    result = json.loads(out)
+    assert code == 0 and case.answer in result["text"]
+    assert result["stages"][0]["stage"] == "select" and result["stages"][0]["details"]["kept"] == len(
+        result["selected_indices"]
+    )
+
+
+def test_generate_reads_stdin(capsys, monkeypatch, passkey_file):
+    import io
+
+    path, case = passkey_file
+    monkeypatch.setattr("sys.stdin", io.StringIO(path.read_text()))
+    code, out, _ = run_cli(capsys, "generate", "-q", case.question, "--max-new-tokens", "16")
+    assert code == 0 and case.answer in out
+
+
+def test_inspect_marks_kept_tokens(capsys, passkey_file):
+    path, case = passkey_file
+    code, out, err = run_cli(capsys, "inspect", "-c", str(path), "-q", case.question, "--k", "200", "--plain")
+    assert code == 0 and "[[" in out and "]]" in out
+    assert "kept 200 of" in err
+    kept = "".join(part.split("]]")[0] for part in out.split("[[")[1:])
+    assert case.question in kept  # the tail (question) is always kept
+
+
+def test_calibrate_writes_plot_and_recommends(capsys, tmp_path):
+    plot = tmp_path / "cal.png"
+    code, out, _ = run_cli(
+        capsys, "calibrate", "--lengths", "400", "--depths", "0.5", "--k", "32", "--plot", str(plot), "--no-save"
+    )
+    assert code == 0 and "Recommended filter layer" in out
+    assert plot.stat().st_size > 1000
+    assert len([line for line in out.splitlines() if line.strip()[:2].strip().isdigit()]) == 30
+
+
+def test_bench_runs_each_config_in_a_process(capsys, tmp_path):
+    out_file = tmp_path / "bench.json"
+    code, out, _ = run_cli(capsys, "bench", "--lengths", "600", "--repeats", "1", "--k", "128", "--out", str(out_file))
+    assert code == 0
+    data = json.loads(out_file.read_text())
+    assert {r["method"] for r in data["rows"]} == {"full", "gemfilter"}
+    gem = next(r for r in data["rows"] if r["method"] == "gemfilter")
+    assert gem["kv_cache_length"] == 128 and gem["peak_mb"] > 100
+    assert "speedup vs full" in out
+
+
+def test_demo_runs_side_by_side(capsys):
+    code, out, _ = run_cli(capsys, "demo", "--length", "700", "--k", "256")
+    assert code == 0 and "full attention" in out and "GemFilter k=256" in out and "faster to the first token" in out
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["-q", "  "], "question is empty"),
+        (["--select", "gemfilter", "--k", "0"], "at least 1"),
+        (["--select", "gemfilter", "--k", "100000"], "exceeds the prompt"),
+        (["--select", "gemfilter", "--layer", "30"], "out of range"),
+        (["--select", "gemfilter", "--kernel", "4"], "odd"),
+        (["--temperature", "-1"], "temperature"),
+    ],
+)
+def test_generate_bad_input(capsys, passkey_file, extra, message):
+    path, case = passkey_file
+    argv = ["generate", "-c", str(path), *(extra if extra[0] == "-q" else ["-q", case.question, *extra])]
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_unreadable_and_empty_context(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "generate", "-c", str(tmp_path / "missing.txt"), "-q", "hi")
+    assert code == 2 and "Cannot read context file" in err
+    empty = tmp_path / "empty.txt"
+    empty.write_text("   ")
+    code, _, err = run_cli(capsys, "generate", "-c", str(empty))
+    assert code == 2 and "prompt is empty" in err
+
+
+def test_prompt_beyond_context_window(capsys, tmp_path):
+    long_file = tmp_path / "long.txt"
+    long_file.write_text("The grass is green. " * 2000)  # ~10K tokens > 8192 positions
+    code, _, err = run_cli(capsys, "generate", "-c", str(long_file), "-q", "Color?")
+    assert code == 2 and "trained for 8192" in err
+
+
+def test_unsupported_model_is_refused(capsys, tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    _, tokenizer = load_model()
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=49152)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    context = tmp_path / "c.txt"
+    context.write_text("hello")
+    code, _, err = run_cli(capsys, "generate", "--model", str(tmp_path), "-c", str(context), "-q", "hi")
+    assert code == 2 and "Unsupported architecture 'gpt2'" in err
+
+
+def test_missing_model_path(capsys, tmp_path):
+    context = tmp_path / "c.txt"
+    context.write_text("hello")
+    code, _, err = run_cli(capsys, "generate", "--model", str(tmp_path / "nope"), "-c", str(context), "-q", "hi")
+    assert code == 2 and "never downloads" in err

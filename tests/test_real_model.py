@@ -1,0 +1,45 @@
+"""The embedded default model (SmolLM2-135M-Instruct): offline loading and passkey answers."""
+
+import pytest
+
+from kvsieve import GemFilter, Sampling, generate, load_model
+from kvsieve.eval.data import passkey_case
+from kvsieve.models import converted_default_dir
+
+pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture(scope="module")
+def smollm(monkeypatch_module):
+    monkeypatch_module.setenv("HF_HUB_OFFLINE", "1")
+    return load_model()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+def test_default_model_loads_offline_from_cache(smollm):
+    model, tokenizer = smollm
+    assert (converted_default_dir() / "model.safetensors").is_file()
+    assert model.config.model_type == "llama"
+    assert (model.config.num_hidden_layers, model.config.num_attention_heads, model.config.num_key_value_heads) == (
+        30,
+        9,
+        3,
+    )
+    assert model.config._attn_implementation == "kvsieve"
+    assert tokenizer.chat_template
+
+
+@pytest.mark.parametrize("select", [None, GemFilter(k=512, layer=15)], ids=["full", "gemfilter"])
+def test_short_passkey_is_answered(smollm, select):
+    model, tokenizer = smollm
+    case = passkey_case(tokenizer, 1000, 0.4, seed=3)
+    result = generate(model, tokenizer, case.context, case.question, select=select, sampling=Sampling(24))
+    assert case.answer in result.text
+    if select is not None:
+        assert len(result.selected_indices) == 512
+        assert case.answer in result.selected_text
