@@ -1,0 +1,69 @@
+"""Needle / passkey accuracy grid: full attention vs GemFilter on the same cases, one process.
+
+    python benchmarks/needle_grid.py --probe needle --lengths 2048,4096,6144,8000 \
+        --depths 0,0.25,0.5,0.75,1 --k 1024 --out runs/needle_grid.json
+
+Lengths are prompt tokens (context + chat template + question). Scores: ROUGE-1 recall of the
+answer against the reference, and whether the reference appears verbatim ("hit").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from tqdm import tqdm
+
+from kvsieve import GemFilter, Sampling, generate, load_model
+from kvsieve.eval.bench import PROMPT_OVERHEAD
+from kvsieve.eval.data import PROBES
+from kvsieve.eval.scoring import contains, rouge1_recall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--probe", choices=sorted(PROBES), default="needle")
+    parser.add_argument("--lengths", default="2048,4096,6144,8000")
+    parser.add_argument("--depths", default="0,0.25,0.5,0.75,1")
+    parser.add_argument("--k", type=int, default=1024)
+    parser.add_argument("--layer", type=int, help="filter layer (default: calibrated)")
+    parser.add_argument("--out", type=Path, default=Path("runs/needle_grid.json"))
+    args = parser.parse_args()
+    model, tokenizer = load_model()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    depths = [float(x) for x in args.depths.split(",")]
+    methods = {"full": None, "gemfilter": GemFilter(k=args.k, layer=args.layer)}
+    rows = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for length in lengths:
+        for depth in depths:
+            case = PROBES[args.probe](tokenizer, length - PROMPT_OVERHEAD, depth)
+            for name, select in tqdm(methods.items(), desc=f"{length} tokens, depth {depth}", leave=False):
+                result = generate(model, tokenizer, case.context, case.question, select=select, sampling=Sampling(48))
+                rows.append(
+                    {
+                        "method": name,
+                        "length": result.prompt_tokens,
+                        "depth": depth,
+                        "answer": result.text,
+                        "rouge1": rouge1_recall(result.text, case.answer),
+                        "hit": contains(result.text, case.answer),
+                        "ttft_s": result.prefill_seconds,
+                        "layer": result.stages[0].details.get("layer") if select else None,
+                    }
+                )
+                args.out.write_text(json.dumps(rows, indent=1))
+    for name in methods:
+        mine = [r for r in rows if r["method"] == name]
+        print(
+            f"{name:<10} cases={len(mine)} hits={sum(r['hit'] for r in mine)} "
+            f"mean ROUGE-1 recall={sum(r['rouge1'] for r in mine) / len(mine):.3f}"
+        )
+        for length in sorted({r["length"] for r in mine}):
+            line = " ".join(f"{r['rouge1']:.2f}" for r in mine if r["length"] == length)
+            print(f"  {length:>6} tokens, depths {args.depths}: {line}")
+
+
+if __name__ == "__main__":
+    main()
