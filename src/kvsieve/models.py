@@ -85,6 +85,12 @@ def architecture(model: PreTrainedModel) -> Architecture:
             raise KvsieveError(
                 f"Layer {index} of '{model_type}' has no self_attn with q_proj/k_proj or qkv_proj projections."
             )
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) and window is not None and window < config.max_position_embeddings:
+        raise KvsieveError(
+            f"'{model_type}' uses sliding-window attention (window {window}); kvsieve computes full causal "
+            "attention and would change this model's outputs, so it refuses it."
+        )
     num_heads = config.num_attention_heads
     return Architecture(
         model_type=model_type,

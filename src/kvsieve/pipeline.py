@@ -50,14 +50,12 @@ class GenerationResult:
     selected_text: str | None = None
 
 
-def _check_context(model: PreTrainedModel, feed: Feed, prompt: Prompt, sampling: Sampling) -> None:
+def _check_positions(model: PreTrainedModel, positions: int, what: str) -> None:
     max_positions = architecture(model).max_positions
-    needed = prompt.length + sampling.max_new_tokens
-    if feed.needs_full_context and needed > max_positions:
+    if positions > max_positions:
         raise KvsieveError(
-            f"The prompt has {prompt.length} tokens; with max_new_tokens={sampling.max_new_tokens} it needs "
-            f"{needed} positions, but this model was trained for {max_positions}. Full prefill and "
-            "GemFilter's scoring pass see every position, so shorten the context or lower max_new_tokens."
+            f"{what} needs {positions} positions, but this model was trained for {max_positions}. "
+            "Shorten the context or lower max_new_tokens."
         )
 
 
@@ -79,7 +77,9 @@ def run(
     feed = feed or FullPrefill()
     if prompt.ids.ndim != 2 or prompt.ids.shape[0] != 1:
         raise KvsieveError(f"kvsieve runs batch size 1; got prompt ids of shape {tuple(prompt.ids.shape)}.")
-    _check_context(model, feed, prompt, sampling)
+    if feed.needs_full_context:
+        # Full prefill and GemFilter's scoring pass both place every prompt token at its position.
+        _check_positions(model, prompt.length, f"The prompt ({prompt.length} tokens)")
     stages: list[StageRecord] = []
     ids, selected = prompt.ids, None
     start = time.perf_counter()
@@ -92,6 +92,10 @@ def run(
                 StageRecord(
                     "select", select.name, time.perf_counter() - start, {"kept": len(selected), **selection.details}
                 )
+            )
+        if feed.needs_full_context:
+            _check_positions(
+                model, ids.shape[1] + sampling.max_new_tokens, f"Decoding {sampling.max_new_tokens} new tokens"
             )
         feed_start = time.perf_counter()
         with attention_hooks(observers=compress.observers() if compress else ()):

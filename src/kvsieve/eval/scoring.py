@@ -24,5 +24,9 @@ def rouge1_recall(answer: str, reference: str) -> float:
 
 
 def contains(answer: str, reference: str) -> bool:
-    """Whether the reference appears in the answer, ignoring case, punctuation and spacing."""
-    return " ".join(_words(reference)) in " ".join(_words(answer))
+    """Whether the reference's words appear in the answer as whole words, in order.
+
+    Case, punctuation and spacing are ignored; "123456" does not contain "12345".
+    """
+    ref = _words(reference)
+    return bool(ref) and f" {' '.join(ref)} " in f" {' '.join(_words(answer))} "

@@ -1,0 +1,52 @@
+"""build_prompt on an offline word-level tokenizer: boundaries, tail length, modes and errors."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import word_level_tokenizer
+
+from kvsieve import KvsieveError, build_prompt
+
+# Word ids in word_level_tokenizer(): [UNK]=0 <s>=1 </s>=2 the=3 pass=4 key=5 is=6 what=7
+# remember=8 it=9 answer=10 question=11 hello=12 world=13
+TEMPLATE = (
+    "{% for m in messages %}<s> question {{ m['content'] }} </s>{% endfor %}"
+    "{% if add_generation_prompt %} answer{% endif %}"
+)
+
+
+def test_raw_prompt_is_context_then_question():
+    tokenizer = word_level_tokenizer()
+    prompt = build_prompt(tokenizer, "the pass key is hello", "what is it", raw=True)
+    assert prompt.ids.tolist() == [[3, 4, 5, 6, 12, 7, 6, 9]]
+    assert prompt.ids.shape == (1, 8)
+    assert (prompt.context_start, prompt.context_len, prompt.tail_len, prompt.length) == (0, 5, 3, 8)
+
+
+def test_raw_prompt_without_question_has_no_tail():
+    prompt = build_prompt(word_level_tokenizer(), "hello world", raw=True)
+    assert prompt.ids.tolist() == [[12, 13]]
+    assert prompt.tail_len == 0
+
+
+def test_chat_prompt_wraps_context_and_question_in_the_template():
+    tokenizer = word_level_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    prompt = build_prompt(tokenizer, "the pass key is hello", "what is it")
+    # "<s> question " + context + "\n\nwhat is it </s> answer"
+    assert prompt.ids.tolist() == [[1, 11, 3, 4, 5, 6, 12, 7, 6, 9, 2, 10]]
+    assert (prompt.context_start, prompt.context_len, prompt.tail_len) == (2, 5, 5)
+    assert prompt.ids[0, prompt.context_start : prompt.context_start + prompt.context_len].tolist() == [3, 4, 5, 6, 12]
+
+
+def test_chat_mode_needs_a_template():
+    with pytest.raises(KvsieveError, match="chat template"):
+        build_prompt(word_level_tokenizer(), "hello", "what is it")
+
+
+@pytest.mark.parametrize(
+    ("context", "question", "message"), [("hello", "  ", "question is empty"), (" \n", None, "empty")]
+)
+def test_empty_inputs_are_refused(context, question, message):
+    with pytest.raises(KvsieveError, match=message):
+        build_prompt(word_level_tokenizer(), context, question, raw=True)
