@@ -8,6 +8,8 @@ The flow is select -> feed -> compress -> decode; pick one option per stage:
                       select=GemFilter(k=1024), sampling=Sampling(max_new_tokens=32))
 """
 
+from kvsieve.compress.methods import A2SF, H2O, LocalWindow, SnapKV, StreamingLLM
+from kvsieve.compress.stages import Compress, Evict
 from kvsieve.decode import Sampling
 from kvsieve.errors import KvsieveError
 from kvsieve.feed.full import FullPrefill
@@ -17,6 +19,13 @@ from kvsieve.prompt import Prompt, build_prompt
 from kvsieve.select.gemfilter import GemFilter
 
 __all__ = [
+    "A2SF",
+    "Compress",
+    "Evict",
+    "H2O",
+    "LocalWindow",
+    "SnapKV",
+    "StreamingLLM",
     "FullPrefill",
     "GemFilter",
     "GenerationResult",

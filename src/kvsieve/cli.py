@@ -80,6 +80,52 @@ def _add_gemfilter(parser: argparse.ArgumentParser, default_select: str | None) 
     )
 
 
+KV_METHODS = ["snapkv", "h2o", "a2sf", "streaming", "local"]
+
+
+def _add_kv(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("KV cache (compress after prefill, evict while decoding)")
+    group.add_argument("--compress", choices=KV_METHODS, help="prune the cache once after prefill")
+    group.add_argument(
+        "--evict", choices=["h2o", "a2sf", "streaming", "local"], help="keep the cache at the budget while decoding"
+    )
+    group.add_argument(
+        "--budget", type=_count, default=1024, help="KV entries kept per layer and head: count or fraction (1024)"
+    )
+    group.add_argument("--alpha", type=float, default=0.2, help="A2SF forgetting factor in [0, 1] (default 0.2)")
+    group.add_argument("--window", type=int, default=32, help="SnapKV observation window (default 32)")
+    group.add_argument("--snap-kernel", type=int, default=5, help="SnapKV pooling kernel, odd (default 5)")
+    group.add_argument("--pool", choices=["avg", "max"], default="avg", help="SnapKV pooling (default avg)")
+    group.add_argument("--sinks", type=int, default=4, help="StreamingLLM sink tokens (default 4)")
+    group.add_argument("--recent", type=int, default=0, help="A2SF recent tail kept outside the score (default 0)")
+    group.add_argument("--interval", type=int, default=1, help="evict every N decoding steps (default 1)")
+
+
+def _kv_method(args: argparse.Namespace, name: str):
+    from kvsieve.compress.methods import make_method
+
+    return make_method(
+        name,
+        alpha=args.alpha,
+        window=args.window,
+        kernel=args.snap_kernel,
+        pool=args.pool,
+        sinks=args.sinks,
+        recent=args.recent,
+    )
+
+
+def _kv_stages(args: argparse.Namespace) -> dict:
+    from kvsieve.compress.stages import Compress, Evict
+
+    stages = {}
+    if args.compress:
+        stages["compress"] = Compress(_kv_method(args, args.compress), args.budget)
+    if args.evict:
+        stages["evict"] = Evict(_kv_method(args, args.evict), args.budget, args.interval)
+    return stages
+
+
 def _add_sampling(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("decoding")
     group.add_argument("--max-new-tokens", type=int, default=64, help="maximum tokens to generate (default 64)")
@@ -144,7 +190,15 @@ def cmd_generate(args: argparse.Namespace) -> None:
     select = _gemfilter(args) if args.select == "gemfilter" else None
     stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
     result = generate(
-        model, tokenizer, context, args.question, raw=args.raw, select=select, sampling=_sampling(args), stream=stream
+        model,
+        tokenizer,
+        context,
+        args.question,
+        raw=args.raw,
+        select=select,
+        sampling=_sampling(args),
+        stream=stream,
+        **_kv_stages(args),
     )
     if args.json:
         print(json.dumps(asdict(result), indent=1))
@@ -198,23 +252,64 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     from kvsieve.eval.bench import bench, summarize
 
-    rows = bench(args.methods, args.lengths, args.repeats, args.k, args.layer, args.model)
+    if not isinstance(args.budget, int):
+        raise KvsieveError("bench needs --budget as a token count, so every length keeps the same cache size.")
+    rows = bench(
+        args.methods,
+        args.lengths,
+        args.repeats,
+        k=args.k,
+        layer=args.layer,
+        budget=args.budget,
+        alpha=args.alpha,
+        decode_tokens=args.decode_tokens,
+        model=args.model,
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     summary = summarize(rows)
     args.out.write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))
     print(
         f"{'length':>6} {'method':<10} {'TTFT s (min/med/max)':<22} {'speedup vs full':<20} "
-        f"{'peak MB (med)':>13} {'added MB (med)':>14} {'mem ratio':>9}"
+        f"{'decode tok/s (med)':>18} {'peak MB (med)':>13} {'added MB (med)':>14} {'mem ratio':>9}"
     )
     for s in summary:
         ttft = "/".join(f"{v:.2f}" for v in s["ttft_s"])
         speed = "/".join(f"{v:.2f}" for v in s["speedup"]) if s["speedup"] else "-"
         mem = f"{s['memory_ratio'][1]:.2f}" if s["memory_ratio"] else "-"
         print(
-            f"{s['length']:>6} {s['method']:<10} {ttft:<22} {speed:<20} {s['peak_mb'][1]:>13.0f} "
-            f"{s['added_mb'][1]:>14.0f} {mem:>9}"
+            f"{s['length']:>6} {s['method']:<10} {ttft:<22} {speed:<20} {s['decode_tokens_per_s'][1]:>18.1f} "
+            f"{s['peak_mb'][1]:>13.0f} {s['added_mb'][1]:>14.0f} {mem:>9}"
         )
     print(f"\nRaw rows and summary: {args.out}")
+
+
+def cmd_simulate(args: argparse.Namespace) -> None:
+    from kvsieve.eval.data import haystack_text
+    from kvsieve.eval.simulate import compare_policies
+
+    model, tokenizer = _load(args)
+    ids = tokenizer(haystack_text(), add_special_tokens=False, return_tensors="pt")["input_ids"]
+    if args.length < 2 or args.length > min(ids.shape[1], model.config.max_position_embeddings):
+        raise KvsieveError(f"--length must be within 2..{min(ids.shape[1], model.config.max_position_embeddings)}.")
+    ids = ids[:, : args.length]
+    methods = {}
+    for name in args.methods:
+        if name == "a2sf":
+            methods.update(
+                {
+                    f"a2sf alpha={a}": _kv_method(argparse.Namespace(**{**vars(args), "alpha": a}), name)
+                    for a in args.alphas
+                }
+            )
+        else:
+            methods[name] = _kv_method(args, name)
+    rows = compare_policies(model, ids, methods, args.budget)
+    print(f"{'method':<16} {'budget':>6} {'NLL':>7} {'perplexity':>10} {'cosine to ideal':>15}")
+    for row in rows:
+        print(f"{row['method']:<16} {row['budget']:>6} {row['nll']:>7.4f} {row['ppl']:>10.3f} {row['cosine']:>15.4f}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(rows, indent=1))
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -277,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(p)
     _add_prompt(p)
     _add_gemfilter(p, default_select=None)
+    _add_kv(p)
     _add_sampling(p)
     p.add_argument("--json", action="store_true", help="print the whole result (timings, stages, ids) as JSON")
     p.set_defaults(func=cmd_generate)
@@ -303,19 +399,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-save", action="store_true", help="do not remember the recommended layer")
     p.set_defaults(func=cmd_calibrate)
 
-    p = sub.add_parser("bench", help="time-to-first-token and peak memory, full vs GemFilter")
+    p = sub.add_parser("bench", help="time-to-first-token, decode speed and peak memory per method")
     p.description = (
-        "Measure time to first token and peak memory of full prefill and GemFilter over prompt lengths. "
-        "Each run is its own process; repeats interleave configurations; ratios compare runs of the same repeat."
+        "Measure time to first token, decode tokens/s and peak memory over prompt lengths. Methods: full, "
+        "gemfilter, and KV methods (snapkv compresses after prefill; h2o, a2sf, streaming and local also evict "
+        "while decoding, all at --budget). Each run is its own process; repeats interleave configurations; "
+        "ratios compare runs of the same repeat."
     )
     _add_model(p)
     p.add_argument("--lengths", type=_int_list, default=[2048, 4096, 8000], help="prompt lengths in tokens")
-    p.add_argument("--methods", type=lambda s: s.split(","), default=["full", "gemfilter"], help="full,gemfilter")
+    p.add_argument(
+        "--methods",
+        type=lambda s: s.split(","),
+        default=["full", "gemfilter"],
+        help="comma-separated: full,gemfilter,snapkv,h2o,a2sf,streaming,local (default full,gemfilter)",
+    )
+    p.add_argument("--budget", type=_count, default=1024, help="KV budget for KV methods (default 1024)")
+    p.add_argument("--alpha", type=float, default=0.2, help="A2SF forgetting factor (default 0.2)")
+    p.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded to time decoding (default 32)")
     p.add_argument("--repeats", type=int, default=3, help="repeats per configuration (default 3)")
     p.add_argument("--k", type=int, default=1024, help="GemFilter k (default 1024)")
     p.add_argument("--layer", type=int, help="GemFilter filter layer (default: calibrated)")
     p.add_argument("--out", type=Path, default=Path("runs/bench.json"), help="where to write raw results")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("simulate", help="eviction replayed at every position: perplexity and Table-2 cosine")
+    p.description = (
+        "A2SF's protocol: a teacher-forced pass over real text (the essays) in which every position sees only what "
+        "the eviction policy would still hold. Reports perplexity per policy and the cosine similarity of each "
+        "row's attention to ideal top-budget pruning (A2SF Table 2)."
+    )
+    _add_model(p)
+    p.add_argument("--budget", type=_count, default=0.2, help="tokens kept: count or fraction (default 0.2)")
+    p.add_argument("--sinks", type=int, default=4, help="StreamingLLM sink tokens (default 4)")
+    p.add_argument("--recent", type=int, default=0, help="A2SF recent tail (default 0, as in the paper)")
+    p.add_argument(
+        "--methods",
+        type=lambda s: s.split(","),
+        default=["local", "streaming", "h2o", "a2sf"],
+        help="policies with a per-step rule: local,streaming,h2o,a2sf (default all four)",
+    )
+    p.add_argument("--alphas", type=_float_list, default=[0.1, 0.5], help="A2SF forgetting factors (default 0.1,0.5)")
+    p.add_argument("--length", type=int, default=1024, help="tokens of essay text (default 1024)")
+    p.add_argument("--out", type=Path, help="write the rows as JSON")
+    p.set_defaults(func=cmd_simulate, alpha=0.2, window=32, snap_kernel=5, pool="avg")
 
     p = sub.add_parser("demo", help="needle question on a long essay haystack: full vs GemFilter")
     p.description = "Answer a needle question from a Paul Graham essays haystack with full attention and GemFilter."

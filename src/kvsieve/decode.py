@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 
+from kvsieve.attention import attention_hooks
+from kvsieve.compress.stages import Evict
 from kvsieve.errors import KvsieveError
 
 
@@ -82,11 +84,13 @@ def decode(
     position: int,
     sampling: Sampling,
     stream: Callable[[str], None] | None = None,
+    evict: Evict | None = None,
 ) -> Decoded:
     """Generate up to `sampling.max_new_tokens` tokens continuing `cache` at logical `position`.
 
     Stops at an EOS token (kept in `tokens`, not in `text`), at a stop string (text cut before
-    it) or at the token limit. `stream` receives text pieces as they become final.
+    it) or at the token limit. `stream` receives text pieces as they become final. `evict`
+    (already started on `cache`) keeps the cache at its budget after every step.
     """
     generator = None
     if sampling.seed is not None:
@@ -98,7 +102,7 @@ def decode(
     text, emitted, finish, steps = "", 0, "length", 0
     logits = first_logits
     start = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad(), attention_hooks(observers=[evict.observe] if evict else ()):
         while True:
             token = next_token(logits, sampling, generator)
             tokens.append(token)
@@ -123,6 +127,8 @@ def decode(
                 logits_to_keep=1,
             )
             logits, position, steps = out.logits[0, -1], position + 1, steps + 1
+            if evict is not None:
+                evict.after_step(cache)
     if stream is not None and len(text) > emitted:
         stream(text[emitted:])
     return Decoded(tokens, text, finish, time.perf_counter() - start, steps)

@@ -16,6 +16,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvsieve.attention import PrefillKernel, attention_hooks
 from kvsieve.compress import Compressor
+from kvsieve.compress.stages import Evict
 from kvsieve.decode import Sampling, decode
 from kvsieve.errors import KvsieveError
 from kvsieve.feed import Feed
@@ -68,6 +69,7 @@ def run(
     feed: Feed | None = None,
     attention: PrefillKernel | None = None,
     compress: Compressor | None = None,
+    evict: Evict | None = None,
     sampling: Sampling | None = None,
     stream: Callable[[str], None] | None = None,
 ) -> GenerationResult:
@@ -98,7 +100,8 @@ def run(
                 model, ids.shape[1] + sampling.max_new_tokens, f"Decoding {sampling.max_new_tokens} new tokens"
             )
         feed_start = time.perf_counter()
-        with attention_hooks(observers=compress.observers() if compress else ()):
+        observers = [*(compress.observers() if compress else ()), *(evict.observers() if evict else ())]
+        with attention_hooks(observers=observers):
             prefilled = feed.prefill(model, ids)
         stages.append(
             StageRecord(
@@ -110,10 +113,14 @@ def run(
         details = compress.compress(prefilled.cache)
         stages.append(StageRecord("compress", compress.name, time.perf_counter() - compress_start, details))
     prefill_seconds = time.perf_counter() - start
+    decode_details = {}
+    if evict is not None:
+        decode_details = evict.start(prefilled.cache, getattr(compress, "kept_positions", None))
     decoded = decode(
-        model, tokenizer, prefilled.cache, prefilled.last_logits, prefilled.next_position, sampling, stream
+        model, tokenizer, prefilled.cache, prefilled.last_logits, prefilled.next_position, sampling, stream, evict
     )
-    stages.append(StageRecord("decode", "sampling" if sampling.temperature else "greedy", decoded.seconds))
+    method = "sampling" if sampling.temperature else "greedy"
+    stages.append(StageRecord("decode", method, decoded.seconds, decode_details))
     return GenerationResult(
         text=decoded.text,
         tokens=decoded.tokens,
@@ -140,6 +147,7 @@ def generate(
     feed: Feed | None = None,
     attention: PrefillKernel | None = None,
     compress: Compressor | None = None,
+    evict: Evict | None = None,
     sampling: Sampling | None = None,
     stream: Callable[[str], None] | None = None,
 ) -> GenerationResult:
@@ -153,6 +161,7 @@ def generate(
         feed=feed,
         attention=attention,
         compress=compress,
+        evict=evict,
         sampling=sampling,
         stream=stream,
     )

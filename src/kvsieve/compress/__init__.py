@@ -1,7 +1,10 @@
-"""The `compress` stage: shrink the KV cache after prefill (interface; methods come with scorers).
+"""The `compress` stage and per-step eviction: shrink the KV cache by a scorer and a budget.
 
-A compressor may observe attention during the feed (e.g. SnapKV's window queries) and then
-prunes the cache in place, per layer and KV head.
+- `scorers.py`: one small function per importance score (window attention, accumulated
+  attention with forgetting factor), shared with decoding eviction and chunked feeds;
+- `methods.py`: SnapKV, H2O, A2SF, StreamingLLM, local window (scorer + protected positions);
+- `cache.py`: budgets and the per-KV-head gather that frees memory;
+- `stages.py`: `Compress` (once, after prefill) and `Evict` (while decoding).
 """
 
 from __future__ import annotations
@@ -22,5 +25,5 @@ class Compressor(Protocol):
         ...
 
     def compress(self, cache: Cache) -> dict[str, Any]:
-        """Prune `cache` in place; return what was done (sizes kept per layer, ...)."""
+        """Prune `cache` in place; return what was done (budget, sizes, ...)."""
         ...

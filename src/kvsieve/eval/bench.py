@@ -27,11 +27,37 @@ PROMPT_OVERHEAD = 64
 
 @dataclass(frozen=True)
 class BenchConfig:
-    method: str  # "full" or "gemfilter"
+    method: str  # "full", "gemfilter" or a KV method name (snapkv, h2o, a2sf, streaming, local)
     length: int  # prompt tokens
     k: int = 1024
     layer: int | None = None
+    budget: int = 1024
+    alpha: float = 0.2
+    decode_tokens: int = 32
     model: str | None = None
+
+
+def stages_for(config: BenchConfig) -> dict:
+    """The pipeline stages a bench method name stands for.
+
+    KV methods compress the cache after a full prefill and, where they have a per-step rule
+    (all but SnapKV), keep evicting to the same budget while decoding.
+    """
+    from kvsieve.compress.methods import METHODS, make_method, supports_decode
+    from kvsieve.compress.stages import Compress, Evict
+    from kvsieve.select.gemfilter import GemFilter
+
+    if config.method == "full":
+        return {}
+    if config.method == "gemfilter":
+        return {"select": GemFilter(k=config.k, layer=config.layer)}
+    if config.method in METHODS:
+        method = make_method(config.method, alpha=config.alpha)
+        stages = {"compress": Compress(method, config.budget)}
+        if supports_decode(method):
+            stages["evict"] = Evict(method, config.budget)
+        return stages
+    raise KvsieveError(f"Unknown bench method '{config.method}'; use full, gemfilter or one of {', '.join(METHODS)}.")
 
 
 def _memory_status(field: str) -> float:
@@ -55,32 +81,30 @@ def measure(config: BenchConfig) -> dict:
     from kvsieve.models import load_model
     from kvsieve.pipeline import run
     from kvsieve.prompt import build_prompt
-    from kvsieve.select.gemfilter import GemFilter
 
     model, tokenizer = load_model(config.model)
-    select = GemFilter(k=config.k, layer=config.layer) if config.method == "gemfilter" else None
-    if config.method not in ("full", "gemfilter"):
-        raise KvsieveError(f"Unknown bench method '{config.method}'; use full or gemfilter.")
+    stages_for(config)  # validate before any work
     case = needle_case(tokenizer, config.length - PROMPT_OVERHEAD, 0.5)
     prompt = build_prompt(tokenizer, case.context, case.question)
-    sampling = Sampling(max_new_tokens=1)
+    sampling = Sampling(max_new_tokens=config.decode_tokens)
     warm = build_prompt(tokenizer, needle_case(tokenizer, 2 * config.k, 0.5).context, case.question)
-    run(model, tokenizer, warm, select=select, sampling=sampling)  # warm-up: allocator, kernels
+    run(model, tokenizer, warm, sampling=sampling, **stages_for(config))  # warm-up: allocator, kernels
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     _reset_peak_rss()
     before = _memory_status("VmRSS")
-    result = run(model, tokenizer, prompt, select=select, sampling=sampling)
+    result = run(model, tokenizer, prompt, sampling=sampling, **stages_for(config))
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else _memory_status("VmHWM")
     return {
         "method": config.method,
         "length": prompt.length,
         "ttft_s": result.prefill_seconds,
+        "decode_tokens_per_s": result.decode_tokens_per_s,
         "peak_mb": peak,
         "added_mb": peak - (0 if cuda else before),
         "kv_cache_length": result.kv_cache_length,
-        "layer": result.stages[0].details.get("layer") if select else None,
+        "layer": result.stages[0].details.get("layer") if config.method == "gemfilter" else None,
     }
 
 
@@ -101,16 +125,19 @@ def spread(values: Sequence[float]) -> tuple[float, float, float]:
     return min(values), statistics.median(values), max(values)
 
 
-def bench(
-    methods: Sequence[str], lengths: Sequence[int], repeats: int, k: int, layer: int | None, model: str | None
-) -> list[dict]:
-    """Every (repeat, length, method) in its own process, configurations interleaved."""
+def bench(methods: Sequence[str], lengths: Sequence[int], repeats: int, **options) -> list[dict]:
+    """Every (repeat, length, method) in its own process, configurations interleaved.
+
+    `options` are the other BenchConfig fields (k, layer, budget, alpha, decode_tokens, model).
+    """
     if repeats < 1 or not lengths or not methods:
         raise KvsieveError("bench needs at least one method, one length and one repeat.")
+    for method in methods:
+        stages_for(BenchConfig(method, lengths[0], **options))  # fail fast on a bad name or option
     rows = []
     grid = [(r, n, m) for r in range(repeats) for n in lengths for m in methods]
     for rep, length, method in tqdm(grid, desc="bench", unit="run"):
-        row = run_in_process(BenchConfig(method, length, k, layer, model))
+        row = run_in_process(BenchConfig(method, length, **options))
         rows.append({**row, "repeat": rep, "requested_length": length})
     return rows
 
@@ -128,6 +155,7 @@ def summarize(rows: list[dict], baseline: str = "full") -> list[dict]:
                 "length": length,
                 "method": method,
                 "ttft_s": spread([r["ttft_s"] for r in mine.values()]),
+                "decode_tokens_per_s": spread([r["decode_tokens_per_s"] for r in mine.values()]),
                 "peak_mb": spread([r["peak_mb"] for r in mine.values()]),
                 "added_mb": spread([r["added_mb"] for r in mine.values()]),
                 "speedup": spread([b["ttft_s"] / m["ttft_s"] for b, m in pairs]) if pairs else None,

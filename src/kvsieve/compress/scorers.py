@@ -1,0 +1,91 @@
+"""Token-importance scorers, shared by every stage that prunes KV.
+
+Each scorer returns one score per KV head and token, shape (kv_heads, n); higher = keep. With
+grouped-query attention, query head h belongs to KV head h // n_rep and scores are summed over a
+KV head's query heads, so K/V are never repeated. Attention is computed in query chunks: memory
+stays O(chunk x n) per head, never an n x n matrix at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvsieve.attention.dense import bottom_right_causal_mask
+
+
+def attention_probs(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Softmax attention (h, q, n) in fp32 of queries (h, q, d) that are the last q of n positions.
+
+    key is (kv_heads, n, d), read by query head h through KV head h // n_rep.
+    """
+    heads, q_len, dim = query.shape
+    kv_heads, n, _ = key.shape
+    grouped = query.float().view(kv_heads, heads // kv_heads, q_len, dim)
+    logits = torch.einsum("grqd,gnd->grqn", grouped, key.float()) * scaling
+    if q_len > 1:
+        logits = logits.masked_fill(~bottom_right_causal_mask(q_len, n, query.device), float("-inf"))
+    return logits.softmax(-1).view(heads, q_len, n)
+
+
+def per_kv_head(scores: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Sum (h, ...) query-head scores into (kv_heads, ...): query head h -> KV head h // n_rep."""
+    return scores.view(kv_heads, scores.shape[0] // kv_heads, *scores.shape[1:]).sum(1)
+
+
+def window_attention(
+    query: torch.Tensor, key: torch.Tensor, scaling: float, window: int, kernel: int = 5, pool: str = "avg"
+) -> torch.Tensor:
+    """SnapKV: attention the last `window` queries pay to each earlier token, pooled (kernel, stride 1).
+
+    query (h, q, d) with q >= window (only the last `window` rows are used); key (kv_heads, n, d).
+    The window's own tokens get +inf: SnapKV always keeps them.
+    """
+    n = key.shape[1]
+    window = min(window, n, query.shape[1])
+    probs = attention_probs(query[:, -window:], key, scaling)  # (h, w, n)
+    votes = per_kv_head(probs.sum(1), key.shape[0])[:, : n - window]  # (g, n - w)
+    if n > window and kernel > 1:
+        pooling = F.avg_pool1d if pool == "avg" else F.max_pool1d
+        votes = pooling(votes[:, None], kernel_size=kernel, stride=1, padding=kernel // 2)[:, 0]
+    return torch.cat([votes, votes.new_full((key.shape[0], window), float("inf"))], dim=1)
+
+
+def accumulated_attention(
+    query: torch.Tensor, key: torch.Tensor, scaling: float, alpha: float, chunk: int = 512
+) -> torch.Tensor:
+    """A2SF eq. 5: A_k = sum_q alpha^(last - q) S_{q,k}, over the given queries, per KV head.
+
+    alpha = 1 is H2O's accumulated attention; alpha = 0 keeps only the last query's attention.
+    query (h, q, d) are the last q of n key positions; key (kv_heads, n, d). Returns (kv_heads, n).
+    """
+    heads, q_len, _ = query.shape
+    kv_heads, n, _ = key.shape
+    total = torch.zeros(heads, n, dtype=torch.float32, device=query.device)
+    exponents = torch.arange(q_len - 1, -1, -1, device=query.device, dtype=torch.float32)
+    weights = torch.pow(torch.tensor(float(alpha), device=query.device), exponents)  # 0**0 == 1
+    for start in range(0, q_len, chunk):
+        stop = min(start + chunk, q_len)
+        # Keys beyond the chunk's last query are masked anyway; slice them off.
+        visible = n - q_len + stop
+        probs = attention_probs(query[:, start:stop], key[:, :visible], scaling)  # (h, c, visible)
+        total[:, :visible] += torch.einsum("hcn,c->hn", probs, weights[start:stop])
+    return per_kv_head(total, kv_heads)
+
+
+def keep_indices(scores: torch.Tensor, budget: int, sinks: int = 0, recent: int = 0) -> torch.Tensor:
+    """Per KV head, the `budget` best positions of (kv_heads, n) scores, sorted ascending.
+
+    The first `sinks` and last `recent` positions are always kept (StreamingLLM's sinks, H2O's
+    recent half, SnapKV's window); they count against the budget.
+    """
+    kv_heads, n = scores.shape
+    if budget >= n:
+        return torch.arange(n, device=scores.device).expand(kv_heads, n)
+    ranked = scores.float().clone()
+    protected = torch.zeros(n, dtype=torch.bool, device=scores.device)
+    protected[: min(sinks, n)] = True
+    if recent > 0:
+        protected[max(n - recent, 0) :] = True
+    ranked[:, protected] = float("inf")
+    return torch.topk(ranked, budget, dim=1).indices.sort(dim=1).values

@@ -1,0 +1,215 @@
+"""KV scorers, the compress stage and decode eviction: exact invariants on tiny models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import FakeTokenizer, make_prompt
+
+from kvsieve import A2SF, H2O, Compress, Evict, GemFilter, LocalWindow, Sampling, SnapKV, StreamingLLM, run
+from kvsieve.attention import attention_hooks
+from kvsieve.compress.cache import resolve_budget
+from kvsieve.compress.methods import make_method
+from kvsieve.compress.scorers import accumulated_attention, keep_indices, window_attention
+from kvsieve.errors import KvsieveError
+
+ALL_METHODS = [SnapKV(window=4), H2O(), A2SF(alpha=0.3), StreamingLLM(sinks=2), LocalWindow()]
+DECODE_METHODS = [H2O(), A2SF(alpha=0.3), StreamingLLM(sinks=2), LocalWindow()]
+
+
+def reference_attention(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    """(h, q, n) causal softmax, bottom-right aligned, keys repeated per head the slow way."""
+    heads, q_len, _ = query.shape
+    kv_heads, n, _ = key.shape
+    out = torch.zeros(heads, q_len, n)
+    for h in range(heads):
+        k = key[h // (heads // kv_heads)]
+        for i in range(q_len):
+            visible = n - q_len + i + 1
+            out[h, i, :visible] = torch.softmax(query[h, i] @ k[:visible].T * scaling, dim=-1)
+    return out
+
+
+def per_group(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    heads = x.shape[0]
+    return torch.stack([x[[h for h in range(heads) if h // (heads // kv_heads) == g]].sum(0) for g in range(kv_heads)])
+
+
+@pytest.fixture
+def qk():
+    torch.manual_seed(0)
+    return torch.randn(6, 12, 8), torch.randn(3, 12, 8)  # 6 query heads, 3 KV heads (n_rep 2)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 1.0])
+def test_accumulated_attention_matches_eq5(qk, alpha):
+    query, key = qk
+    probs = reference_attention(query, key, 0.5)  # (h, n, n)
+    n = query.shape[1]
+    weights = torch.tensor([alpha ** (n - 1 - q) for q in range(n)])
+    expected = per_group((probs * weights[None, :, None]).sum(1), 3)
+    torch.testing.assert_close(accumulated_attention(query, key, 0.5, alpha), expected)
+    torch.testing.assert_close(accumulated_attention(query, key, 0.5, alpha, chunk=5), expected)
+
+
+def test_alpha_one_is_h2o_and_alpha_zero_is_last_row(qk):
+    query, key = qk
+    probs = reference_attention(query, key, 0.5)
+    torch.testing.assert_close(accumulated_attention(query, key, 0.5, 1.0), per_group(probs.sum(1), 3))
+    torch.testing.assert_close(accumulated_attention(query, key, 0.5, 0.0), per_group(probs[:, -1], 3))
+
+
+def test_accumulated_attention_with_queries_as_suffix(qk):
+    query, key = qk
+    probs = reference_attention(query[:, -4:], key, 0.5)  # the last 4 positions' queries
+    torch.testing.assert_close(accumulated_attention(query[:, -4:], key, 0.5, 1.0, chunk=3), per_group(probs.sum(1), 3))
+
+
+@pytest.mark.parametrize("pool", ["avg", "max"])
+def test_window_attention_matches_snapkv(qk, pool):
+    query, key = qk
+    window, kernel = 3, 3
+    votes = per_group(reference_attention(query[:, -window:], key, 0.5).sum(1), 3)[:, :-window]
+    padded = F.pad(votes, (1, 1), value=0.0 if pool == "avg" else float("-inf"))
+    windows = padded.unfold(1, kernel, 1)
+    pooled = windows.mean(-1) if pool == "avg" else windows.max(-1).values
+    scores = window_attention(query, key, 0.5, window, kernel, pool)
+    torch.testing.assert_close(scores[:, :-window], pooled)
+    assert torch.isinf(scores[:, -window:]).all()
+
+
+def test_gqa_scores_use_h_div_n_rep(qk):
+    query, key = qk
+    # Only query head 3 is non-zero: its mass must land on KV head 3 // 2 = 1 beyond the uniform part.
+    uniform = accumulated_attention(torch.zeros_like(query), key, 0.5, 1.0)
+    only3 = torch.zeros_like(query)
+    only3[3] = query[3]
+    diff = accumulated_attention(only3, key, 0.5, 1.0) - uniform
+    assert diff[1].abs().sum() > 0 and diff[0].abs().sum() == 0 and diff[2].abs().sum() == 0
+
+
+def test_keep_indices_protects_sinks_and_recent():
+    scores = torch.tensor([[5.0, 0.0, 9.0, 1.0, 0.5, 0.1, 0.2, 0.3], [0.0, 8.0, 0.0, 7.0, 0.0, 0.0, 0.0, 0.0]])
+    kept = keep_indices(scores, 4, sinks=1, recent=1)
+    assert kept.tolist() == [[0, 2, 3, 7], [0, 1, 3, 7]]
+    assert keep_indices(scores, 8).tolist() == [list(range(8))] * 2
+
+
+@pytest.mark.parametrize("method", ALL_METHODS, ids=lambda m: m.name)
+def test_budget_covering_prompt_reproduces_full_generation(make_model, method):
+    model = make_model("mistral")
+    prompt = make_prompt(40)
+    full = run(model, FakeTokenizer(), prompt, sampling=Sampling(8))
+    kept = run(model, FakeTokenizer(), prompt, compress=Compress(method, 40), sampling=Sampling(8))
+    assert kept.tokens == full.tokens
+    assert "everything kept" in kept.stages[1].details["note"]
+    if method.name != "snapkv":
+        evicted = run(model, FakeTokenizer(), prompt, evict=Evict(method, 48), sampling=Sampling(8))
+        assert evicted.tokens == full.tokens
+
+
+@pytest.mark.parametrize("method", ALL_METHODS, ids=lambda m: m.name)
+def test_compress_physically_shrinks_every_layer(make_model, method):
+    model = make_model("qwen2", num_layers=3)
+    seen = []
+
+    def lengths(layer, query, key):
+        if query.shape[2] == 1:
+            seen.append(key.shape[2])
+
+    with attention_hooks(observers=[lengths]):
+        result = run(model, FakeTokenizer(), make_prompt(40), compress=Compress(method, 12), sampling=Sampling(3))
+    # Decoding step 1 sees the 12 kept entries plus the new token, step 2 one more.
+    assert seen == [13, 13, 13, 14, 14, 14]
+    assert result.kv_cache_length == 14
+
+
+def test_decoding_continues_from_the_logical_position(make_model):
+    model = make_model("llama")
+    prompt = make_prompt(30)
+    result = run(model, FakeTokenizer(), prompt, compress=Compress(LocalWindow(), 10), sampling=Sampling(4))
+    # Reference: full prefill, keep the last 10 entries by hand, decode at positions 30, 31, ...
+    with torch.no_grad():
+        out = model(input_ids=prompt.ids, use_cache=True)
+        cache = out.past_key_values
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, -10:], layer.values[:, :, -10:]
+        tokens = [int(out.logits[0, -1].argmax())]
+        for step in range(3):
+            out = model(
+                input_ids=torch.tensor([[tokens[-1]]]), position_ids=torch.tensor([[30 + step]]), past_key_values=cache
+            )
+            tokens.append(int(out.logits[0, -1].argmax()))
+    assert result.tokens == tokens
+
+
+@pytest.mark.parametrize("method", DECODE_METHODS, ids=lambda m: m.name)
+def test_eviction_keeps_cache_at_budget(make_model, method):
+    model = make_model("llama")
+    seen = []
+    with attention_hooks(observers=[lambda layer, q, k: seen.append(k.shape[2]) if q.shape[2] == 1 else None]):
+        result = run(model, FakeTokenizer(), make_prompt(30), evict=Evict(method, 16), sampling=Sampling(10))
+    assert max(seen) == 17 and result.kv_cache_length == 16
+
+
+def test_eviction_interval_lets_cache_grow_between_evictions(make_model):
+    model = make_model("llama")
+    result = run(model, FakeTokenizer(), make_prompt(30), evict=Evict(H2O(), 16, interval=4), sampling=Sampling(7))
+    # Steps 1..6 run forwards; evictions after steps 4 only: 16 -> 20 -> 16 -> 18.
+    assert result.kv_cache_length == 18
+
+
+def test_evict_running_score_follows_a2sf_recurrence():
+    torch.manual_seed(0)
+    evict = Evict(A2SF(alpha=0.5), 100)
+    evict.observers()
+    query, key = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
+    evict.observe(0, query, key)  # prompt of 5 tokens
+    s0 = evict._state[0].clone()
+    q1, k1 = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 6, 8)
+    evict.observe(0, q1, k1)
+    row = per_group(reference_attention(q1[0], k1[0], 8**-0.5)[:, 0], 2)
+    torch.testing.assert_close(evict._state[0], 0.5 * torch.cat([s0, torch.zeros(2, 1)], 1) + row)
+
+
+def test_stages_compose(make_model):
+    model = make_model("qwen2", num_layers=3)
+    result = run(
+        model,
+        FakeTokenizer(),
+        make_prompt(48),
+        select=GemFilter(k=32, layer=1),
+        compress=Compress(SnapKV(window=4), 20),
+        evict=Evict(A2SF(alpha=0.2), 12),
+        sampling=Sampling(6),
+    )
+    stages = {s.stage: s.details for s in result.stages}
+    assert stages["select"]["kept"] == 32 and stages["compress"]["budget"] == 20 and stages["decode"]["budget"] == 12
+    assert result.kv_cache_length == 12
+
+
+def test_budget_fractions_and_errors():
+    assert resolve_budget(0.25, 100) == (25, None)
+    assert resolve_budget(200, 100)[0] == 200 and "everything kept" in resolve_budget(200, 100)[1]
+    for bad in (0, -3, 1.5, 0.0):
+        with pytest.raises(KvsieveError, match="[Bb]udget"):
+            resolve_budget(bad, 100)
+    with pytest.raises(KvsieveError, match="alpha"):
+        A2SF(alpha=1.5)
+    with pytest.raises(KvsieveError, match="window 32 exceeds the budget 16"):
+        SnapKV().protected(16)
+    with pytest.raises(KvsieveError, match="odd"):
+        SnapKV(kernel=4)
+    with pytest.raises(KvsieveError, match="odd"):
+        SnapKV(kernel=0)
+    with pytest.raises(KvsieveError, match="sink"):
+        StreamingLLM(sinks=8).protected(4)
+    with pytest.raises(KvsieveError, match="per-step"):
+        Evict(SnapKV(), 64)
+    with pytest.raises(KvsieveError, match="interval"):
+        Evict(H2O(), 64, interval=0)
+    with pytest.raises(KvsieveError, match="Budget"):
+        Compress(H2O(), 0)
+    with pytest.raises(KvsieveError, match="Unknown KV method"):
+        make_method("pyramid")
