@@ -135,3 +135,63 @@ def test_missing_model_path(capsys, tmp_path):
     context.write_text("hello")
     code, _, err = run_cli(capsys, "generate", "--model", str(tmp_path / "nope"), "-c", str(context), "-q", "hi")
     assert code == 2 and "never downloads" in err
+
+
+def test_generate_with_compression_and_eviction(capsys, passkey_file):
+    path, case = passkey_file
+    base = ["generate", "-c", str(path), "-q", case.question, "--max-new-tokens", "12", "--json"]
+    code, out, _ = run_cli(capsys, *base, "--compress", "snapkv", "--budget", "256")
+    result = json.loads(out)
+    compress = next(s for s in result["stages"] if s["stage"] == "compress")
+    assert code == 0 and compress["method"] == "snapkv" and compress["details"]["budget"] == 256
+    assert result["kv_cache_length"] == 256 + len(result["tokens"]) - 1
+    code, out, _ = run_cli(capsys, *base, "--evict", "a2sf", "--alpha", "0.2", "--budget", "128")
+    result = json.loads(out)
+    assert code == 0 and result["kv_cache_length"] == 128
+    assert result["stages"][-1]["details"]["evict"] == "a2sf"
+
+
+def test_budget_above_prompt_keeps_everything_and_says_so(capsys, passkey_file):
+    path, case = passkey_file
+    code, out, err = run_cli(
+        capsys, "generate", "-c", str(path), "-q", case.question, "--compress", "h2o", "--budget", "5000"
+    )
+    assert code == 0 and case.answer in out and "everything kept" in err
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--evict", "a2sf", "--alpha", "1.5"], "alpha"),
+        (["--compress", "snapkv", "--budget", "16"], "exceeds the budget"),
+        (["--compress", "snapkv", "--snap-kernel", "4"], "odd"),
+        (["--compress", "h2o", "--budget", "0"], "Budget must be"),
+        (["--evict", "local", "--interval", "0"], "interval"),
+    ],
+)
+def test_kv_bad_input(capsys, passkey_file, extra, message):
+    path, case = passkey_file
+    code, _, err = run_cli(capsys, "generate", "-c", str(path), "-q", case.question, *extra)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_simulate_reports_perplexity_and_cosine(capsys, tmp_path):
+    out_file = tmp_path / "sim.json"
+    code, out, _ = run_cli(
+        capsys,
+        "simulate",
+        "--length",
+        "96",
+        "--budget",
+        "0.5",
+        "--methods",
+        "local,a2sf",
+        "--alphas",
+        "0.2",
+        "--out",
+        str(out_file),
+    )
+    rows = json.loads(out_file.read_text())
+    assert code == 0 and [r["method"] for r in rows] == ["full", "local", "a2sf alpha=0.2"]
+    assert all(r["budget"] == 48 for r in rows[1:]) and rows[0]["cosine"] == 1.0
+    assert rows[1]["ppl"] > rows[0]["ppl"] and 0 < rows[2]["cosine"] < 1
