@@ -195,3 +195,14 @@ def test_simulate_reports_perplexity_and_cosine(capsys, tmp_path):
     assert code == 0 and [r["method"] for r in rows] == ["full", "local", "a2sf alpha=0.2"]
     assert all(r["budget"] == 48 for r in rows[1:]) and rows[0]["cosine"] == 1.0
     assert rows[1]["ppl"] > rows[0]["ppl"] and 0 < rows[2]["cosine"] < 1
+
+
+def test_generate_with_critiprefill_and_its_bad_input(capsys, passkey_file):
+    path, case = passkey_file
+    base = ["generate", "-c", str(path), "-q", case.question, "--max-new-tokens", "12", "--attention", "critiprefill"]
+    code, out, _ = run_cli(capsys, *base, "--segment", "128", "--block", "16", "--attention-budget", "128")
+    assert code == 0 and case.answer in out
+    code, _, err = run_cli(capsys, *base, "--segment", "100", "--block", "32")
+    assert code == 2 and "multiple of block" in err
+    code, _, err = run_cli(capsys, *base, "--attention-budget", "16")
+    assert code == 2 and "at least one block" in err

@@ -43,3 +43,14 @@ def test_short_passkey_is_answered(smollm, select):
     if select is not None:
         assert len(result.selected_indices) == 512
         assert case.answer in result.selected_text
+
+
+def test_needle_answered_with_critiprefill(smollm):
+    from kvsieve import CritiPrefill
+    from kvsieve.eval.data import needle_case
+    from kvsieve.eval.scoring import contains
+
+    model, tokenizer = smollm
+    case = needle_case(tokenizer, 3000, 0.5)  # 3K tokens: segments 3 and 4 of 6 run sparse
+    result = generate(model, tokenizer, case.context, case.question, attention=CritiPrefill(), sampling=Sampling(40))
+    assert contains(result.text, case.answer)

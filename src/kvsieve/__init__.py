@@ -8,6 +8,7 @@ The flow is select -> feed -> compress -> decode; pick one option per stage:
                       select=GemFilter(k=1024), sampling=Sampling(max_new_tokens=32))
 """
 
+from kvsieve.attention.critiprefill import CritiPrefill
 from kvsieve.compress.methods import A2SF, H2O, LocalWindow, SnapKV, StreamingLLM
 from kvsieve.compress.stages import Compress, Evict
 from kvsieve.decode import Sampling
@@ -21,6 +22,7 @@ from kvsieve.select.gemfilter import GemFilter
 __all__ = [
     "A2SF",
     "Compress",
+    "CritiPrefill",
     "Evict",
     "H2O",
     "LocalWindow",

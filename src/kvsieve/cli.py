@@ -126,6 +126,30 @@ def _kv_stages(args: argparse.Namespace) -> dict:
     return stages
 
 
+def _add_attention(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("prefill attention (CritiPrefill)")
+    group.add_argument(
+        "--attention", choices=["dense", "critiprefill"], default="dense", help="prefill attention kernel"
+    )
+    group.add_argument("--segment", type=int, default=512, help="CritiPrefill query segment (default 512)")
+    group.add_argument("--block", type=int, default=32, help="CritiPrefill KV block, divides segment (default 32)")
+    group.add_argument(
+        "--attention-budget", type=int, default=1024, help="CritiPrefill KV tokens per segment (default 1024)"
+    )
+    group.add_argument(
+        "--fusion-alpha", type=float, default=0.25, help="CritiPrefill weight of the current layer (default 0.25)"
+    )
+    group.add_argument("--dense-layers", type=int, default=1, help="CritiPrefill dense first layers (default 1)")
+
+
+def _attention(args: argparse.Namespace):
+    from kvsieve.attention.critiprefill import CritiPrefill
+
+    if args.attention == "dense":
+        return None
+    return CritiPrefill(args.segment, args.block, args.attention_budget, args.fusion_alpha, args.dense_layers)
+
+
 def _add_sampling(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("decoding")
     group.add_argument("--max-new-tokens", type=int, default=64, help="maximum tokens to generate (default 64)")
@@ -196,6 +220,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         args.question,
         raw=args.raw,
         select=select,
+        attention=_attention(args),
         sampling=_sampling(args),
         stream=stream,
         **_kv_stages(args),
@@ -372,6 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(p)
     _add_prompt(p)
     _add_gemfilter(p, default_select=None)
+    _add_attention(p)
     _add_kv(p)
     _add_sampling(p)
     p.add_argument("--json", action="store_true", help="print the whole result (timings, stages, ids) as JSON")
@@ -402,8 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="time-to-first-token, decode speed and peak memory per method")
     p.description = (
         "Measure time to first token, decode tokens/s and peak memory over prompt lengths. Methods: full, "
-        "gemfilter, and KV methods (snapkv compresses after prefill; h2o, a2sf, streaming and local also evict "
-        "while decoding, all at --budget). Each run is its own process; repeats interleave configurations; "
+        "gemfilter, critiprefill (paper settings: segment 512, block 32, budget 1024), and KV methods "
+        "(snapkv compresses after prefill; h2o, a2sf, streaming and local also evict while decoding, all at "
+        "--budget). Each run is its own process; repeats interleave configurations; "
         "ratios compare runs of the same repeat."
     )
     _add_model(p)
@@ -412,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--methods",
         type=lambda s: s.split(","),
         default=["full", "gemfilter"],
-        help="comma-separated: full,gemfilter,snapkv,h2o,a2sf,streaming,local (default full,gemfilter)",
+        help="comma-separated: full,gemfilter,critiprefill,snapkv,h2o,a2sf,streaming,local (default full,gemfilter)",
     )
     p.add_argument("--budget", type=_count, default=1024, help="KV budget for KV methods (default 1024)")
     p.add_argument("--alpha", type=float, default=0.2, help="A2SF forgetting factor (default 0.2)")

@@ -43,6 +43,7 @@ def stages_for(config: BenchConfig) -> dict:
     KV methods compress the cache after a full prefill and, where they have a per-step rule
     (all but SnapKV), keep evicting to the same budget while decoding.
     """
+    from kvsieve.attention.critiprefill import CritiPrefill
     from kvsieve.compress.methods import METHODS, make_method, supports_decode
     from kvsieve.compress.stages import Compress, Evict
     from kvsieve.select.gemfilter import GemFilter
@@ -51,13 +52,17 @@ def stages_for(config: BenchConfig) -> dict:
         return {}
     if config.method == "gemfilter":
         return {"select": GemFilter(k=config.k, layer=config.layer)}
+    if config.method == "critiprefill":
+        return {"attention": CritiPrefill()}
     if config.method in METHODS:
         method = make_method(config.method, alpha=config.alpha)
         stages = {"compress": Compress(method, config.budget)}
         if supports_decode(method):
             stages["evict"] = Evict(method, config.budget)
         return stages
-    raise KvsieveError(f"Unknown bench method '{config.method}'; use full, gemfilter or one of {', '.join(METHODS)}.")
+    raise KvsieveError(
+        f"Unknown bench method '{config.method}'; use full, gemfilter, critiprefill or one of {', '.join(METHODS)}."
+    )
 
 
 def _memory_status(field: str) -> float:

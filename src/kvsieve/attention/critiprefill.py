@@ -1,0 +1,331 @@
+"""CritiPrefill: block-sparse prefill attention driven by segment-wise criticality.
+
+Paper: Lv et al., "CritiPrefill: A Segment-wise Criticality-based Approach for Prefilling
+Acceleration in LLMs" (papers/critiprefill.md), reference code github.com/66RING/CritiPrefill.
+Use it as `kvsieve.pipeline.run(..., attention=CritiPrefill())`: every multi-token forward pass
+(a whole prompt, GemFilter's scoring pass, a chunk after a memory) then runs through it.
+
+Queries are split into *segments* of `segment` tokens (counted from the first query), keys into
+*blocks* of `block` tokens (counted from key 0). Queries are the last `q_len` of the `k_len` keys
+(bottom-right causality), so query segment s starts at key position p_s = k_len - q_len + s*segment.
+
+Algorithm 1 (criticality estimation, `criticality_scores`):
+  representatives are the element-wise max and min over a segment's queries and over a block's
+  keys; per query head the raw score of (segment, block) is
+      max(mean(qmax.kmax, qmin.kmax), mean(qmax.kmin, qmin.kmin))
+  (DESIGN.md / reference code: the four products, unscaled, combined before one softmax; the
+  paper's listing writes a softmax per product). Scores are averaged over the query heads of a
+  GQA group (head h belongs to KV head h // n_rep, as in the reference code), so every selection
+  is per KV head and shared by the group's query heads. Block-causal mask: segment s scores only
+  its *candidate* blocks, the n_s = p_s // block blocks that end at or before p_s, i.e. lie wholly
+  before the segment's first query; the softmax runs over those (computed in float32).
+  Layer fusion (Algorithm 1, line 14): S = alpha * S_current + (1 - alpha) * S_previous, where
+  S_previous is the previous layer's fused score; paper alpha = 0.25. (The reference code weights
+  the current layer 0.75, i.e. alpha = 0.75 here.) Fusion starts at the layer after the first
+  sparse layer; the first sparse layer (index `dense_layers`) uses its own scores.
+
+Algorithm 2 (pruned attention, `select_blocks` + `sparse_attention`):
+  each segment attends, per KV head, to its top budget // block candidate blocks plus its local
+  window: keys from n_s * block (the start of the block holding p_s) to its last query, with
+  bottom-right causal alignment. When k_len - q_len and the segment start are block-aligned (a
+  whole prompt) the local window is exactly the segment's own tokens, as in the reference code.
+  All sparse segments have the same shape, so they run as one batched SDPA call over (KV head,
+  segment), with the query heads of a group folded into the query axis (K/V never repeated).
+
+Dense fallbacks (kvsieve.attention.dense.dense_attention): the first `dense_layers` layers
+(paper/code: layer 0), the last segment of every pass (paper/code), and every segment with no
+more candidate blocks than the budget holds (it would select them all), so prompts shorter than
+about budget + 2 * segment tokens are simply dense. Unlike the reference code, nothing crashes
+on short prompts or small budgets.
+
+Causality: no query ever attends a later key (`Selection.mask()` is a subset of the bottom-right
+causal mask). As in the paper, *which* earlier blocks a query attends depends on the max/min over
+its whole segment, so a token can influence the selection of earlier queries of its own segment
+(never of earlier segments). Generation is unaffected (the last segment is dense); per-position
+teacher-forced logits (perplexity) carry this within-segment look-ahead.
+
+The kernel object keeps the previous layer's fused scores between the layer calls of one
+forward pass. It starts afresh (no fusion) whenever a call's layer index is not above the
+previous call's (a new forward pass), the shapes change (another prompt or chunk), or a layer
+runs dense; `reset()` does it explicitly. One kernel object serves one forward pass at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kvsieve.attention.dense import bottom_right_causal_mask, dense_attention
+from kvsieve.errors import KvsieveError
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What one layer's sparse attention attends to.
+
+    Segments `first .. first + indices.shape[2] - 1` are sparse; earlier segments and the last
+    one are dense. `indices` (b, kv_heads, m, budget // block) holds each sparse segment's
+    selected block ids per KV head, ascending. `scores` (b, kv_heads, n_segments, n_blocks) are
+    the (fused) criticality scores the selection was made from.
+    """
+
+    q_len: int
+    k_len: int
+    segment: int
+    block: int
+    first: int
+    indices: torch.Tensor
+    scores: torch.Tensor
+
+    @property
+    def num_sparse(self) -> int:
+        return self.indices.shape[2]
+
+    def mask(self) -> torch.Tensor:
+        """Boolean (b, kv_heads, q_len, k_len): True where a query attends a key.
+
+        Built independently of `sparse_attention` (scatter instead of gather), so tests can
+        compare the two. Dense rows are the bottom-right causal mask.
+        """
+        b, kv_heads, m, _ = self.indices.shape
+        device = self.indices.device
+        causal = bottom_right_causal_mask(self.q_len, self.k_len, device)
+        mask = causal.expand(b, kv_heads, self.q_len, self.k_len).clone()
+        if m == 0:
+            return mask
+        offset = self.k_len - self.q_len
+        keys = torch.arange(self.k_len, device=device)
+        blocks = torch.zeros(b, kv_heads, m, self.k_len // self.block, dtype=torch.bool, device=device)
+        blocks.scatter_(-1, self.indices, True)
+        selected = blocks.repeat_interleave(self.block, dim=-1)  # (b, kv, m, n_blocks * block)
+        selected = F.pad(selected, (0, self.k_len - selected.shape[-1]))
+        for i in range(m):
+            s = self.first + i
+            start = offset + s * self.segment  # p_s, position of the segment's first query
+            local = keys >= (start // self.block) * self.block
+            rows = slice(s * self.segment, (s + 1) * self.segment)
+            allowed = selected[:, :, i, None, :] | local
+            mask[:, :, rows] = allowed & causal[rows]
+        return mask
+
+
+def candidate_blocks(q_len: int, k_len: int, segment: int, block: int) -> list[int]:
+    """n_s for every query segment: how many whole blocks lie before the segment's first query."""
+    offset = k_len - q_len
+    n_segments = -(-q_len // segment)
+    return [(offset + s * segment) // block for s in range(n_segments)]
+
+
+def sparse_segments(q_len: int, k_len: int, segment: int, block: int, budget: int) -> range:
+    """Segments worth computing sparsely: not the last, and more candidate blocks than the budget."""
+    top = budget // block
+    counts = candidate_blocks(q_len, k_len, segment, block)
+    last = len(counts) - 1
+    first = next((s for s in range(last) if counts[s] > top), last)
+    return range(first, max(first, last))
+
+
+def _representatives(x: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Element-wise max and min over consecutive groups of `size` tokens (a short last group kept).
+
+    x (b, heads, n, d) -> two (b, heads, ceil(n / size), d) float32 tensors.
+    """
+    b, heads, n, d = x.shape
+    full = n // size * size
+    groups = x[:, :, :full].reshape(b, heads, n // size, size, d)
+    high, low = groups.amax(dim=3), groups.amin(dim=3)
+    if full < n:
+        high = torch.cat([high, x[:, :, full:].amax(dim=2, keepdim=True)], dim=2)
+        low = torch.cat([low, x[:, :, full:].amin(dim=2, keepdim=True)], dim=2)
+    return high.float(), low.float()
+
+
+def criticality_scores(query: torch.Tensor, key: torch.Tensor, segment: int, block: int) -> torch.Tensor:
+    """Algorithm 1 for one layer, without fusion: softmax over each segment's candidate blocks.
+
+    query (b, h, q, d), key (b, kv_heads, k, d) -> float32 (b, kv_heads, n_segments, k // block):
+    row s sums to 1 over blocks 0 .. n_s - 1 and is 0 elsewhere (all 0 when n_s = 0).
+    """
+    b, heads, q_len, d = query.shape
+    kv_heads, k_len = key.shape[1], key.shape[2]
+    n_rep = heads // kv_heads
+    n_blocks = k_len // block
+    q_max, q_min = _representatives(query, segment)  # (b, h, n_seg, d)
+    k_max, k_min = _representatives(key[:, :, : n_blocks * block], block)  # (b, kv, n_blk, d)
+    n_segments = q_max.shape[2]
+    # Query head h = g * n_rep + r reads KV head g: fold each group's reps into one matrix.
+    reps = torch.cat([q_max, q_min], dim=2).reshape(b, kv_heads, n_rep * 2 * n_segments, d)
+    shape = (b, kv_heads, n_rep, 2, n_segments, n_blocks)
+    with_kmax = (reps @ k_max.transpose(-1, -2)).reshape(shape).mean(dim=3)  # mean(qmax.kmax, qmin.kmax)
+    with_kmin = (reps @ k_min.transpose(-1, -2)).reshape(shape).mean(dim=3)  # mean(qmax.kmin, qmin.kmin)
+    raw = torch.maximum(with_kmax, with_kmin).mean(dim=2)  # (b, kv, n_seg, n_blk), group mean
+    counts = torch.tensor(candidate_blocks(q_len, k_len, segment, block), device=raw.device)
+    valid = torch.arange(n_blocks, device=raw.device) < counts[:, None]  # (n_seg, n_blk)
+    probs = torch.softmax(raw.masked_fill(~valid, float("-inf")), dim=-1)
+    return probs.nan_to_num(0.0)  # segments with no candidate block: all -inf -> NaN -> 0
+
+
+def select_blocks(scores: torch.Tensor, candidates: list[int] | torch.Tensor, top: int) -> torch.Tensor:
+    """Algorithm 2, line 8: the `top` best candidate blocks of each row, ascending block ids.
+
+    scores (..., n_segments, n_blocks); candidates: n_s per row (blocks >= n_s are never chosen,
+    even when scores tie at 0). Every row needs at least `top` candidates.
+    """
+    listed = candidates.tolist() if isinstance(candidates, torch.Tensor) else list(candidates)
+    if min(listed, default=top) < top:
+        raise KvsieveError(f"select_blocks needs at least {top} candidate blocks per segment; got {listed}.")
+    counts = torch.tensor(listed, device=scores.device)
+    valid = torch.arange(scores.shape[-1], device=scores.device) < counts[:, None]
+    masked = scores.masked_fill(~valid, float("-inf"))
+    return torch.topk(masked, top, dim=-1).indices.sort(dim=-1).values
+
+
+def sparse_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, selection: Selection, scaling: float | None
+) -> torch.Tensor:
+    """Algorithm 2: dense prefix segments, batched sparse segments, dense last segment.
+
+    query (b, h, q, d); key/value (b, kv_heads, k, d) -> (b, h, q, d).
+    """
+    b, heads, q_len, d = query.shape
+    kv_heads, k_len = key.shape[1], key.shape[2]
+    n_rep = heads // kv_heads
+    seg, blk, m = selection.segment, selection.block, selection.num_sparse
+    offset = k_len - q_len
+    lo, hi = selection.first * seg, (selection.first + m) * seg  # query rows of the sparse segments
+    if m == 0:
+        return dense_attention(query, key, value, scaling)
+    out = query.new_empty(b, heads, q_len, d)
+    if lo > 0:
+        out[:, :, :lo] = dense_attention(
+            query[:, :, :lo], key[:, :, : offset + lo], value[:, :, : offset + lo], scaling
+        )
+    device = query.device
+    r = offset % blk  # keys of the block holding p_s that precede the segment (0 when aligned)
+    top = selection.indices.shape[-1]
+    # Absolute key positions per (b, kv head, segment): the selected blocks, then the local window.
+    chosen = (selection.indices[..., None] * blk + torch.arange(blk, device=device)).flatten(-2)
+    starts = offset + torch.arange(selection.first, selection.first + m, device=device) * seg - r
+    local = (starts[:, None] + torch.arange(r + seg, device=device)).expand(b, kv_heads, m, r + seg)
+    positions = torch.cat([chosen, local], dim=-1)  # (b, kv, m, top * blk + r + seg)
+    bi = torch.arange(b, device=device)[:, None, None, None]
+    gi = torch.arange(kv_heads, device=device)[None, :, None, None]
+    n_keys = positions.shape[-1]
+    k_sel = key[bi, gi, positions].reshape(b, kv_heads * m, n_keys, d)
+    v_sel = value[bi, gi, positions].reshape(b, kv_heads * m, n_keys, d)
+    # Fold each group's query heads into the query axis, so K/V are never repeated:
+    # (b, h, m * seg, d) -> (b, kv, n_rep, m, seg, d) -> (b, kv * m, n_rep * seg, d)
+    q_sel = query[:, :, lo:hi].reshape(b, kv_heads, n_rep, m, seg, d).transpose(2, 3)
+    q_sel = q_sel.reshape(b, kv_heads * m, n_rep * seg, d)
+    # Every selected key precedes the segment; the local window is bottom-right causal.
+    window = bottom_right_causal_mask(seg, r + seg, device)
+    mask = torch.cat([torch.ones(seg, top * blk, dtype=torch.bool, device=device), window], dim=1)
+    sparse = F.scaled_dot_product_attention(q_sel, k_sel, v_sel, attn_mask=mask.repeat(n_rep, 1), scale=scaling)
+    target = out[:, :, lo:hi].view(b, kv_heads, n_rep, m, seg, d)
+    target.copy_(sparse.view(b, kv_heads, m, n_rep, seg, d).transpose(2, 3))
+    if hi < q_len:
+        out[:, :, hi:] = dense_attention(query[:, :, hi:], key, value, scaling)
+    return out
+
+
+def _check_size(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise KvsieveError(f"CritiPrefill {name} must be a positive whole number of tokens; got {value!r}.")
+
+
+@dataclass
+class CritiPrefill:
+    """Prefill attention kernel: `kernel(layer, query, key, value, scaling) -> (b, h, q, d)`.
+
+    segment: query segment size (paper 512); block: KV block size (32), must divide segment;
+    budget: tokens of earlier KV blocks each segment attends besides its own (paper 1024, code
+    2048), rounded down to whole blocks; alpha: weight of the current layer's scores in the
+    layer fusion S = alpha * S_cur + (1 - alpha) * S_prev (paper 0.25; 1 turns fusion off);
+    dense_layers: the first layers computed densely (paper code: 1).
+    """
+
+    segment: int = 512
+    block: int = 32
+    budget: int = 1024
+    alpha: float = 0.25
+    dense_layers: int = 1
+    name: str = "critiprefill"
+    _layer: int | None = field(default=None, init=False, repr=False, compare=False)
+    _scores: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_size("segment", self.segment)
+        _check_size("block", self.block)
+        _check_size("budget", self.budget)
+        if self.segment % self.block:
+            raise KvsieveError(
+                f"CritiPrefill segment ({self.segment}) must be a multiple of block ({self.block}), "
+                "e.g. segment 512 with block 32."
+            )
+        if self.budget < self.block:
+            raise KvsieveError(
+                f"CritiPrefill budget ({self.budget}) must hold at least one block ({self.block} tokens); "
+                "raise the budget or lower the block size."
+            )
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or not 0 <= self.alpha <= 1:
+            raise KvsieveError(
+                f"CritiPrefill alpha must be between 0 and 1 (weight of the current layer); got {self.alpha!r}."
+            )
+        if isinstance(self.dense_layers, bool) or not isinstance(self.dense_layers, int) or self.dense_layers < 0:
+            raise KvsieveError(f"CritiPrefill dense_layers must be a whole number >= 0; got {self.dense_layers!r}.")
+
+    def reset(self) -> None:
+        """Forget the previous layer's scores (the next sparse layer starts without fusion)."""
+        self._layer, self._scores = None, None
+
+    def select(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> Selection | None:
+        """Algorithm 1 with layer fusion, then the top blocks; None where the layer runs dense."""
+        b, heads, q_len, _ = query.shape
+        kv_heads, k_len = key.shape[1], key.shape[2]
+        if heads % kv_heads or key.shape[0] != b or q_len > k_len:
+            raise KvsieveError(
+                f"CritiPrefill needs query (b, h, q, d) and key (b, kv_heads, k, d) with h a multiple of "
+                f"kv_heads and q <= k; got {tuple(query.shape)} and {tuple(key.shape)}."
+            )
+        segments = sparse_segments(q_len, k_len, self.segment, self.block, self.budget)
+        if layer < self.dense_layers or len(segments) == 0:
+            self.reset()
+            return None
+        scores = criticality_scores(query, key, self.segment, self.block)
+        previous = self._scores
+        fuse = (
+            previous is not None
+            and self._layer is not None
+            and self.dense_layers < layer
+            and self._layer < layer
+            and previous.shape == scores.shape
+            and previous.device == scores.device
+        )
+        if fuse:
+            scores = self.alpha * scores + (1 - self.alpha) * previous
+        self._layer, self._scores = layer, scores
+        counts = candidate_blocks(q_len, k_len, self.segment, self.block)[segments.start : segments.stop]
+        rows = scores[:, :, segments.start : segments.stop]
+        indices = select_blocks(rows, counts, self.budget // self.block)
+        return Selection(q_len, k_len, self.segment, self.block, segments.start, indices, scores)
+
+    def __call__(
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+    ) -> torch.Tensor:
+        selection = self.select(layer, query, key)
+        if selection is None:
+            return dense_attention(query, key, value, scaling)
+        return sparse_attention(query, key, value, selection, scaling)
+
+
+__all__ = [
+    "CritiPrefill",
+    "Selection",
+    "candidate_blocks",
+    "criticality_scores",
+    "select_blocks",
+    "sparse_attention",
+    "sparse_segments",
+]
