@@ -1,7 +1,11 @@
-"""Needle / passkey accuracy grid: full attention vs GemFilter on the same cases, one process.
+"""Needle / passkey accuracy grid: several methods on the same cases, one process.
 
     python benchmarks/needle_grid.py --probe needle --lengths 2048,4096,6144,8000 \
-        --depths 0,0.25,0.5,0.75,1 --k 1024 --out runs/needle_grid.json
+        --depths 0,0.25,0.5,0.75,1 --methods full,gemfilter --k 1024 --out runs/needle_grid.json
+
+Methods: full, gemfilter (k, calibrated layer), critiprefill (paper settings, --fusion-alpha).
+Greedy decoding is deterministic, so grids of different methods run separately compare case by
+case; `--append` adds rows to an existing output file.
 
 Lengths are prompt tokens (context + chat template + question). Scores: ROUGE-1 recall of the
 answer against the reference, and whether the reference appears verbatim ("hit").
@@ -15,7 +19,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvsieve import GemFilter, Sampling, generate, load_model
+from kvsieve import CritiPrefill, GemFilter, Sampling, generate, load_model
 from kvsieve.eval.bench import PROMPT_OVERHEAD
 from kvsieve.eval.data import PROBES
 from kvsieve.eval.scoring import contains, rouge1_recall
@@ -28,19 +32,31 @@ def main() -> None:
     parser.add_argument("--depths", default="0,0.25,0.5,0.75,1")
     parser.add_argument("--k", type=int, default=1024)
     parser.add_argument("--layer", type=int, help="filter layer (default: calibrated)")
+    parser.add_argument("--methods", default="full,gemfilter", help="full,gemfilter,critiprefill")
+    parser.add_argument("--fusion-alpha", type=float, default=0.25, help="CritiPrefill layer-fusion alpha")
     parser.add_argument("--out", type=Path, default=Path("runs/needle_grid.json"))
+    parser.add_argument("--append", action="store_true", help="add rows to an existing --out file")
     args = parser.parse_args()
     model, tokenizer = load_model()
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
-    methods = {"full": None, "gemfilter": GemFilter(k=args.k, layer=args.layer)}
-    rows = []
+    available = {
+        "full": {},
+        "gemfilter": {"select": GemFilter(k=args.k, layer=args.layer)},
+        "critiprefill": {"attention": CritiPrefill(alpha=args.fusion_alpha)},
+    }
+    names = args.methods.split(",")
+    if unknown := set(names) - set(available):
+        parser.error(f"unknown methods {sorted(unknown)}; choose from {sorted(available)}")
+    label = {"critiprefill": f"critiprefill alpha={args.fusion_alpha}"}
+    methods = {label.get(name, name): available[name] for name in names}
+    rows = json.loads(args.out.read_text()) if args.append and args.out.is_file() else []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for length in lengths:
         for depth in depths:
             case = PROBES[args.probe](tokenizer, length - PROMPT_OVERHEAD, depth)
-            for name, select in tqdm(methods.items(), desc=f"{length} tokens, depth {depth}", leave=False):
-                result = generate(model, tokenizer, case.context, case.question, select=select, sampling=Sampling(48))
+            for name, stages in tqdm(methods.items(), desc=f"{length} tokens, depth {depth}", leave=False):
+                result = generate(model, tokenizer, case.context, case.question, sampling=Sampling(48), **stages)
                 rows.append(
                     {
                         "method": name,
@@ -50,11 +66,11 @@ def main() -> None:
                         "rouge1": rouge1_recall(result.text, case.answer),
                         "hit": contains(result.text, case.answer),
                         "ttft_s": result.prefill_seconds,
-                        "layer": result.stages[0].details.get("layer") if select else None,
+                        "layer": result.stages[0].details.get("layer") if "select" in stages else None,
                     }
                 )
                 args.out.write_text(json.dumps(rows, indent=1))
-    for name in methods:
+    for name in sorted({r["method"] for r in rows}):
         mine = [r for r in rows if r["method"] == name]
         print(
             f"{name:<10} cases={len(mine)} hits={sum(r['hit'] for r in mine)} "
