@@ -45,6 +45,7 @@ class GenerationResult:
     prefill_seconds: float  # time to first token: selection + feed + compression
     decode_seconds: float
     decode_tokens_per_s: float
+    prefill_kv_length: int  # cache entries per layer and KV head when the first token was picked
     kv_cache_length: int  # cache entries per layer and KV head when decoding ended
     stages: list[StageRecord]
     selected_indices: list[int] | None = None
@@ -113,6 +114,7 @@ def run(
         details = compress.compress(prefilled.cache)
         stages.append(StageRecord("compress", compress.name, time.perf_counter() - compress_start, details))
     prefill_seconds = time.perf_counter() - start
+    prefill_kv_length = prefilled.cache.get_seq_length()
     decode_details = {}
     if evict is not None:
         decode_details = evict.start(prefilled.cache, getattr(compress, "kept_positions", None))
@@ -129,6 +131,7 @@ def run(
         prefill_seconds=prefill_seconds,
         decode_seconds=decoded.seconds,
         decode_tokens_per_s=decoded.steps / decoded.seconds if decoded.steps else 0.0,
+        prefill_kv_length=prefill_kv_length,
         kv_cache_length=prefilled.cache.get_seq_length(),
         stages=stages,
         selected_indices=None if selected is None else selected.tolist(),

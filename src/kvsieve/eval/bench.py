@@ -108,7 +108,9 @@ def measure(config: BenchConfig) -> dict:
         "decode_tokens_per_s": result.decode_tokens_per_s,
         "peak_mb": peak,
         "added_mb": peak - (0 if cuda else before),
+        "prefill_kv_length": result.prefill_kv_length,
         "kv_cache_length": result.kv_cache_length,
+        "generated_tokens": len(result.tokens),
         "layer": result.stages[0].details.get("layer") if config.method == "gemfilter" else None,
     }
 
