@@ -37,32 +37,44 @@ class BenchConfig:
     model: str | None = None
 
 
-def stages_for(config: BenchConfig) -> dict:
-    """The pipeline stages a bench method name stands for.
+def method_stages(
+    method: str,
+    *,
+    k: int | float = 1024,
+    layer: int | None = None,
+    budget: int | float = 1024,
+    alpha: float = 0.2,
+    fusion_alpha: float = 0.25,
+) -> dict:
+    """The pipeline stages a method name stands for in benchmarks and evaluation grids.
 
-    KV methods compress the cache after a full prefill and, where they have a per-step rule
-    (all but SnapKV), keep evicting to the same budget while decoding.
+    full: nothing; gemfilter: GemFilter(k, layer); critiprefill: CritiPrefill (paper sizes) with
+    `fusion_alpha`; KV methods compress the cache to `budget` after a full prefill and, where they
+    have a per-step rule (all but SnapKV), keep evicting to the same budget while decoding.
     """
     from kvsieve.attention.critiprefill import CritiPrefill
     from kvsieve.compress.methods import METHODS, make_method, supports_decode
     from kvsieve.compress.stages import Compress, Evict
     from kvsieve.select.gemfilter import GemFilter
 
-    if config.method == "full":
+    if method == "full":
         return {}
-    if config.method == "gemfilter":
-        return {"select": GemFilter(k=config.k, layer=config.layer)}
-    if config.method == "critiprefill":
-        return {"attention": CritiPrefill()}
-    if config.method in METHODS:
-        method = make_method(config.method, alpha=config.alpha)
-        stages = {"compress": Compress(method, config.budget)}
-        if supports_decode(method):
-            stages["evict"] = Evict(method, config.budget)
+    if method == "gemfilter":
+        return {"select": GemFilter(k=k, layer=layer)}
+    if method == "critiprefill":
+        return {"attention": CritiPrefill(alpha=fusion_alpha)}
+    if method in METHODS:
+        kv_method = make_method(method, alpha=alpha)
+        stages = {"compress": Compress(kv_method, budget)}
+        if supports_decode(kv_method):
+            stages["evict"] = Evict(kv_method, budget)
         return stages
-    raise KvsieveError(
-        f"Unknown bench method '{config.method}'; use full, gemfilter, critiprefill or one of {', '.join(METHODS)}."
-    )
+    raise KvsieveError(f"Unknown method '{method}'; use full, gemfilter, critiprefill or one of {', '.join(METHODS)}.")
+
+
+def stages_for(config: BenchConfig) -> dict:
+    """The stages of one bench configuration."""
+    return method_stages(config.method, k=config.k, layer=config.layer, budget=config.budget, alpha=config.alpha)
 
 
 def _memory_status(field: str) -> float:
