@@ -60,9 +60,7 @@ def main() -> None:
     depths = [float(x) for x in args.depths.split(",")]
     names = args.methods.split(",")
     options = {"k": args.k, "layer": args.layer, "budget": args.budget, "alpha": args.alpha}
-    methods = {
-        _label(name, args): method_stages(name, fusion_alpha=args.fusion_alpha, **options) for name in names
-    }
+    methods = {_label(name, args): method_stages(name, fusion_alpha=args.fusion_alpha, **options) for name in names}
     rows = json.loads(args.out.read_text()) if args.append and args.out.is_file() else []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for length in lengths:

@@ -196,7 +196,8 @@ def _report(result) -> None:
     _err(
         f"\n[{result.prompt_tokens} prompt tokens | time to first token {result.prefill_seconds:.2f} s | "
         f"{len(result.tokens)} tokens at {result.decode_tokens_per_s:.1f} tok/s | "
-        f"KV cache {result.prefill_kv_length} after prefill, {result.kv_cache_length} at the end | finished: {result.finish_reason}]"
+        f"KV cache {result.prefill_kv_length} after prefill, {result.kv_cache_length} at the end | "
+        f"finished: {result.finish_reason}]"
     )
     for stage in result.stages:
         details = ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in stage.details.items())
