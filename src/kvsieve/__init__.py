@@ -13,6 +13,7 @@ from kvsieve.compress.methods import A2SF, H2O, LocalWindow, SnapKV, StreamingLL
 from kvsieve.compress.stages import Compress, Evict
 from kvsieve.decode import Sampling
 from kvsieve.errors import KvsieveError
+from kvsieve.feed.chunked import ChunkedPrefill
 from kvsieve.feed.full import FullPrefill
 from kvsieve.models import architecture, load_model, prepare
 from kvsieve.pipeline import GenerationResult, StageRecord, generate, run
@@ -21,6 +22,7 @@ from kvsieve.select.gemfilter import GemFilter
 
 __all__ = [
     "A2SF",
+    "ChunkedPrefill",
     "Compress",
     "CritiPrefill",
     "Evict",

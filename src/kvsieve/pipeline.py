@@ -16,6 +16,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvsieve.attention import PrefillKernel, attention_hooks
 from kvsieve.compress import Compressor
+from kvsieve.compress.cache import compose_kept
 from kvsieve.compress.stages import Evict
 from kvsieve.decode import Sampling, decode
 from kvsieve.errors import KvsieveError
@@ -57,7 +58,8 @@ def _check_positions(model: PreTrainedModel, positions: int, what: str) -> None:
     if positions > max_positions:
         raise KvsieveError(
             f"{what} needs {positions} positions, but this model was trained for {max_positions}. "
-            "Shorten the context or lower max_new_tokens."
+            "Shorten the context or lower max_new_tokens, or feed the prompt in chunks with a compressed memory "
+            "(--feed imdc, or feed=ChunkedPrefill(...)), which re-encodes positions and accepts any length."
         )
 
 
@@ -80,7 +82,7 @@ def run(
     feed = feed or FullPrefill()
     if prompt.ids.ndim != 2 or prompt.ids.shape[0] != 1:
         raise KvsieveError(f"kvsieve runs batch size 1; got prompt ids of shape {tuple(prompt.ids.shape)}.")
-    if feed.needs_full_context:
+    if feed.needs_full_context or select is not None:
         # Full prefill and GemFilter's scoring pass both place every prompt token at its position.
         _check_positions(model, prompt.length, f"The prompt ({prompt.length} tokens)")
     stages: list[StageRecord] = []
@@ -109,15 +111,17 @@ def run(
                 "feed", feed.name, time.perf_counter() - feed_start, {"tokens": ids.shape[1], **prefilled.details}
             )
         )
+    kept = prefilled.kept_positions  # cache entries among the feed's last attended keys (None: all)
     if compress is not None:
         compress_start = time.perf_counter()
-        details = compress.compress(prefilled.cache)
+        details = compress.compress(prefilled.cache, kept)
+        kept = compose_kept(kept, compress.kept_positions)
         stages.append(StageRecord("compress", compress.name, time.perf_counter() - compress_start, details))
     prefill_seconds = time.perf_counter() - start
     prefill_kv_length = prefilled.cache.get_seq_length()
     decode_details = {}
     if evict is not None:
-        decode_details = evict.start(prefilled.cache, getattr(compress, "kept_positions", None))
+        decode_details = evict.start(prefilled.cache, kept)
     decoded = decode(
         model, tokenizer, prefilled.cache, prefilled.last_logits, prefilled.next_position, sampling, stream, evict
     )

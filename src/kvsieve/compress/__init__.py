@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import torch
 from transformers import Cache
 
 from kvsieve.attention import Observer
@@ -24,6 +25,10 @@ class Compressor(Protocol):
         """Observers to run during the feed, collecting what scoring needs."""
         ...
 
-    def compress(self, cache: Cache) -> dict[str, Any]:
-        """Prune `cache` in place; return what was done (budget, sizes, ...)."""
+    def compress(self, cache: Cache, kept_positions: list[torch.Tensor] | None = None) -> dict[str, Any]:
+        """Prune `cache` in place; return what was done (budget, sizes, ...).
+
+        `kept_positions` map cache entries to the feed's last attended keys when the feed pruned
+        its own cache (chunked prefill), so observed scores can be aligned with the cache.
+        """
         ...

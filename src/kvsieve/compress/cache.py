@@ -38,3 +38,14 @@ def prune_layer(cache: Cache, layer: int, indices: torch.Tensor) -> None:
     gather = indices[None, :, :, None].expand(1, kv_heads, indices.shape[1], dim)
     entry.keys = entry.keys.gather(2, gather)
     entry.values = entry.values.gather(2, gather)
+
+
+def compose_kept(first: list[torch.Tensor] | None, then: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per layer, the positions kept by two prunings in a row, as positions of the first one's input.
+
+    `first[j]` (kv_heads, n1) indexes the original entries, `then[j]` (kv_heads, n2) indexes
+    `first`'s result; None for `first` means nothing was pruned before.
+    """
+    if first is None:
+        return then
+    return [a.gather(1, b) for a, b in zip(first, then, strict=True)]

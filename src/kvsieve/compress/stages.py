@@ -57,7 +57,15 @@ class Compress:
 
         return [score]
 
-    def compress(self, cache: Cache) -> dict[str, Any]:
+    def compress(self, cache: Cache, kept_positions: list[torch.Tensor] | None = None) -> dict[str, Any]:
+        """Prune `cache` to the budget by the scores observed during the feed.
+
+        `kept_positions` (per layer, (kv_heads, n)) map the cache entries to the keys of the feed's
+        last forward pass when the feed pruned them itself (chunked prefill); None when the cache
+        holds exactly those keys.
+        """
+        if kept_positions is not None:
+            self._scores = {layer: s.gather(1, kept_positions[layer]) for layer, s in self._scores.items()}
         n = cache.get_seq_length()
         budget, note = resolve_budget(self.budget, n)
         sinks, recent = self.method.protected(budget)
@@ -121,12 +129,13 @@ class Evict:
         self._state[layer] = self.method.step_alpha * state + row
 
     def start(self, cache: Cache, kept_positions: list[torch.Tensor] | None) -> dict[str, Any]:
-        """Align scores with a cache a compress stage already pruned, then prune to the budget."""
-        if kept_positions:
+        """Align scores with a cache the feed or a compress stage already pruned, then prune to the budget.
+
+        `kept_positions` (per layer, (kv_heads, n)) map the cache entries to the keys of the
+        feed's last forward pass; None when the cache holds exactly those keys.
+        """
+        if kept_positions is not None:
             self._state = {layer: s.gather(1, kept_positions[layer]) for layer, s in self._state.items()}
-        # A feed that pruned its own memory (chunked prefill) leaves scores of another length:
-        # those layers restart from zero rather than misalign scores and cache entries.
-        self._state = {layer: s for layer, s in self._state.items() if s.shape[1] == cache.layers[layer].keys.shape[2]}
         length = cache.get_seq_length()
         self._budget, note = resolve_budget(self.budget, max(length, 1))
         self._steps = 0

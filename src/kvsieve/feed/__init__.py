@@ -15,12 +15,18 @@ from transformers import Cache, PreTrainedModel
 
 @dataclass
 class Prefilled:
-    """KV cache after prefill, the logits that give the first new token, and the next position."""
+    """KV cache after prefill, the logits that give the first new token, and the next position.
+
+    `kept_positions[j]` (kv_heads, n) are the positions, among the keys layer j attended over in
+    the feed's last forward pass, of the cache entries; None when the cache is exactly those keys
+    (one-pass prefill). Later stages that observed that pass align their scores with it.
+    """
 
     cache: Cache
     last_logits: torch.Tensor
     next_position: int
     details: dict[str, Any] = field(default_factory=dict)
+    kept_positions: list[torch.Tensor] | None = None
 
 
 class Feed(Protocol):

@@ -1,0 +1,427 @@
+"""Chunked prefill with a compressed KV memory: FM, IM and IMDC (papers/imdc.md, section 3).
+
+The prompt is fed chunk by chunk. At every step the model attends over
+[sinks | memory | chunk]; then each layer's keys are scored with the pruner's scorer from the
+chunk's own queries (per KV head: query head h votes for KV head h // n_rep) and pruned back to
+the sinks plus that step's memory size. The last chunk is compressed too, so decoding starts
+from sinks + m_{n-1} entries per layer. Memory sizes and chunk sizes come from
+`kvsieve.feed.schedules` (FM: fixed; IM: eq. 1, 8, 9, appendix A.1, eq. 2-3; IMDC: eq. 5-7).
+
+Positions (section 4.1: "encode position embedding for memory and chunk at each iteration
+independently"). Every step places its keys contiguously:
+
+    sinks at 0 .. s-1,  layer j's memory at P - M_j .. P - 1,  chunk at P .. P + c_i - 1,
+    with P = s + max_j M_j.
+
+Layers whose memory is smaller than the largest (square-sqrt, adaptive) are right-aligned: their
+memory ends where the chunk starts, so the chunk sees its most recent memory at distance 1 in
+every layer and the gap, if any, sits after the sinks. The largest position is s + max M + c_i,
+however long the prompt, which is why prompts far beyond the model's trained context work
+(section 4.6). After pruning, the cached post-RoPE keys are moved to their next-step positions by
+rotating them by the position difference, since RoPE composes: R(a + b) = R(a) R(b). The cos/sin
+of the differences come from the model's own rotary embedding (`architecture(model).rotary_emb`,
+divided by its attention scaling so the magnitude is applied once) and the keys are rotated with
+the rotate_half formula; values carry no position. The final cache stays in the last step's frame
+and decoding continues at `next_position` = P + c_{n-1}, right after the last chunk.
+
+Adaptive memory (eq. 2-3): the paper defines the retention ratio p_i^j = |M_{i-1} ∩ M_i| / |M_i|
+but M_i depends on the size eq. 3 is choosing. Here it is measured from the chunk's attention at
+the same step: each layer provisionally keeps its linear size b_i^j by the pruner's scores, p_i^j
+is the share of that provisional memory that came from the previous memory (averaged over KV
+heads), and eq. 3 then sets m_i^j = p_j / sum(p) * N * b_i^j before the real pruning. The total
+over the layers is linear's; one layer can hold more than m_max.
+
+A memory smaller than the pruner's protected tail (SnapKV's window early in IM) keeps the most
+recent tokens of that tail.
+
+Peak memory is bounded by the schedule, not the prompt length: the model holds at most
+sinks + memory + chunk keys per layer, scores are (kv_heads, sinks + memory + chunk), only the
+last chunk goes through the LM head (logits_to_keep=1), and no full-length tensor is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from transformers import Cache, DynamicCache, PreTrainedModel
+
+from kvsieve.attention import attention_hooks
+from kvsieve.compress.cache import prune_layer
+from kvsieve.compress.methods import Method, SnapKV
+from kvsieve.compress.scorers import keep_indices
+from kvsieve.errors import KvsieveError
+from kvsieve.feed import Prefilled
+from kvsieve.feed.full import FullPrefill
+from kvsieve.feed.schedules import (
+    SCHEDULES,
+    adaptive_memory,
+    decremental_chunks,
+    fixed_chunks,
+    layer_memory,
+    num_chunks,
+    retention_ratio,
+)
+from kvsieve.models import architecture
+
+# chunk_logits(logits (c_i, vocab) of the chunk's tokens, index of the chunk's first token)
+ChunkLogits = Callable[[torch.Tensor, int], None]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """The RoPE helper of the Llama layout: (x1, x2) -> (-x2, x1) over the last dimension."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rerotate_keys(keys: torch.Tensor, delta: torch.Tensor, rotary_emb: torch.nn.Module) -> torch.Tensor:
+    """Move post-RoPE keys (1, kv_heads, k, d) by `delta` (kv_heads, k) positions: R(p + delta) = R(delta) R(p).
+
+    cos/sin come from the model's rotary embedding called with the deltas as position ids, in
+    float32, divided by its `attention_scaling` (YaRN-style scaling is already in the keys).
+    Partial rotary embeddings (cos narrower than d) rotate only the leading dimensions.
+    """
+    probe = torch.empty(0, dtype=torch.float32, device=keys.device)
+    cos, sin = rotary_emb(probe, delta)  # (kv_heads, k, rot)
+    scale = float(getattr(rotary_emb, "attention_scaling", 1.0) or 1.0)
+    cos, sin = cos[None].float() / scale, sin[None].float() / scale
+    rot = cos.shape[-1]
+    k = keys.float()
+    turned = k[..., :rot] * cos + rotate_half(k[..., :rot]) * sin
+    return torch.cat([turned, k[..., rot:]], dim=-1).to(keys.dtype)
+
+
+def _frame(sinks: int, memory: int, chunk_start: int, device: torch.device) -> torch.Tensor:
+    """Positions of [sinks | memory]: sinks at 0 .. s-1, the memory right-aligned to end at chunk_start - 1."""
+    return torch.cat(
+        [torch.arange(sinks, device=device), torch.arange(chunk_start - memory, chunk_start, device=device)]
+    )
+
+
+def _recent(pruner: Method, budget: int) -> int:
+    """How many most recent keys the pruner always keeps at `budget`, never more than the budget.
+
+    Position-only pruners (StreamingLLM, local window) keep the most recent `budget`; the feed's
+    own sinks replace StreamingLLM's. A SnapKV window or A2SF recent tail larger than an early,
+    small IM memory is cut to the memory size.
+    """
+    if pruner.position_only:
+        return budget
+    try:
+        return min(pruner.protected(budget)[1], budget)
+    except KvsieveError:
+        return budget
+
+
+def _rank_ties(scores: torch.Tensor) -> torch.Tensor:
+    """Replace +inf ("always keep", e.g. SnapKV's window) by finite scores above every other, newer
+    tokens higher, so that a memory smaller than the window keeps the window's most recent tokens."""
+    infinite = torch.isinf(scores) & (scores > 0)
+    if not infinite.any():
+        return scores
+    finite = scores[~infinite]
+    top = float(finite.max()) if finite.numel() else 0.0
+    order = torch.arange(scores.shape[-1], dtype=scores.dtype, device=scores.device)
+    return torch.where(infinite, top + 1 + order, scores)
+
+
+def _score(pruner: Method, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
+    """Pruner scores (kv_heads, n) of a layer's keys (1, kv_heads, n, d) from the chunk's queries (1, h, q, d).
+
+    The shared scorers aggregate query heads per KV head (h // n_rep); None for position-only pruners.
+    """
+    if pruner.position_only:
+        return None
+    scores = pruner.prefill_scores(query[0], key[0], query.shape[-1] ** -0.5)
+    return None if scores is None else _rank_ties(scores.float())
+
+
+@dataclass
+class ChunkedPrefill:
+    """Feed the prompt in chunks with a KV memory pruned by `pruner` at every step (FM / IM / IMDC).
+
+    chunk: chunk size c (IMDC: the first chunk and the average, eq. 5).
+    memory: maximum memory m_max per layer and KV head, reached at the last step.
+    schedule: "fixed" (FM) or an incremental one (IM): "linear" (eq. 1), "sqrt" (eq. 9),
+        "square" (eq. 8), "square-sqrt" (appendix A.1, per layer), "adaptive" (eq. 2-3, per layer).
+    decremental: IMDC's decremental chunk (eq. 7); needs an incremental schedule.
+    pruner: the KV method that scores memory + chunk: SnapKV (window attention of the chunk's
+        last queries, pooled), A2SF / H2O (accumulated attention of the chunk's queries),
+        StreamingLLM / LocalWindow (recency).
+    sinks: first tokens always kept, outside the memory budget (4 in the paper).
+    trace: record, per step and layer, the prompt index and position of every attention key in
+        `history` (tests, or the paper's memory maps of Figures 1b and 6); off by default, as it
+        grows with the prompt.
+
+    After `prefill`, `kept_positions[j]` (kv_heads, k) are the positions the last step kept from
+    its keys (what a decoding-eviction stage that observed the last step must gather its scores
+    with), `token_indices[j]` the prompt indices of the final cache entries and `history` one
+    small record per step (chunk, position, memory sizes, per-layer key counts, cache lengths).
+
+    `Prefilled.details`: steps, chunk_sizes, memory_sizes (per step, the largest layer's target),
+    layer_memory_sizes (per step and layer, only when layers differ), attention_kv (per step,
+    the largest sinks + memory + chunk attended over), max_position, kv_cache (final length).
+    """
+
+    chunk: int = 1024
+    memory: int = 1024
+    schedule: str = "fixed"
+    decremental: bool = False
+    pruner: Method = field(default_factory=SnapKV)
+    sinks: int = 4
+    trace: bool = False
+    needs_full_context: ClassVar[bool] = False
+    kept_positions: list[torch.Tensor] = field(default_factory=list, init=False, repr=False, compare=False)
+    token_indices: list[torch.Tensor] = field(default_factory=list, init=False, repr=False, compare=False)
+    history: list[dict[str, Any]] = field(default_factory=list, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for option, value in (("chunk", self.chunk), ("memory", self.memory)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise KvsieveError(f"Chunked prefill needs --{option} >= 1 (tokens), got {value!r}.")
+        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
+            raise KvsieveError(f"The sink count must be a whole number >= 0, got {self.sinks!r}.")
+        if self.memory < self.sinks:
+            raise KvsieveError(
+                f"Memory {self.memory} is smaller than the {self.sinks} sink tokens; raise --memory or lower --sinks."
+            )
+        if self.schedule not in SCHEDULES:
+            raise KvsieveError(f"Unknown memory schedule '{self.schedule}'; choose one of: {', '.join(SCHEDULES)}.")
+        if self.decremental and self.schedule == "fixed":
+            raise KvsieveError(
+                "Decremental chunks (IMDC) need an incremental memory schedule: choose --schedule linear, sqrt, "
+                "square, square-sqrt or adaptive, or drop decremental for fixed-size memory (FM)."
+            )
+        if not all(hasattr(self.pruner, a) for a in ("prefill_scores", "position_only", "protected", "name")):
+            raise KvsieveError(
+                f"{self.pruner!r} is not a KV pruning method; use SnapKV, A2SF, H2O, StreamingLLM or LocalWindow."
+            )
+
+    @property
+    def name(self) -> str:
+        """'fm' (fixed memory), 'im' (incremental memory) or 'imdc' (with decremental chunks)."""
+        if self.decremental:
+            return "imdc"
+        return "fm" if self.schedule == "fixed" else "im"
+
+    def plan(self, length: int, num_layers: int) -> tuple[list[int], list[list[int]]]:
+        """Chunk sizes (n) and memory sizes [step][layer] for a prompt of `length` tokens.
+
+        For adaptive the memory sizes are eq. 3's linear base; the feed scales them at run time.
+        IMDC takes each step's mean memory over the layers for eq. 7 (the total KV over the
+        layers is then constant after step 0).
+        """
+        n = num_chunks(length, self.chunk)
+        memory = layer_memory(self.schedule, n, self.memory, num_layers)
+        if not self.decremental:
+            return fixed_chunks(length, self.chunk), memory
+        mean = [round(sum(step) / len(step)) for step in memory]
+        return decremental_chunks(length, self.chunk, mean), memory
+
+    def prefill(self, model: PreTrainedModel, ids: torch.Tensor, chunk_logits: ChunkLogits | None = None) -> Prefilled:
+        """Prefill `ids` (1, L) chunk by chunk; return the compressed cache and the last token's logits.
+
+        `chunk_logits`, when given, receives every chunk's logits (c_i, vocab) and the index of
+        its first token (chunk-level perplexity); the chunks then go through the LM head in full,
+        otherwise only the last chunk's last position does.
+        """
+        if ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] < 1:
+            raise KvsieveError(f"Chunked prefill takes ids of shape (1, L) with L >= 1, got {tuple(ids.shape)}.")
+        arch = architecture(model)
+        layers = arch.num_layers
+        length = ids.shape[1]
+        sizes, targets = self.plan(length, layers)
+        device = model.get_input_embeddings().weight.device
+        ids = ids.to(device)
+        cache = DynamicCache(config=model.config)
+        scores: dict[int, torch.Tensor] = {}
+
+        def observe(layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
+            result = _score(self.pruner, query, key)
+            if result is not None:
+                scores[layer] = result
+
+        memory = [0] * layers  # memory entries per layer, sinks excluded
+        origin = [torch.empty(arch.num_kv_heads, 0, dtype=torch.long, device=device) for _ in range(layers)]
+        sinks, start = 0, 0  # sink entries in the cache; prompt index of the chunk's first token
+        self.history, self.kept_positions, self.token_indices = [], [], []
+        step_memory: list[list[int]] = []
+        attention_kv: list[int] = []
+        logits, next_position, max_position = None, length, 0
+        with torch.no_grad(), attention_hooks(observers=[observe]):
+            for step, size in enumerate(sizes):
+                last = step == len(sizes) - 1
+                position = sinks + max(memory)  # P: the chunk starts right after the longest memory
+                chunk_ids = ids[:, start : start + size]
+                chunk_positions = torch.arange(position, position + size, device=device)
+                scores.clear()
+                if last or chunk_logits is not None:
+                    out = model(
+                        input_ids=chunk_ids,
+                        position_ids=chunk_positions[None],
+                        past_key_values=cache,
+                        use_cache=True,
+                        logits_to_keep=0 if chunk_logits is not None else 1,
+                    )
+                    if chunk_logits is not None:
+                        chunk_logits(out.logits[0], start)
+                    logits = out.logits[0, -1]
+                else:  # no LM head at all before the last chunk
+                    model.model(
+                        input_ids=chunk_ids, position_ids=chunk_positions[None], past_key_values=cache, use_cache=True
+                    )
+                # Layer j's keys are now [sinks | memory_j | chunk], at these positions and prompt indices.
+                key_positions = [
+                    torch.cat([_frame(sinks, memory[j], position, device), chunk_positions]) for j in range(layers)
+                ]
+                chunk_origin = torch.arange(start, start + size, device=device)
+                key_origin = [torch.cat([o, chunk_origin.expand(o.shape[0], -1)], 1) for o in origin]
+                attention_kv.append(max(sinks + m + size for m in memory))
+                max_position = max(max_position, position + size - 1)
+                start += size
+                new_sinks = min(self.sinks, start)
+                budgets = self._budgets(cache, step, targets[step], scores, sinks, memory, new_sinks)
+                kept = self._prune(cache, scores, budgets, new_sinks)
+                new_memory = [k.shape[1] - new_sinks for k in kept]
+                next_chunk = new_sinks + max(new_memory)
+                for j in range(layers):
+                    origin[j] = key_origin[j].gather(1, kept[j])
+                    if last:  # the final cache stays in the last step's frame
+                        continue
+                    delta = _frame(new_sinks, new_memory[j], next_chunk, device)[None] - key_positions[j][kept[j]]
+                    if delta.any():
+                        cache.layers[j].keys = rerotate_keys(cache.layers[j].keys, delta, arch.rotary_emb)
+                step_memory.append(budgets)
+                record: dict[str, Any] = {
+                    "step": step,
+                    "start": start - size,
+                    "chunk": size,
+                    "position": position,
+                    "memory": budgets,
+                    "keys": [sinks + m + size for m in memory],
+                    "cache_lengths": [cache.layers[j].keys.shape[2] for j in range(layers)],
+                }
+                if self.trace:
+                    record.update(tokens=key_origin, positions=key_positions, kept=kept)
+                self.history.append(record)
+                if last:
+                    self.kept_positions = kept
+                    next_position = position + size
+                sinks, memory = new_sinks, new_memory
+        self.token_indices = origin
+        details: dict[str, Any] = {
+            "schedule": self.schedule,
+            "pruner": self.pruner.name,
+            "steps": len(sizes),
+            "chunk_sizes": sizes,
+            "memory_sizes": [max(step) for step in step_memory],
+            "attention_kv": attention_kv,
+            "max_position": max_position,
+            "kv_cache": max(sinks + m for m in memory),
+        }
+        if any(min(step) != max(step) for step in step_memory):
+            details["layer_memory_sizes"] = step_memory
+        return Prefilled(
+            cache=cache,
+            last_logits=logits,
+            next_position=next_position,
+            details=details,
+            kept_positions=self.kept_positions,
+        )
+
+    def _budgets(
+        self,
+        cache: Cache,
+        step: int,
+        base: list[int],
+        scores: dict[int, torch.Tensor],
+        sinks: int,
+        memory: list[int],
+        new_sinks: int,
+    ) -> list[int]:
+        """This step's memory size per layer: the schedule's, or for adaptive eq. 3 with eq. 2 measured now.
+
+        Adaptive (step > 0): each layer provisionally keeps its linear size b_i^j by the chunk's
+        scores; the share of that provisional memory that comes from the previous memory is the
+        layer's retention ratio p_i^j (eq. 2, averaged over KV heads), and eq. 3 rescales b_i^j.
+        """
+        if self.schedule != "adaptive" or step == 0:
+            return list(base)
+        retention = []
+        for j, b in enumerate(base):
+            layer_scores = self._layer_scores(cache, scores, j)
+            kept = keep_indices(layer_scores, new_sinks + b, self.sinks, _recent(self.pruner, b))
+            retention.append(retention_ratio(kept, sinks, sinks + memory[j], new_sinks))
+        return adaptive_memory(base, retention)
+
+    def _layer_scores(self, cache: Cache, scores: dict[int, torch.Tensor], layer: int) -> torch.Tensor:
+        """The pruner's (kv_heads, n) scores of `layer`'s keys; zeros (recency decides) for position-only pruners."""
+        if layer in scores:
+            return scores[layer]
+        if not self.pruner.position_only:
+            raise KvsieveError(
+                f"The {self.pruner.name} pruner saw no attention at layer {layer}; kvsieve's attention must be "
+                "active (load the model with kvsieve.load_model or kvsieve.prepare)."
+            )
+        keys = cache.layers[layer].keys
+        return torch.zeros(keys.shape[1], keys.shape[2], device=keys.device)
+
+    def _prune(
+        self, cache: Cache, scores: dict[int, torch.Tensor], budgets: list[int], sinks: int
+    ) -> list[torch.Tensor]:
+        """Keep per layer and KV head the sinks and the best `budgets[j]` memory entries; return the kept positions."""
+        kept = []
+        for j, budget in enumerate(budgets):
+            keys = cache.layers[j].keys
+            kv_heads, n = keys.shape[1], keys.shape[2]
+            if n <= sinks + budget:
+                kept.append(torch.arange(n, device=keys.device).expand(kv_heads, n))
+                continue
+            layer_scores = self._layer_scores(cache, scores, j)
+            indices = keep_indices(layer_scores, sinks + budget, self.sinks, _recent(self.pruner, budget))
+            prune_layer(cache, j, indices)
+            kept.append(indices)
+        return kept
+
+
+FEEDS = ("full", "fm", "im", "imdc")
+
+
+def make_feed(
+    name: str,
+    *,
+    chunk: int = 1024,
+    memory: int = 1024,
+    schedule: str | None = None,
+    pruner: Method | None = None,
+    sinks: int = 4,
+) -> FullPrefill | ChunkedPrefill:
+    """The feed a name stands for (CLI, benchmarks): full, fm, im or imdc.
+
+    fm keeps a fixed memory; im grows it along `schedule` (default linear); imdc adds the
+    decremental chunks. `pruner` defaults to SnapKV.
+    """
+    if name == "full":
+        return FullPrefill()
+    if name not in FEEDS:
+        raise KvsieveError(f"Unknown feed '{name}'; choose one of: {', '.join(FEEDS)}.")
+    if name == "fm" and schedule not in (None, "fixed"):
+        raise KvsieveError(
+            f"The fm feed keeps a fixed memory, so --schedule {schedule} does not apply; use --feed im or imdc."
+        )
+    schedule = "fixed" if name == "fm" else schedule or "linear"
+    if name != "fm" and schedule == "fixed":
+        raise KvsieveError(f"--feed {name} grows its memory: choose a schedule other than 'fixed' (or use --feed fm).")
+    return ChunkedPrefill(
+        chunk=chunk,
+        memory=memory,
+        schedule=schedule,
+        decremental=name == "imdc",
+        pruner=pruner or SnapKV(),
+        sinks=sinks,
+    )
+
+
+__all__ = ["FEEDS", "SCHEDULES", "ChunkedPrefill", "make_feed", "rerotate_keys", "rotate_half"]
