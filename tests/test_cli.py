@@ -208,3 +208,49 @@ def test_generate_with_critiprefill_and_its_bad_input(capsys, passkey_file):
     assert code == 2 and "multiple of block" in err
     code, _, err = run_cli(capsys, *base, "--attention-budget", "16")
     assert code == 2 and "at least one block" in err
+
+
+def test_generate_with_chunked_feeds_beyond_the_context(capsys, tmp_path):
+    """A prompt longer than the 8192 trained positions is refused for full prefill with a message that names the
+    chunked feed, and accepted by it."""
+    _, tokenizer = load_model()
+    case = passkey_case(tokenizer, 9000, 0.3, seed=11)
+    path = tmp_path / "long.txt"
+    path.write_text(case.context)
+    base = ["generate", "-c", str(path), "-q", case.question, "--max-new-tokens", "12"]
+    code, _, err = run_cli(capsys, *base)
+    assert code == 2 and "--feed imdc" in err
+    code, out, _ = run_cli(capsys, *base, "--feed", "imdc", "--chunk", "2048", "--memory", "1024", "--json")
+    result = json.loads(out)
+    feed = next(s for s in result["stages"] if s["stage"] == "feed")
+    assert code == 0 and len(result["tokens"]) > 0
+    assert feed["method"] == "imdc" and feed["details"]["pruner"] == "snapkv" and feed["details"]["steps"] == 5
+    assert result["prefill_kv_length"] == 4 + 1024 and feed["details"]["max_position"] < 8192
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--feed", "fm", "--chunk", "0"], "--chunk >= 1"),
+        (["--feed", "im", "--memory", "2", "--sinks", "4"], "smaller than the 4 sink tokens"),
+        (["--feed", "fm", "--schedule", "sqrt"], "fixed memory"),
+    ],
+)
+def test_feed_bad_input(capsys, passkey_file, extra, message):
+    path, case = passkey_file
+    code, _, err = run_cli(capsys, "generate", "-c", str(path), "-q", case.question, *extra)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_bench_compares_chunked_feeds_against_a_chosen_baseline(capsys, tmp_path):
+    out_file = tmp_path / "bench.json"
+    argv = ["bench", "--lengths", "700", "--repeats", "1", "--chunk", "256", "--memory", "128", "--out", str(out_file)]
+    code, out, _ = run_cli(capsys, *argv, "--methods", "fm,imdc", "--baseline", "fm", "--decode-tokens", "4")
+    assert code == 0 and "speedup vs fm" in out
+    data = json.loads(out_file.read_text())
+    rows = {r["method"]: r for r in data["rows"]}
+    assert rows["fm"]["prefill_kv_length"] == rows["imdc"]["prefill_kv_length"] == 4 + 128
+    summary = {s["method"]: s for s in data["summary"]}
+    assert summary["fm"]["speedup"] == [1.0, 1.0, 1.0] and summary["imdc"]["speedup"] is not None
+    code, _, err = run_cli(capsys, *argv, "--methods", "fm,imdc")
+    assert code == 2 and "--baseline full is not among" in err

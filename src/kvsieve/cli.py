@@ -96,7 +96,9 @@ def _add_kv(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--window", type=int, default=32, help="SnapKV observation window (default 32)")
     group.add_argument("--snap-kernel", type=int, default=5, help="SnapKV pooling kernel, odd (default 5)")
     group.add_argument("--pool", choices=["avg", "max"], default="avg", help="SnapKV pooling (default avg)")
-    group.add_argument("--sinks", type=int, default=4, help="StreamingLLM sink tokens (default 4)")
+    group.add_argument(
+        "--sinks", type=int, default=4, help="sink tokens kept by StreamingLLM and chunked feeds (default 4)"
+    )
     group.add_argument("--recent", type=int, default=0, help="A2SF recent tail kept outside the score (default 0)")
     group.add_argument("--interval", type=int, default=1, help="evict every N decoding steps (default 1)")
 
@@ -124,6 +126,42 @@ def _kv_stages(args: argparse.Namespace) -> dict:
     if args.evict:
         stages["evict"] = Evict(_kv_method(args, args.evict), args.budget, args.interval)
     return stages
+
+
+def _add_feed(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("feed (chunked prefill with a compressed memory: FM / IM / IMDC)")
+    group.add_argument(
+        "--feed",
+        choices=["full", "fm", "im", "imdc"],
+        default="full",
+        help="full: one pass (default); fm: fixed memory; im: incremental memory; imdc: im + decremental chunks. "
+        "Chunked feeds accept prompts longer than the model's context.",
+    )
+    group.add_argument("--chunk", type=int, default=1024, help="chunk size c in tokens (default 1024)")
+    group.add_argument("--memory", type=int, default=1024, help="maximum memory m_max per layer and head (1024)")
+    group.add_argument(
+        "--schedule",
+        choices=["linear", "sqrt", "square", "square-sqrt", "adaptive"],
+        help="im / imdc memory growth (default linear)",
+    )
+    group.add_argument(
+        "--pruner", choices=KV_METHODS, default="snapkv", help="scores memory + chunk at each step (default snapkv)"
+    )
+
+
+def _feed(args: argparse.Namespace):
+    from kvsieve.feed.chunked import make_feed
+
+    if args.feed == "full":
+        return None
+    return make_feed(
+        args.feed,
+        chunk=args.chunk,
+        memory=args.memory,
+        schedule=args.schedule,
+        pruner=_kv_method(args, args.pruner),
+        sinks=args.sinks,
+    )
 
 
 def _add_attention(parser: argparse.ArgumentParser) -> None:
@@ -221,6 +259,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         args.question,
         raw=args.raw,
         select=select,
+        feed=_feed(args),
         attention=_attention(args),
         sampling=_sampling(args),
         stream=stream,
@@ -280,6 +319,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     if not isinstance(args.budget, int):
         raise KvsieveError("bench needs --budget as a token count, so every length keeps the same cache size.")
+    if args.baseline not in args.methods:
+        raise KvsieveError(f"--baseline {args.baseline} is not among --methods {','.join(args.methods)}; add it.")
     rows = bench(
         args.methods,
         args.lengths,
@@ -290,21 +331,27 @@ def cmd_bench(args: argparse.Namespace) -> None:
         alpha=args.alpha,
         decode_tokens=args.decode_tokens,
         model=args.model,
+        chunk=args.chunk,
+        memory=args.memory,
+        schedule=args.schedule,
+        pruner=args.pruner,
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    summary = summarize(rows)
-    args.out.write_text(json.dumps({"rows": rows, "summary": summary}, indent=1))
+    summary = summarize(rows, args.baseline)
+    args.out.write_text(json.dumps({"rows": rows, "summary": summary, "baseline": args.baseline}, indent=1))
     print(
-        f"{'length':>6} {'method':<10} {'TTFT s (min/med/max)':<22} {'speedup vs full':<20} "
-        f"{'decode tok/s (med)':>18} {'peak MB (med)':>13} {'added MB (med)':>14} {'mem ratio':>9}"
+        f"{'length':>6} {'method':<12} {'TTFT s (min/med/max)':<22} {'speedup vs ' + args.baseline:<20} "
+        f"{'decode tok/s (med)':>18} {'peak MB (med)':>13} {'added MB (med)':>14} {'peak ratio':>10} "
+        f"{'added ratio':>11}"
     )
     for s in summary:
         ttft = "/".join(f"{v:.2f}" for v in s["ttft_s"])
         speed = "/".join(f"{v:.2f}" for v in s["speedup"]) if s["speedup"] else "-"
-        mem = f"{s['memory_ratio'][1]:.2f}" if s["memory_ratio"] else "-"
+        mem = f"{s['memory_ratio'][1]:.3f}" if s["memory_ratio"] else "-"
+        added = f"{s['added_ratio'][1]:.3f}" if s["added_ratio"] else "-"
         print(
-            f"{s['length']:>6} {s['method']:<10} {ttft:<22} {speed:<20} {s['decode_tokens_per_s'][1]:>18.1f} "
-            f"{s['peak_mb'][1]:>13.0f} {s['added_mb'][1]:>14.0f} {mem:>9}"
+            f"{s['length']:>6} {s['method']:<12} {ttft:<22} {speed:<20} {s['decode_tokens_per_s'][1]:>18.1f} "
+            f"{s['peak_mb'][1]:>13.0f} {s['added_mb'][1]:>14.0f} {mem:>10} {added:>11}"
         )
     print(f"\nRaw rows and summary: {args.out}")
 
@@ -398,6 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(p)
     _add_prompt(p)
     _add_gemfilter(p, default_select=None)
+    _add_feed(p)
     _add_attention(p)
     _add_kv(p)
     _add_sampling(p)
@@ -429,7 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="time-to-first-token, decode speed and peak memory per method")
     p.description = (
         "Measure time to first token, decode tokens/s and peak memory over prompt lengths. Methods: full, "
-        "gemfilter, critiprefill (paper settings: segment 512, block 32, budget 1024), and KV methods "
+        "gemfilter, critiprefill (paper settings: segment 512, block 32, budget 1024), the chunked feeds fm, im "
+        "and imdc (--chunk, --memory, --schedule, --pruner), and KV methods "
         "(snapkv compresses after prefill; h2o, a2sf, streaming and local also evict while decoding, all at "
         "--budget). Each run is its own process; repeats interleave configurations; "
         "ratios compare runs of the same repeat."
@@ -440,9 +489,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--methods",
         type=lambda s: s.split(","),
         default=["full", "gemfilter"],
-        help="comma-separated: full,gemfilter,critiprefill,snapkv,h2o,a2sf,streaming,local (default full,gemfilter)",
+        help="comma-separated: full,gemfilter,critiprefill,fm,im,imdc,snapkv,h2o,a2sf,streaming,local "
+        "(default full,gemfilter)",
     )
     p.add_argument("--budget", type=_count, default=1024, help="KV budget for KV methods (default 1024)")
+    p.add_argument(
+        "--baseline", default="full", help="method the ratios compare against (default full; fm beyond the context)"
+    )
+    p.add_argument("--chunk", type=int, default=1024, help="fm/im/imdc chunk size (default 1024)")
+    p.add_argument("--memory", type=int, default=1024, help="fm/im/imdc maximum memory (default 1024)")
+    p.add_argument(
+        "--schedule",
+        choices=["linear", "sqrt", "square", "square-sqrt", "adaptive"],
+        help="im/imdc memory growth (default linear)",
+    )
+    p.add_argument("--pruner", choices=KV_METHODS, default="snapkv", help="fm/im/imdc pruner (default snapkv)")
     p.add_argument("--alpha", type=float, default=0.2, help="A2SF forgetting factor (default 0.2)")
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded to time decoding (default 32)")
     p.add_argument("--repeats", type=int, default=3, help="repeats per configuration (default 3)")

@@ -35,6 +35,10 @@ class BenchConfig:
     alpha: float = 0.2
     decode_tokens: int = 32
     model: str | None = None
+    chunk: int = 1024
+    memory: int = 1024
+    schedule: str | None = None
+    pruner: str = "snapkv"
 
 
 def method_stages(
@@ -45,20 +49,29 @@ def method_stages(
     budget: int | float = 1024,
     alpha: float = 0.2,
     fusion_alpha: float = 0.25,
+    chunk: int = 1024,
+    memory: int = 1024,
+    schedule: str | None = None,
+    pruner: str = "snapkv",
 ) -> dict:
     """The pipeline stages a method name stands for in benchmarks and evaluation grids.
 
     full: nothing; gemfilter: GemFilter(k, layer); critiprefill: CritiPrefill (paper sizes) with
-    `fusion_alpha`; KV methods compress the cache to `budget` after a full prefill and, where they
-    have a per-step rule (all but SnapKV), keep evicting to the same budget while decoding.
+    `fusion_alpha`; fm / im / imdc: chunked feeds (chunk, memory, schedule, pruner); KV methods
+    compress the cache to `budget` after a full prefill and, where they have a per-step rule (all
+    but SnapKV), keep evicting to the same budget while decoding.
     """
     from kvsieve.attention.critiprefill import CritiPrefill
     from kvsieve.compress.methods import METHODS, make_method, supports_decode
     from kvsieve.compress.stages import Compress, Evict
+    from kvsieve.feed.chunked import FEEDS, make_feed
     from kvsieve.select.gemfilter import GemFilter
 
     if method == "full":
         return {}
+    if method in FEEDS:
+        pruning = make_method(pruner, alpha=alpha)
+        return {"feed": make_feed(method, chunk=chunk, memory=memory, schedule=schedule, pruner=pruning)}
     if method == "gemfilter":
         return {"select": GemFilter(k=k, layer=layer)}
     if method == "critiprefill":
@@ -69,12 +82,24 @@ def method_stages(
         if supports_decode(kv_method):
             stages["evict"] = Evict(kv_method, budget)
         return stages
-    raise KvsieveError(f"Unknown method '{method}'; use full, gemfilter, critiprefill or one of {', '.join(METHODS)}.")
+    raise KvsieveError(
+        f"Unknown method '{method}'; use full, gemfilter, critiprefill, fm, im, imdc or one of {', '.join(METHODS)}."
+    )
 
 
 def stages_for(config: BenchConfig) -> dict:
     """The stages of one bench configuration."""
-    return method_stages(config.method, k=config.k, layer=config.layer, budget=config.budget, alpha=config.alpha)
+    return method_stages(
+        config.method,
+        k=config.k,
+        layer=config.layer,
+        budget=config.budget,
+        alpha=config.alpha,
+        chunk=config.chunk,
+        memory=config.memory,
+        schedule=config.schedule,
+        pruner=config.pruner,
+    )
 
 
 def _memory_status(field: str) -> float:
@@ -147,7 +172,8 @@ def spread(values: Sequence[float]) -> tuple[float, float, float]:
 def bench(methods: Sequence[str], lengths: Sequence[int], repeats: int, **options) -> list[dict]:
     """Every (repeat, length, method) in its own process, configurations interleaved.
 
-    `options` are the other BenchConfig fields (k, layer, budget, alpha, decode_tokens, model).
+    `options` are the other BenchConfig fields (k, layer, budget, alpha, decode_tokens, model,
+    chunk, memory, schedule, pruner).
     """
     if repeats < 1 or not lengths or not methods:
         raise KvsieveError("bench needs at least one method, one length and one repeat.")
@@ -179,6 +205,9 @@ def summarize(rows: list[dict], baseline: str = "full") -> list[dict]:
                 "added_mb": spread([r["added_mb"] for r in mine.values()]),
                 "speedup": spread([b["ttft_s"] / m["ttft_s"] for b, m in pairs]) if pairs else None,
                 "memory_ratio": spread([m["peak_mb"] / b["peak_mb"] for b, m in pairs]) if pairs else None,
+                "added_ratio": spread(added)
+                if (added := [m["added_mb"] / b["added_mb"] for b, m in pairs if b["added_mb"] > 0])
+                else None,
             }
         )
     return summary
