@@ -128,15 +128,17 @@ def _kv_stages(args: argparse.Namespace) -> dict:
     return stages
 
 
-def _add_feed(parser: argparse.ArgumentParser) -> None:
+def _add_feed(parser: argparse.ArgumentParser, choose: bool = True) -> None:
+    """Chunked-feed options; `choose` adds --feed itself (bench names feeds as methods instead)."""
     group = parser.add_argument_group("feed (chunked prefill with a compressed memory: FM / IM / IMDC)")
-    group.add_argument(
-        "--feed",
-        choices=["full", "fm", "im", "imdc"],
-        default="full",
-        help="full: one pass (default); fm: fixed memory; im: incremental memory; imdc: im + decremental chunks. "
-        "Chunked feeds accept prompts longer than the model's context.",
-    )
+    if choose:
+        group.add_argument(
+            "--feed",
+            choices=["full", "fm", "im", "imdc"],
+            default="full",
+            help="full: one pass (default); fm: fixed memory; im: incremental memory; imdc: im + decremental "
+            "chunks. Chunked feeds accept prompts longer than the model's context.",
+        )
     group.add_argument("--chunk", type=int, default=1024, help="chunk size c in tokens (default 1024)")
     group.add_argument("--memory", type=int, default=1024, help="maximum memory m_max per layer and head (1024)")
     group.add_argument(
@@ -496,14 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--baseline", default="full", help="method the ratios compare against (default full; fm beyond the context)"
     )
-    p.add_argument("--chunk", type=int, default=1024, help="fm/im/imdc chunk size (default 1024)")
-    p.add_argument("--memory", type=int, default=1024, help="fm/im/imdc maximum memory (default 1024)")
-    p.add_argument(
-        "--schedule",
-        choices=["linear", "sqrt", "square", "square-sqrt", "adaptive"],
-        help="im/imdc memory growth (default linear)",
-    )
-    p.add_argument("--pruner", choices=KV_METHODS, default="snapkv", help="fm/im/imdc pruner (default snapkv)")
+    _add_feed(p, choose=False)
     p.add_argument("--alpha", type=float, default=0.2, help="A2SF forgetting factor (default 0.2)")
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded to time decoding (default 32)")
     p.add_argument("--repeats", type=int, default=3, help="repeats per configuration (default 3)")
