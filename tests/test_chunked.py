@@ -361,20 +361,20 @@ def test_compress_after_a_chunked_feed_ranks_the_cache_by_the_last_steps_scores(
     from kvsieve.compress.stages import Compress
 
     model = build_model("llama")
-    prompt = make_prompt(100)
-    last: dict[int, torch.Tensor] = {}
+    prompt = make_prompt(97)  # chunks of 16: the last chunk is a single token
+    calls: dict[int, list[torch.Tensor]] = {}
 
     def reference(layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
-        if query.shape[2] > 1:
-            last[layer] = H2O().prefill_scores(query[0], key[0], query.shape[-1] ** -0.5)
+        calls.setdefault(layer, []).append(H2O().prefill_scores(query[0], key[0], query.shape[-1] ** -0.5))
 
     feed = ChunkedPrefill(chunk=16, memory=40, pruner=SnapKV(window=4))
     compress = Compress(H2O(), 20)
     with attention_hooks(observers=[reference]):
         result = run(model, FakeTokenizer(), prompt, feed=feed, compress=compress, sampling=Sampling(2))
-    assert result.prefill_kv_length == 20
+    assert result.prefill_kv_length == 20 and feed.history[-1]["chunk"] == 1
     for layer in range(len(feed.kept_positions)):
-        aligned = last[layer].gather(1, feed.kept_positions[layer])  # scores of the feed's final entries
+        last = calls[layer][len(feed.history) - 1]  # the feed's last step (decoding steps come after)
+        aligned = last.gather(1, feed.kept_positions[layer])  # scores of the feed's final entries
         sinks, recent = H2O().protected(20)
         ranked = aligned.clone()
         ranked[:, :sinks] = float("inf")

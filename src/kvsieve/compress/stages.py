@@ -52,8 +52,8 @@ class Compress:
             return []
 
         def score(layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
-            if query.shape[2] > 1:
-                self._scores[layer] = self.method.prefill_scores(query[0], key[0], _scaling(query))
+            # Only active during the feed: every call (a prompt, or one chunk, even of one token) scores it.
+            self._scores[layer] = self.method.prefill_scores(query[0], key[0], _scaling(query))
 
         return [score]
 
@@ -110,16 +110,17 @@ class Evict:
         return self.method.name
 
     def observers(self) -> list[Observer]:
-        """Observers for the feed: they (re)start the running scores from the prompt."""
+        """Observers for the feed: they (re)start the running scores from the prompt (or last chunk)."""
         self._state = {}
-        return [] if self.method.position_only else [self.observe]
+        return [] if self.method.position_only else [self.observe_prompt]
+
+    def observe_prompt(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
+        """Feed pass: the initial scores of the keys it attended over, by the method's prefill scorer."""
+        self._state[layer] = self.method.prefill_scores(query[0], key[0], _scaling(query))
 
     def observe(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
-        """Prompt: initial scores. Decoding step: fold in the new attention row."""
+        """Decoding step: fold the new query's attention row into the running score (A2SF eq. 6)."""
         if self.method.position_only:
-            return
-        if query.shape[2] > 1:
-            self._state[layer] = self.method.prefill_scores(query[0], key[0], _scaling(query))
             return
         row = per_kv_head(attention_probs(query[0], key[0], _scaling(query))[:, 0], key.shape[1])  # (g, L)
         state = self._state.get(layer)
