@@ -53,6 +53,16 @@ def test_accumulated_attention_matches_eq5(qk, alpha):
     torch.testing.assert_close(accumulated_attention(query, key, 0.5, alpha, chunk=5), expected)
 
 
+def test_accumulated_attention_over_a_long_prompt_with_small_alpha():
+    """0.2^k underflows to 0 in fp32 long before 200 queries: skipping those queries must not change eq. 5."""
+    torch.manual_seed(1)
+    query, key = torch.randn(6, 200, 8), torch.randn(3, 200, 8)
+    probs = reference_attention(query, key, 0.5)
+    weights = torch.tensor([0.2 ** (199 - q) for q in range(200)], dtype=torch.float64)
+    expected = per_group((probs.double() * weights[None, :, None]).sum(1), 3).float()
+    torch.testing.assert_close(accumulated_attention(query, key, 0.5, 0.2, chunk=16), expected)
+
+
 def test_alpha_one_is_h2o_and_alpha_zero_is_last_row(qk):
     query, key = qk
     probs = reference_attention(query, key, 0.5)
