@@ -59,10 +59,10 @@ def test_needle_answered_with_critiprefill(smollm):
 def test_passkey_beyond_the_trained_context_with_imdc(smollm):
     """A 16K-token prompt (twice SmolLM2's 8192 positions) through IMDC with a SnapKV pruner.
 
-    SmolLM2-135M answers from a compressed memory only when the memory stays coherent text: with
-    SnapKV's 32-token window the scattered memory makes it garble even a key in the last chunk,
-    and keys in earlier chunks are lost with every pruner tried (docs/RESULTS.md). A 1024-token
-    window keeps the recent half of the memory intact; the key sits in the last chunks.
+    SmolLM2-135M loses keys that lie before the last chunk with every pruner tried, and with SnapKV's
+    32-token window the scattered memory garbled even a last-chunk key in some of our probes
+    (docs/RESULTS.md). A 1024-token window keeps the recent half of the memory intact; the key sits
+    in the last chunks.
     """
     from kvsieve import ChunkedPrefill, SnapKV
 
