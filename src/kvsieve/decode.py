@@ -76,6 +76,17 @@ def _cut_at_stop(text: str, stop: tuple[str, ...]) -> int | None:
     return min(hits) if hits else None
 
 
+def extend(
+    model: PreTrainedModel, cache: Cache, ids: torch.Tensor, position: int, logits_to_keep: int = 1
+) -> torch.Tensor:
+    """Run (1, t) `ids` on top of `cache` at logical positions `position`, ...; (logits_to_keep, vocab) logits."""
+    positions = torch.arange(position, position + ids.shape[1])[None]
+    out = model(
+        input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep
+    )
+    return out.logits[0]
+
+
 def decode(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -119,14 +130,8 @@ def decode(
             if stream is not None and len(text) - hold_back > emitted and not text.endswith("\ufffd"):
                 stream(text[emitted : len(text) - hold_back])
                 emitted = len(text) - hold_back
-            out = model(
-                input_ids=torch.tensor([[token]]),
-                position_ids=torch.tensor([[position]]),
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            logits, position, steps = out.logits[0, -1], position + 1, steps + 1
+            logits = extend(model, cache, torch.tensor([[token]]), position)[-1]
+            position, steps = position + 1, steps + 1
             if evict is not None:
                 evict.after_step(cache)
     if stream is not None and len(text) > emitted:

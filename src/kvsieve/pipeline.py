@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvsieve.attention import PrefillKernel, attention_hooks
@@ -20,7 +21,7 @@ from kvsieve.compress.cache import compose_kept
 from kvsieve.compress.stages import Evict
 from kvsieve.decode import Sampling, decode
 from kvsieve.errors import KvsieveError
-from kvsieve.feed import Feed
+from kvsieve.feed import Feed, Prefilled
 from kvsieve.feed.full import FullPrefill
 from kvsieve.models import architecture
 from kvsieve.prompt import Prompt, build_prompt
@@ -63,9 +64,21 @@ def _check_positions(model: PreTrainedModel, positions: int, what: str) -> None:
         )
 
 
-def run(
+@dataclass
+class Prefill:
+    """What the stages before decoding produced: the cache to decode from and their records."""
+
+    prefilled: Prefilled
+    stages: list[StageRecord]
+    seconds: float  # time to first token: selection + feed + compression + first eviction
+    kv_length: int  # cache entries per layer and KV head when the first token is picked
+    evict_details: dict[str, Any]
+    selected: torch.Tensor | None  # GemFilter's kept prompt positions
+    ids: torch.Tensor  # the ids the feed prefilled
+
+
+def prefill(
     model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
     prompt: Prompt,
     *,
     select: Selector | None = None,
@@ -73,12 +86,12 @@ def run(
     attention: PrefillKernel | None = None,
     compress: Compressor | None = None,
     evict: Evict | None = None,
-    sampling: Sampling | None = None,
-    stream: Callable[[str], None] | None = None,
-) -> GenerationResult:
-    """Generate from an already-built `Prompt` through the chosen stages."""
-    sampling = sampling or Sampling()
-    sampling.validate()
+    reserve: int = 0,
+) -> Prefill:
+    """Run select -> feed -> compress (and start `evict`) on `prompt`; `reserve` positions follow it.
+
+    Shared by generation and by evaluations that continue the cache their own way (perplexity).
+    """
     feed = feed or FullPrefill()
     if prompt.ids.ndim != 2 or prompt.ids.shape[0] != 1:
         raise KvsieveError(f"kvsieve runs batch size 1; got prompt ids of shape {tuple(prompt.ids.shape)}.")
@@ -99,9 +112,7 @@ def run(
                 )
             )
         if feed.needs_full_context:
-            _check_positions(
-                model, ids.shape[1] + sampling.max_new_tokens, f"Decoding {sampling.max_new_tokens} new tokens"
-            )
+            _check_positions(model, ids.shape[1] + reserve, f"Decoding {reserve} new tokens")
         feed_start = time.perf_counter()
         observers = [*(compress.observers() if compress else ()), *(evict.observers() if evict else ())]
         with attention_hooks(observers=observers):
@@ -117,29 +128,63 @@ def run(
         details = compress.compress(prefilled.cache, kept)
         kept = compose_kept(kept, compress.kept_positions)
         stages.append(StageRecord("compress", compress.name, time.perf_counter() - compress_start, details))
-    prefill_seconds = time.perf_counter() - start
-    prefill_kv_length = prefilled.cache.get_seq_length()
-    decode_details = {}
-    if evict is not None:
-        decode_details = evict.start(prefilled.cache, kept)
+    evict_details = evict.start(prefilled.cache, kept) if evict is not None else {}
+    return Prefill(
+        prefilled=prefilled,
+        stages=stages,
+        seconds=time.perf_counter() - start,
+        kv_length=prefilled.cache.get_seq_length(),
+        evict_details=evict_details,
+        selected=selected,
+        ids=ids,
+    )
+
+
+def run(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: Prompt,
+    *,
+    select: Selector | None = None,
+    feed: Feed | None = None,
+    attention: PrefillKernel | None = None,
+    compress: Compressor | None = None,
+    evict: Evict | None = None,
+    sampling: Sampling | None = None,
+    stream: Callable[[str], None] | None = None,
+) -> GenerationResult:
+    """Generate from an already-built `Prompt` through the chosen stages."""
+    sampling = sampling or Sampling()
+    sampling.validate()
+    done = prefill(
+        model,
+        prompt,
+        select=select,
+        feed=feed,
+        attention=attention,
+        compress=compress,
+        evict=evict,
+        reserve=sampling.max_new_tokens,
+    )
+    prefilled = done.prefilled
     decoded = decode(
         model, tokenizer, prefilled.cache, prefilled.last_logits, prefilled.next_position, sampling, stream, evict
     )
     method = "sampling" if sampling.temperature else "greedy"
-    stages.append(StageRecord("decode", method, decoded.seconds, decode_details))
+    stages = [*done.stages, StageRecord("decode", method, decoded.seconds, done.evict_details)]
     return GenerationResult(
         text=decoded.text,
         tokens=decoded.tokens,
         finish_reason=decoded.finish_reason,
         prompt_tokens=prompt.length,
-        prefill_seconds=prefill_seconds,
+        prefill_seconds=done.seconds,
         decode_seconds=decoded.seconds,
         decode_tokens_per_s=decoded.steps / decoded.seconds if decoded.steps else 0.0,
-        prefill_kv_length=prefill_kv_length,
+        prefill_kv_length=done.kv_length,
         kv_cache_length=prefilled.cache.get_seq_length(),
         stages=stages,
-        selected_indices=None if selected is None else selected.tolist(),
-        selected_text=None if selected is None else tokenizer.decode(ids[0]),
+        selected_indices=None if done.selected is None else done.selected.tolist(),
+        selected_text=None if done.selected is None else tokenizer.decode(done.ids[0]),
     )
 
 
