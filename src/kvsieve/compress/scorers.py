@@ -58,22 +58,33 @@ def accumulated_attention(
 
     alpha = 1 is H2O's accumulated attention; alpha = 0 keeps only the last query's attention.
     query (h, q, d) are the last q of n key positions; key (kv_heads, n, d). Returns (kv_heads, n).
+    This is the hot path of H2O and A2SF prompt scoring, so each chunk's logits are masked,
+    exponentiated and weighted in place: softmax normalisation is folded into the query weights
+    (w_q / row sum), which halves the passes over the (chunk x n) block.
     """
-    heads, q_len, _ = query.shape
+    heads, q_len, dim = query.shape
     kv_heads, n, _ = key.shape
-    total = torch.zeros(heads, n, dtype=torch.float32, device=query.device)
+    n_rep = heads // kv_heads
+    total = torch.zeros(kv_heads, n_rep, n, dtype=torch.float32, device=query.device)
     exponents = torch.arange(q_len - 1, -1, -1, device=query.device, dtype=torch.float32)
     weights = torch.pow(torch.tensor(float(alpha), device=query.device), exponents)  # 0**0 == 1
     # alpha^k underflows to exactly 0 in fp32 after a few dozen steps for small alpha (0.2^64 == 0):
     # those queries add nothing, so only the trailing ones with a nonzero weight are computed.
     first = q_len - int(torch.count_nonzero(weights))
+    grouped = query.float().view(kv_heads, n_rep, q_len, dim)
+    keys_t = key.float().transpose(1, 2)[:, None]  # (g, 1, d, n)
     for start in range(first, q_len, chunk):
         stop = min(start + chunk, q_len)
+        rows = stop - start
         # Keys beyond the chunk's last query are masked anyway; slice them off.
         visible = n - q_len + stop
-        probs = attention_probs(query[:, start:stop], key[:, :visible], scaling)  # (h, c, visible)
-        total[:, :visible] += torch.einsum("hcn,c->hn", probs, weights[start:stop])
-    return per_kv_head(total, kv_heads)
+        logits = torch.matmul(grouped[:, :, start:stop] * scaling, keys_t[..., :visible])  # (g, r, c, visible)
+        future = torch.ones(rows, rows, dtype=torch.bool, device=query.device).triu_(1)
+        logits[..., visible - rows :].masked_fill_(future, float("-inf"))  # causal: the diagonal block only
+        logits.sub_(logits.amax(-1, keepdim=True)).exp_()
+        row_weights = weights[start:stop] / logits.sum(-1)  # (g, r, c): alpha^k / softmax denominator
+        total[..., :visible] += torch.einsum("grcn,grc->grn", logits, row_weights)
+    return total.sum(1)
 
 
 def keep_indices(scores: torch.Tensor, budget: int, sinks: int = 0, recent: int = 0) -> torch.Tensor:
