@@ -36,7 +36,6 @@ import torch
 
 from kvsieve.compress.methods import make_method
 from kvsieve.errors import KvsieveError
-from kvsieve.eval.bench import PROMPT_OVERHEAD
 from kvsieve.feed.chunked import ChunkedPrefill, make_feed
 
 CONFIGS = ("fm", "im", "imdc")
@@ -102,7 +101,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/imdc.json"))
     args = parser.parse_args()
     from kvsieve import Sampling, generate, load_model
-    from kvsieve.eval.data import passkey_case
+    from kvsieve.eval.data import prompt_case
     from kvsieve.eval.scoring import contains
 
     configs = args.configs.split(",")
@@ -143,7 +142,7 @@ def main() -> None:
         print(f"passkey: {args.passkey_length} prompt tokens, depths {depths}", flush=True)
         rows = []
         for depth in depths:
-            case = passkey_case(tokenizer, args.passkey_length - PROMPT_OVERHEAD, depth)
+            case, _ = prompt_case(tokenizer, "passkey", args.passkey_length, depth)
             for name in names:
                 feed = config_feed(name, options, args.passkey_length)
                 result = generate(model, tokenizer, case.context, case.question, feed=feed, sampling=Sampling(16))

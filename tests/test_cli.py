@@ -5,6 +5,7 @@ import json
 import pytest
 
 from kvsieve.cli import main
+from kvsieve.eval.bench import summarize
 from kvsieve.eval.data import passkey_case
 from kvsieve.models import load_model
 
@@ -250,7 +251,58 @@ def test_bench_compares_chunked_feeds_against_a_chosen_baseline(capsys, tmp_path
     data = json.loads(out_file.read_text())
     rows = {r["method"]: r for r in data["rows"]}
     assert rows["fm"]["prefill_kv_length"] == rows["imdc"]["prefill_kv_length"] == 4 + 128
-    summary = {s["method"]: s for s in data["summary"]}
-    assert summary["fm"]["speedup"] == [1.0, 1.0, 1.0] and summary["imdc"]["speedup"] is not None
+    summary = {s["method"]: s for s in summarize(data["rows"], "fm")}
+    assert summary["fm"]["speedup"] == (1.0, 1.0, 1.0) and summary["imdc"]["speedup"] is not None
     code, _, err = run_cli(capsys, *argv, "--methods", "fm,imdc")
     assert code == 2 and "--baseline full is not among" in err
+
+
+def test_niah_ppl_and_report_on_the_real_model(capsys, tmp_path):
+    niah, ppl, plots = tmp_path / "niah.json", tmp_path / "ppl.json", tmp_path / "plots"
+    grid = ["--lengths", "700", "--depths", "0.5", "--k", "256", "--out", str(niah), "--plots", str(plots)]
+    code, out, _ = run_cli(capsys, "niah", "--methods", "full,critiprefill", *grid)
+    assert code == 0 and "Heatmaps:" in out
+    rows = json.loads(niah.read_text())["rows"]
+    assert [(r["method"], r["prompt_tokens"]) for r in rows] == [("full", 700), ("critiprefill", 700)]
+    # Full attention finds the needle at this length; CritiPrefill is dense below its budget, so identical.
+    assert rows[0]["hit"] and rows[1]["answer"] == rows[0]["answer"]
+    assert (plots / "needle_all.png").stat().st_size > 5000
+    code, out, _ = run_cli(capsys, "niah", "--methods", "full,critiprefill", *grid)
+    assert code == 0 and len(json.loads(niah.read_text())["rows"]) == 2  # resumed: nothing added
+    code, out, _ = run_cli(
+        capsys,
+        "ppl",
+        "--methods",
+        "full,snapkv",
+        "--lengths",
+        "600",
+        "--tokens",
+        "16",
+        "--budget",
+        "128",
+        "--out",
+        str(ppl),
+    )
+    assert code == 0
+    by_method = {r["method"]: r for r in json.loads(ppl.read_text())["rows"]}
+    assert by_method["snapkv"]["kv_length"] == 128 and by_method["full"]["kv_length"] == 600
+    assert 1 < by_method["full"]["ppl"] < 200  # real text under a real model
+    report = tmp_path / "docs" / "RESULTS.md"
+    code, out, _ = run_cli(capsys, "report", "--niah", str(niah), "--ppl", str(ppl), "--out", str(report))
+    assert code == 0 and "| critiprefill |" in report.read_text() and "| snapkv |" in report.read_text()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["niah", "--depths", ""], "Depths must be a non-empty list"),
+        (["niah", "--lengths", "9000"], "exceed the model's 8192 positions"),
+        (["niah", "--methods", "full,bogus"], "Unknown method(s) bogus"),
+        (["ppl", "--lengths", "8100"], "exceed the model's 8192 positions"),
+        (["bench", "--lengths", "9000", "--methods", "full,imdc"], "which full need"),
+        (["report"], "Nothing to report"),
+    ],
+)
+def test_evaluation_bad_input(capsys, tmp_path, argv, message):
+    code, _, err = run_cli(capsys, *argv, "--out", str(tmp_path / "x" / "out.json"))
+    assert code == 2 and message in err and "Traceback" not in err

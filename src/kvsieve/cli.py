@@ -128,17 +128,15 @@ def _kv_stages(args: argparse.Namespace) -> dict:
     return stages
 
 
-def _add_feed(parser: argparse.ArgumentParser, choose: bool = True) -> None:
-    """Chunked-feed options; `choose` adds --feed itself (bench names feeds as methods instead)."""
+def _add_feed(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("feed (chunked prefill with a compressed memory: FM / IM / IMDC)")
-    if choose:
-        group.add_argument(
-            "--feed",
-            choices=["full", "fm", "im", "imdc"],
-            default="full",
-            help="full: one pass (default); fm: fixed memory; im: incremental memory; imdc: im + decremental "
-            "chunks. Chunked feeds accept prompts longer than the model's context.",
-        )
+    group.add_argument(
+        "--feed",
+        choices=["full", "fm", "im", "imdc"],
+        default="full",
+        help="full: one pass (default); fm: fixed memory; im: incremental memory; imdc: im + decremental "
+        "chunks. Chunked feeds accept prompts longer than the model's context.",
+    )
     group.add_argument("--chunk", type=int, default=1024, help="chunk size c in tokens (default 1024)")
     group.add_argument("--memory", type=int, default=1024, help="maximum memory m_max per layer and head (1024)")
     group.add_argument(
@@ -244,6 +242,63 @@ def _report(result) -> None:
         _err(f"  {stage.stage:<8} {stage.method:<10} {stage.seconds:6.2f} s  {details}")
 
 
+def _add_methods(parser: argparse.ArgumentParser, default: str) -> None:
+    """--methods plus every method's settings, shared by niah, ppl and bench (same names, same configs)."""
+    from kvsieve.eval.methods import METHOD_NAMES
+
+    parser.add_argument(
+        "--methods",
+        default=default,
+        help=f"comma-separated, from: {','.join(METHOD_NAMES)} (default {default})",
+    )
+    group = parser.add_argument_group("method settings (shared by every configuration of the run)")
+    group.add_argument("--k", type=_count, default=1024, help="GemFilter tokens kept (default 1024)")
+    group.add_argument("--layer", type=int, help="GemFilter filter layer (default: calibrated)")
+    group.add_argument("--fusion-alpha", type=float, default=0.25, help="CritiPrefill layer fusion (default 0.25)")
+    group.add_argument("--chunk", type=int, default=1024, help="fm/im/imdc chunk size (default 1024)")
+    group.add_argument("--memory", type=int, default=1024, help="fm/im/imdc maximum memory (default 1024)")
+    group.add_argument(
+        "--schedule",
+        choices=["linear", "sqrt", "square", "square-sqrt", "adaptive"],
+        help="im/imdc memory growth (default linear)",
+    )
+    group.add_argument("--pruner", choices=KV_METHODS, default="snapkv", help="fm/im/imdc pruner (default snapkv)")
+    group.add_argument(
+        "--budget", type=_count, default=1024, help="KV entries kept by snapkv/h2o/a2sf/streaming/local (1024)"
+    )
+    group.add_argument("--alpha", type=float, default=0.2, help="A2SF forgetting factor (default 0.2)")
+
+
+def _methods_and_options(args: argparse.Namespace):
+    from kvsieve.eval.methods import MethodOptions, parse_methods
+
+    options = MethodOptions(
+        k=args.k,
+        layer=args.layer,
+        fusion_alpha=args.fusion_alpha,
+        chunk=args.chunk,
+        memory=args.memory,
+        schedule=args.schedule,
+        pruner=args.pruner,
+        budget=args.budget,
+        alpha=args.alpha,
+    )
+    return parse_methods(args.methods), options
+
+
+def _add_run_file(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument(
+        "--out", type=Path, default=Path(default), help=f"result JSON, written after every case (default {default})"
+    )
+    parser.add_argument(
+        "--fresh", action="store_true", help="start over instead of resuming the finished cases in --out"
+    )
+
+
+def _interrupted_hint(path: Path) -> str:
+    return f"Finished cases are saved in {path}; rerun the same command to resume."
+
+
 # ----------------------------------------------------------------------------- commands
 
 
@@ -316,31 +371,100 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         print(f"Saved to {calibration_file()}; GemFilter now defaults to layer {result.layer} for this model.")
 
 
-def cmd_bench(args: argparse.Namespace) -> None:
-    from kvsieve.eval.bench import bench, summarize
+def _resumable(path: Path, work):
+    """Run `work()`; on Ctrl-C say where the finished cases are before exiting."""
+    try:
+        return work()
+    except KeyboardInterrupt:
+        _err(f"\n{_interrupted_hint(path)}")
+        raise
 
+
+def cmd_niah(args: argparse.Namespace) -> None:
+    from kvsieve.eval.niah import plot_heatmaps, run_grid, summarize
+
+    methods, options = _methods_and_options(args)
+    model, tokenizer = _load(args)
+    document = _resumable(
+        args.out,
+        lambda: run_grid(
+            model,
+            tokenizer,
+            methods,
+            args.lengths,
+            args.depths,
+            args.out,
+            options=options,
+            probe=args.probe,
+            max_new_tokens=args.max_new_tokens,
+            model_name=args.model,
+            fresh=args.fresh,
+        ),
+    )
+    summary = summarize(document["rows"])
+    print(f"{'method':<13} {'cases':>5} {'hits':>5} {'mean ROUGE-1':>12}  per length")
+    for method, s in summary.items():
+        per_length = "  ".join(f"{n}: {v:.2f}" for n, v in s["by_length"].items())
+        print(f"{method:<13} {s['cases']:>5} {s['hits']:>5} {s['rouge1']:>12.3f}  {per_length}")
+    plots = plot_heatmaps(document, args.plots, prefix=f"{args.probe}")
+    print(f"\nCases: {args.out}\nHeatmaps: {', '.join(str(p) for p in plots)}")
+
+
+def cmd_ppl(args: argparse.Namespace) -> None:
+    from kvsieve.eval.perplexity import run_perplexity
+
+    methods, options = _methods_and_options(args)
+    model, tokenizer = _load(args)
+    document = _resumable(
+        args.out,
+        lambda: run_perplexity(
+            model,
+            tokenizer,
+            methods,
+            args.lengths,
+            args.out,
+            tokens=args.tokens,
+            options=options,
+            model_name=args.model,
+            fresh=args.fresh,
+        ),
+    )
+    rows = document["rows"]
+    full = {r["length"]: r["ppl"] for r in rows if r["method"] == "full"}
+    print(f"{'length':>6} {'method':<13} {'perplexity':>10} {'vs full':>8} {'KV after prefill':>16}")
+    for row in sorted(rows, key=lambda r: (r["length"], methods.index(r["method"]) if r["method"] in methods else 99)):
+        ratio = f"{row['ppl'] / full[row['length']]:.3f}" if row["length"] in full else "-"
+        print(f"{row['length']:>6} {row['method']:<13} {row['ppl']:>10.3f} {ratio:>8} {row['kv_length']:>16}")
+    print(f"\nRows: {args.out}")
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from kvsieve.eval.bench import bench, plot_scaling, summarize
+    from kvsieve.eval.methods import check_lengths
+    from kvsieve.models import architecture
+
+    methods, options = _methods_and_options(args)
     if not isinstance(args.budget, int):
         raise KvsieveError("bench needs --budget as a token count, so every length keeps the same cache size.")
-    if args.baseline not in args.methods:
-        raise KvsieveError(f"--baseline {args.baseline} is not among --methods {','.join(args.methods)}; add it.")
-    rows = bench(
-        args.methods,
-        args.lengths,
-        args.repeats,
-        k=args.k,
-        layer=args.layer,
-        budget=args.budget,
-        alpha=args.alpha,
-        decode_tokens=args.decode_tokens,
-        model=args.model,
-        chunk=args.chunk,
-        memory=args.memory,
-        schedule=args.schedule,
-        pruner=args.pruner,
+    if args.baseline not in methods:
+        raise KvsieveError(f"--baseline {args.baseline} is not among --methods {','.join(methods)}; add it.")
+    model, _ = _load(args)
+    check_lengths(methods, args.lengths, args.decode_tokens, architecture(model).max_positions)
+    del model
+    document = _resumable(
+        args.out,
+        lambda: bench(
+            methods,
+            args.lengths,
+            args.repeats,
+            args.out,
+            options=options,
+            decode_tokens=args.decode_tokens,
+            model=args.model,
+            fresh=args.fresh,
+        ),
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    summary = summarize(rows, args.baseline)
-    args.out.write_text(json.dumps({"rows": rows, "summary": summary, "baseline": args.baseline}, indent=1))
+    summary = summarize(document["rows"], args.baseline)
     print(
         f"{'length':>6} {'method':<12} {'TTFT s (min/med/max)':<22} {'speedup vs ' + args.baseline:<20} "
         f"{'decode tok/s (med)':>18} {'peak MB (med)':>13} {'added MB (med)':>14} {'peak ratio':>10} "
@@ -355,7 +479,15 @@ def cmd_bench(args: argparse.Namespace) -> None:
             f"{s['length']:>6} {s['method']:<12} {ttft:<22} {speed:<20} {s['decode_tokens_per_s'][1]:>18.1f} "
             f"{s['peak_mb'][1]:>13.0f} {s['added_mb'][1]:>14.0f} {mem:>10} {added:>11}"
         )
-    print(f"\nRaw rows and summary: {args.out}")
+    plot = plot_scaling(summary, args.plot)
+    print(f"\nRaw rows: {args.out}\nScaling plot: {plot}")
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    from kvsieve.eval.report import write_report
+
+    path = write_report(args.out, args.niah, args.ppl, args.bench, args.notes, args.baseline)
+    print(f"Wrote {path} (figures in {path.parent / 'figures'}, result files in {path.parent / 'results'})")
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
@@ -476,36 +608,69 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-save", action="store_true", help="do not remember the recommended layer")
     p.set_defaults(func=cmd_calibrate)
 
-    p = sub.add_parser("bench", help="time-to-first-token, decode speed and peak memory per method")
+    p = sub.add_parser("niah", help="needle-in-a-haystack or passkey grid with heatmaps, any methods")
     p.description = (
-        "Measure time to first token, decode tokens/s and peak memory over prompt lengths. Methods: full, "
-        "gemfilter, critiprefill (paper settings: segment 512, block 32, budget 1024), the chunked feeds fm, im "
-        "and imdc (--chunk, --memory, --schedule, --pruner), and KV methods "
-        "(snapkv compresses after prefill; h2o, a2sf, streaming and local also evict while decoding, all at "
-        "--budget). Each run is its own process; repeats interleave configurations; "
-        "ratios compare runs of the same repeat."
+        "Hide the San Francisco needle (or IMDC's passkey) at each depth of essays haystacks of each length, ask for "
+        "it with greedy decoding, score the answers offline (ROUGE-1 recall and whole-word match) and draw one "
+        "heatmap per method. Every case is saved as it finishes; rerunning the same command resumes."
+    )
+    _add_model(p)
+    p.add_argument("--probe", choices=["needle", "passkey"], default="needle", help="probe kind (default needle)")
+    p.add_argument("--lengths", type=_int_list, default=[2048, 4096, 8000], help="prompt lengths in tokens")
+    p.add_argument(
+        "--depths", type=_float_list, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=48, help="answer length limit (default 48)")
+    _add_methods(p, "full,gemfilter")
+    _add_run_file(p, "runs/niah.json")
+    p.add_argument("--plots", type=Path, default=Path("runs/plots"), help="folder for the heatmap PNGs")
+    p.set_defaults(func=cmd_niah)
+
+    p = sub.add_parser("ppl", help="perplexity of essay text continued after each method's context")
+    p.description = (
+        "For each length, the essay text's LENGTH tokens before a fixed point are the context, handled by each "
+        "method as it handles a prompt (selection, chunked feed, sparse prefill, compression); the next --tokens "
+        "tokens are teacher-forced on the resulting cache, evicting after every step where the method does. "
+        "Reports exp(mean NLL) of those tokens. Rows are saved as they finish; rerunning resumes."
+    )
+    _add_model(p)
+    p.add_argument("--lengths", type=_int_list, default=[2048, 4096, 8000], help="context lengths in tokens")
+    p.add_argument("--tokens", type=int, default=192, help="continuation tokens scored (default 192)")
+    _add_methods(p, "full,snapkv,h2o,a2sf,streaming")
+    _add_run_file(p, "runs/ppl.json")
+    p.set_defaults(func=cmd_ppl)
+
+    p = sub.add_parser("bench", help="time-to-first-token, decode speed and peak memory over prompt lengths")
+    p.description = (
+        "Scaling study: time to first token, decode tokens/s and peak memory of each method over prompt lengths, "
+        "each run in its own process, repeats interleaving the configurations, ratios against --baseline taken "
+        "within the same repeat; writes a log-log plot of cost against length. Rerunning resumes."
     )
     _add_model(p)
     p.add_argument("--lengths", type=_int_list, default=[2048, 4096, 8000], help="prompt lengths in tokens")
-    p.add_argument(
-        "--methods",
-        type=lambda s: s.split(","),
-        default=["full", "gemfilter"],
-        help="comma-separated: full,gemfilter,critiprefill,fm,im,imdc,snapkv,h2o,a2sf,streaming,local "
-        "(default full,gemfilter)",
-    )
-    p.add_argument("--budget", type=_count, default=1024, help="KV budget for KV methods (default 1024)")
+    _add_methods(p, "full,gemfilter")
     p.add_argument(
         "--baseline", default="full", help="method the ratios compare against (default full; fm beyond the context)"
     )
-    _add_feed(p, choose=False)
-    p.add_argument("--alpha", type=float, default=0.2, help="A2SF forgetting factor (default 0.2)")
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded to time decoding (default 32)")
     p.add_argument("--repeats", type=int, default=3, help="repeats per configuration (default 3)")
-    p.add_argument("--k", type=int, default=1024, help="GemFilter k (default 1024)")
-    p.add_argument("--layer", type=int, help="GemFilter filter layer (default: calibrated)")
-    p.add_argument("--out", type=Path, default=Path("runs/bench.json"), help="where to write raw results")
+    _add_run_file(p, "runs/bench.json")
+    p.add_argument("--plot", type=Path, default=Path("runs/plots/scaling.png"), help="log-log cost plot (PNG)")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("report", help="one Markdown report of niah, ppl and bench results, with figures")
+    p.description = (
+        "Put quality (needle/passkey heatmaps, perplexity) and cost (time to first token, decode speed, peak memory) "
+        "of every method side by side in one Markdown file. The result files are copied to results/ and the "
+        "figures drawn to figures/ next to --out; every number comes from the files."
+    )
+    p.add_argument("--niah", type=Path, action="append", default=[], help="kvsieve niah result file (repeatable)")
+    p.add_argument("--ppl", type=Path, help="kvsieve ppl result file")
+    p.add_argument("--bench", type=Path, help="kvsieve bench result file")
+    p.add_argument("--baseline", default="full", help="method the ratios compare against (default full)")
+    p.add_argument("--notes", type=Path, help="a Markdown file of further measurements to link at the end")
+    p.add_argument("--out", type=Path, default=Path("docs/RESULTS.md"), help="report path (default docs/RESULTS.md)")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("simulate", help="eviction replayed at every position: perplexity and Table-2 cosine")
     p.description = (

@@ -14,92 +14,32 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
 from kvsieve.errors import KvsieveError
-
-# Tokens of chat template and question around the context, so a bench "length" is the prompt's.
-PROMPT_OVERHEAD = 64
+from kvsieve.eval import records
+from kvsieve.eval.methods import MethodOptions
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    method: str  # "full", "gemfilter" or a KV method name (snapkv, h2o, a2sf, streaming, local)
+    method: str  # a name of kvsieve.eval.methods.METHOD_NAMES
     length: int  # prompt tokens
-    k: int = 1024
-    layer: int | None = None
-    budget: int = 1024
-    alpha: float = 0.2
+    options: MethodOptions = MethodOptions()
     decode_tokens: int = 32
     model: str | None = None
-    chunk: int = 1024
-    memory: int = 1024
-    schedule: str | None = None
-    pruner: str = "snapkv"
 
+    @classmethod
+    def from_json(cls, text: str) -> BenchConfig:
+        fields = json.loads(text)
+        return cls(**{**fields, "options": MethodOptions(**fields["options"])})
 
-def method_stages(
-    method: str,
-    *,
-    k: int | float = 1024,
-    layer: int | None = None,
-    budget: int | float = 1024,
-    alpha: float = 0.2,
-    fusion_alpha: float = 0.25,
-    chunk: int = 1024,
-    memory: int = 1024,
-    schedule: str | None = None,
-    pruner: str = "snapkv",
-) -> dict:
-    """The pipeline stages a method name stands for in benchmarks and evaluation grids.
-
-    full: nothing; gemfilter: GemFilter(k, layer); critiprefill: CritiPrefill (paper sizes) with
-    `fusion_alpha`; fm / im / imdc: chunked feeds (chunk, memory, schedule, pruner); KV methods
-    compress the cache to `budget` after a full prefill and, where they have a per-step rule (all
-    but SnapKV), keep evicting to the same budget while decoding.
-    """
-    from kvsieve.attention.critiprefill import CritiPrefill
-    from kvsieve.compress.methods import METHODS, make_method, supports_decode
-    from kvsieve.compress.stages import Compress, Evict
-    from kvsieve.feed.chunked import FEEDS, make_feed
-    from kvsieve.select.gemfilter import GemFilter
-
-    if method == "full":
-        return {}
-    if method in FEEDS:
-        pruning = make_method(pruner, alpha=alpha)
-        return {"feed": make_feed(method, chunk=chunk, memory=memory, schedule=schedule, pruner=pruning)}
-    if method == "gemfilter":
-        return {"select": GemFilter(k=k, layer=layer)}
-    if method == "critiprefill":
-        return {"attention": CritiPrefill(alpha=fusion_alpha)}
-    if method in METHODS:
-        kv_method = make_method(method, alpha=alpha)
-        stages = {"compress": Compress(kv_method, budget)}
-        if supports_decode(kv_method):
-            stages["evict"] = Evict(kv_method, budget)
-        return stages
-    raise KvsieveError(
-        f"Unknown method '{method}'; use full, gemfilter, critiprefill, fm, im, imdc or one of {', '.join(METHODS)}."
-    )
-
-
-def stages_for(config: BenchConfig) -> dict:
-    """The stages of one bench configuration."""
-    return method_stages(
-        config.method,
-        k=config.k,
-        layer=config.layer,
-        budget=config.budget,
-        alpha=config.alpha,
-        chunk=config.chunk,
-        memory=config.memory,
-        schedule=config.schedule,
-        pruner=config.pruner,
-    )
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
 
 
 def _memory_status(field: str) -> float:
@@ -119,24 +59,23 @@ def measure(config: BenchConfig) -> dict:
     import torch
 
     from kvsieve.decode import Sampling
-    from kvsieve.eval.data import needle_case
+    from kvsieve.eval.data import prompt_case
     from kvsieve.models import load_model
     from kvsieve.pipeline import run
-    from kvsieve.prompt import build_prompt
 
     model, tokenizer = load_model(config.model)
-    stages_for(config)  # validate before any work
-    case = needle_case(tokenizer, config.length - PROMPT_OVERHEAD, 0.5)
-    prompt = build_prompt(tokenizer, case.context, case.question)
+    stages = config.options.stages(config.method)  # validate before any work
+    _, prompt = prompt_case(tokenizer, "needle", config.length, 0.5)
     sampling = Sampling(max_new_tokens=config.decode_tokens)
-    warm = build_prompt(tokenizer, needle_case(tokenizer, 2 * config.k, 0.5).context, case.question)
-    run(model, tokenizer, warm, sampling=sampling, **stages_for(config))  # warm-up: allocator, kernels
+    _, warm = prompt_case(tokenizer, "needle", min(2048, config.length), 0.5)
+    run(model, tokenizer, warm, sampling=sampling, **stages)  # warm-up: allocator, kernels
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     _reset_peak_rss()
     before = _memory_status("VmRSS")
-    result = run(model, tokenizer, prompt, sampling=sampling, **stages_for(config))
+    stages = config.options.stages(config.method)  # fresh stage objects for the measured call
+    result = run(model, tokenizer, prompt, sampling=sampling, **stages)
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else _memory_status("VmHWM")
     return {
         "method": config.method,
@@ -155,7 +94,7 @@ def measure(config: BenchConfig) -> dict:
 def run_in_process(config: BenchConfig) -> dict:
     """Measure `config` in a fresh Python process (clean peak memory)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "kvsieve.eval.bench", json.dumps(config.__dict__)],
+        [sys.executable, "-m", "kvsieve.eval.bench", config.to_json()],
         capture_output=True,
         text=True,
     )
@@ -169,22 +108,37 @@ def spread(values: Sequence[float]) -> tuple[float, float, float]:
     return min(values), statistics.median(values), max(values)
 
 
-def bench(methods: Sequence[str], lengths: Sequence[int], repeats: int, **options) -> list[dict]:
-    """Every (repeat, length, method) in its own process, configurations interleaved.
+def bench(
+    methods: Sequence[str],
+    lengths: Sequence[int],
+    repeats: int,
+    out: Path,
+    *,
+    options: MethodOptions | None = None,
+    decode_tokens: int = 32,
+    model: str | None = None,
+    fresh: bool = False,
+) -> dict[str, Any]:
+    """Every (repeat, length, method) in its own process, configurations interleaved; saved to `out`.
 
-    `options` are the other BenchConfig fields (k, layer, budget, alpha, decode_tokens, model,
-    chunk, memory, schedule, pruner).
+    Rows are saved after every run; rerunning with the same settings resumes where it stopped.
     """
+    options = options or MethodOptions()
     if repeats < 1 or not lengths or not methods:
         raise KvsieveError("bench needs at least one method, one length and one repeat.")
     for method in methods:
-        stages_for(BenchConfig(method, lengths[0], **options))  # fail fast on a bad name or option
-    rows = []
-    grid = [(r, n, m) for r in range(repeats) for n in lengths for m in methods]
+        options.stages(method)  # fail fast on a bad name or option
+    settings = {"options": asdict(options), "decode_tokens": decode_tokens, "model": model}
+    document = records.open_results(out, "bench", settings, fresh=fresh)
+    done = {(r["repeat"], r["requested_length"], r["method"]) for r in document["rows"]}
+    grid = [(r, n, m) for r in range(repeats) for n in lengths for m in methods if (r, n, m) not in done]
     for rep, length, method in tqdm(grid, desc="bench", unit="run"):
-        row = run_in_process(BenchConfig(method, length, **options))
-        rows.append({**row, "repeat": rep, "requested_length": length})
-    return rows
+        row = run_in_process(BenchConfig(method, length, options, decode_tokens, model))
+        document["rows"].append({**row, "repeat": rep, "requested_length": length})
+        records.save(out, document)
+    if not grid:
+        records.save(out, document)
+    return document
 
 
 def summarize(rows: list[dict], baseline: str = "full") -> list[dict]:
@@ -213,5 +167,37 @@ def summarize(rows: list[dict], baseline: str = "full") -> list[dict]:
     return summary
 
 
+def plot_scaling(summary: list[dict], path: Path, title: str = "") -> Path:
+    """Log-log cost against prompt length per method: TTFT, decode tokens/s, peak memory (median, min-max bars)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not summary:
+        raise KvsieveError("No benchmark rows to plot yet.")
+    panels = [("ttft_s", "time to first token (s)"), ("decode_tokens_per_s", "decode tokens/s"), ("peak_mb", "peak MB")]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for method in dict.fromkeys(s["method"] for s in summary):
+        mine = sorted((s for s in summary if s["method"] == method), key=lambda s: s["length"])
+        lengths = [s["length"] for s in mine]
+        for ax, (key, label) in zip(axes, panels, strict=True):
+            low, mid, high = zip(*(s[key] for s in mine), strict=True)
+            errors = [[m - lo for m, lo in zip(mid, low, strict=True)], [h - m for m, h in zip(mid, high, strict=True)]]
+            ax.errorbar(lengths, mid, yerr=errors, marker="o", capsize=3, label=method)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("prompt tokens")
+            ax.set_ylabel(label)
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title or "cost against prompt length (median, bars: min-max over repeats)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 if __name__ == "__main__":  # worker entry point: one configuration, one JSON line on stdout
-    print(json.dumps(measure(BenchConfig(**json.loads(sys.argv[1])))))
+    print(json.dumps(measure(BenchConfig.from_json(sys.argv[1]))))

@@ -18,6 +18,7 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerBase
 
 from kvsieve.errors import KvsieveError
+from kvsieve.prompt import Prompt, build_prompt
 
 NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
 NEEDLE_QUESTION = "What is the best thing to do in San Francisco? Answer in one sentence."
@@ -91,7 +92,8 @@ def passkey_case(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, 
     key = str(random.Random(seed).randint(10000, 99999))
     needle = f"The pass key is {key}. Remember it. {key} is the pass key."
     filler = " ".join([PASSKEY_FILLER] * (length // 20 + 1))
-    context, start = _insert(tokenizer, filler, needle, length - 40, depth)
+    intro_len = len(tokenizer(PASSKEY_INTRO, add_special_tokens=False)["input_ids"])
+    context, start = _insert(tokenizer, filler, needle, length - intro_len, depth)
     context = f"{PASSKEY_INTRO} {context}"
     return Case(context, PASSKEY_QUESTION, key, needle, start + len(PASSKEY_INTRO) + 1, length, depth)
 
@@ -101,3 +103,24 @@ PROBES: dict[str, Callable[[PreTrainedTokenizerBase, int, float], Case]] = {
     "passkey": passkey_case,
     "needle": needle_case,
 }
+
+
+def prompt_case(tokenizer: PreTrainedTokenizerBase, probe: str, length: int, depth: float) -> tuple[Case, Prompt]:
+    """A `probe` case whose chat prompt (template + context + question) is `length` tokens long.
+
+    The template and question take a fixed number of tokens, measured on a short case; the
+    context gets the rest. Re-tokenizing the cut haystack can shift the count by a token or
+    two, so callers record the prompt's real length.
+    """
+    if probe not in PROBES:
+        raise KvsieveError(f"Unknown probe '{probe}'; choose from {', '.join(PROBES)}.")
+    sample = PROBES[probe](tokenizer, 256, depth)
+    sample_prompt = build_prompt(tokenizer, sample.context, sample.question)
+    overhead = sample_prompt.length - sample_prompt.context_len
+    if length - overhead < 64:
+        raise KvsieveError(
+            f"A {probe} prompt of {length} tokens is too short: template and question take {overhead} and the "
+            "haystack needs at least 64 more."
+        )
+    case = PROBES[probe](tokenizer, length - overhead, depth)
+    return case, build_prompt(tokenizer, case.context, case.question)

@@ -1,0 +1,176 @@
+"""Optional: kvsieve's SnapKV and StreamingLLM against NVIDIA's kvpress on the same prompts and model.
+
+kvpress is not a kvsieve dependency (it pins transformers < 5.3); run this script from a separate
+environment that has both, for example:
+
+    python3 -m venv runs/kvpress-venv
+    runs/kvpress-venv/bin/pip install torch==2.13.0
+    runs/kvpress-venv/bin/pip install kvpress==0.5.5 "transformers>=5.0,<5.3" accelerate gguf safetensors \
+        tqdm matplotlib
+    runs/kvpress-venv/bin/pip install --no-deps -e .
+    runs/kvpress-venv/bin/python benchmarks/kvpress_compare.py --lengths 2048,4096,8000 --out runs/kvpress.json
+
+For each needle prompt and press, both libraries compress the prefilled cache of the whole prompt to
+the same number of entries per layer and KV head (kvpress `compression_ratio`, kvsieve `budget`),
+from two copies of the default model (kvpress hooks the stock SDPA attention; kvsieve routes
+attention through its own function). Reported per press and length:
+- selection agreement: |kept by both| / |kept| averaged over layers and KV heads (1.0 = identical);
+- the greedy answers of both compressed caches (decoded with explicit positions) and whether they match;
+- prefill + compression time of each, repeats interleaved, ratio kvpress / kvsieve (> 1: kvsieve faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def kvpress_run(model, ids: torch.Tensor, press) -> tuple[float, list[torch.Tensor], object]:
+    """Prefill `ids` under `press`; (seconds, per-layer kept indices (kv_heads, kept), cache)."""
+    from transformers import DynamicCache
+
+    kept: list[torch.Tensor] = []
+    score = press.score
+
+    def recording_score(module, hidden_states, keys, values, attentions, kwargs):
+        scores = score(module, hidden_states, keys, values, attentions, kwargs)
+        n_kept = int(keys.shape[2] * (1 - press.compression_ratio))
+        kept.append(scores[0].topk(n_kept, dim=-1).indices.sort(dim=-1).values)
+        return scores
+
+    press.score = recording_score
+    cache = DynamicCache()
+    start = time.perf_counter()
+    with torch.no_grad(), press(model):
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    seconds = time.perf_counter() - start
+    press.score = score
+    return seconds, kept, (cache, out.logits[0, -1])
+
+
+def kvsieve_run(model, prompt, method, budget: int) -> tuple[float, list[torch.Tensor], object]:
+    """Prefill `prompt` and compress with kvsieve; same outputs as kvpress_run."""
+    from kvsieve.compress.stages import Compress
+    from kvsieve.pipeline import prefill
+
+    compress = Compress(method, budget)
+    start = time.perf_counter()
+    with torch.no_grad():
+        done = prefill(model, prompt, compress=compress)
+    seconds = time.perf_counter() - start
+    return seconds, compress.kept_positions, (done.prefilled.cache, done.prefilled.last_logits)
+
+
+def greedy(model, tokenizer, cache, logits, position: int, tokens: int) -> str:
+    """Greedy continuation of a (compressed) cache, positions passed explicitly."""
+    from kvsieve.decode import extend
+
+    out = []
+    with torch.no_grad():
+        for step in range(tokens):
+            token = int(logits.argmax())
+            if token == tokenizer.eos_token_id:
+                break
+            out.append(token)
+            logits = extend(model, cache, torch.tensor([[token]]), position + step)[-1]
+    return tokenizer.decode(out, skip_special_tokens=True)
+
+
+def agreement(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """Mean over layers and KV heads of |a & b| / |a|."""
+    fractions = []
+    for layer_a, layer_b in zip(a, b, strict=True):
+        for head_a, head_b in zip(layer_a, layer_b, strict=True):
+            fractions.append(len(set(head_a.tolist()) & set(head_b.tolist())) / len(head_a))
+    return sum(fractions) / len(fractions)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", default="2048,4096,8000", help="prompt lengths in tokens")
+    parser.add_argument("--ratio", type=float, default=0.75, help="fraction of the cache removed (default 0.75)")
+    parser.add_argument("--window", type=int, default=64, help="SnapKV window, both libraries (default 64)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--answer-tokens", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=Path("runs/kvpress.json"))
+    args = parser.parse_args()
+    try:
+        import kvpress
+        from kvpress import SnapKVPress, StreamingLLMPress
+    except ImportError:
+        parser.error("kvpress is not installed in this environment; see this script's --help for a separate one.")
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from kvsieve.compress.methods import SnapKV, StreamingLLM
+    from kvsieve.eval.data import prompt_case
+    from kvsieve.eval.records import machine
+    from kvsieve.models import converted_default_dir, load_model
+
+    ours, tokenizer = load_model()
+    theirs = AutoModelForCausalLM.from_pretrained(
+        converted_default_dir(), dtype=torch.float32, attn_implementation="sdpa"
+    )
+    theirs.eval()
+    presses = {
+        "snapkv": (
+            lambda: SnapKVPress(compression_ratio=args.ratio, window_size=args.window),
+            SnapKV(window=args.window),
+        ),
+        "streaming": (lambda: StreamingLLMPress(compression_ratio=args.ratio, n_sink=4), StreamingLLM(sinks=4)),
+    }
+    rows = []
+    for length in [int(n) for n in args.lengths.split(",")]:
+        case, prompt = prompt_case(tokenizer, "needle", length, 0.5)
+        budget = int(prompt.length * (1 - args.ratio))
+        for name, (make_press, method) in presses.items():
+            times = {"kvpress": [], "kvsieve": []}
+            for _ in range(args.repeats):
+                t_press, kept_press, (cache_p, logits_p) = kvpress_run(theirs, prompt.ids, make_press())
+                t_ours, kept_ours, (cache_o, logits_o) = kvsieve_run(ours, prompt, method, budget)
+                times["kvpress"].append(t_press)
+                times["kvsieve"].append(t_ours)
+            answers = {
+                "kvpress": greedy(theirs, tokenizer, cache_p, logits_p, prompt.length, args.answer_tokens),
+                "kvsieve": greedy(ours, tokenizer, cache_o, logits_o, prompt.length, args.answer_tokens),
+            }
+            ratios = [p / o for p, o in zip(times["kvpress"], times["kvsieve"], strict=True)]
+            row = {
+                "press": name,
+                "length": prompt.length,
+                "kept": budget,
+                "agreement": agreement(kept_ours, kept_press),
+                "answers": answers,
+                "same_answer": answers["kvpress"] == answers["kvsieve"],
+                "needle_in_answer": {k: case.answer.lower() in v.lower() for k, v in answers.items()},
+                "seconds": {k: sorted(v) for k, v in times.items()},
+                "kvpress_over_kvsieve": [min(ratios), statistics.median(ratios), max(ratios)],
+            }
+            rows.append(row)
+            print(
+                f"{name:<9} {prompt.length:>5} tokens keep {budget:>5}: agreement {row['agreement']:.4f}, "
+                f"same answer {row['same_answer']}, time kvpress/kvsieve (min/med/max) "
+                + "/".join(f"{r:.2f}" for r in row["kvpress_over_kvsieve"]),
+                flush=True,
+            )
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            document = {
+                "kind": "kvpress",
+                "versions": {
+                    "kvpress": getattr(kvpress, "__version__", "0.5.5"),
+                    "transformers": transformers.__version__,
+                },
+                "machine": machine(),
+                "settings": vars(args) | {"out": str(args.out)},
+                "rows": rows,
+            }
+            args.out.write_text(json.dumps(document, indent=1))
+
+
+if __name__ == "__main__":
+    main()

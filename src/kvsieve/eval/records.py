@@ -1,0 +1,112 @@
+"""Result files of long evaluation runs: written after every row, resumable, self-describing.
+
+A result file is JSON: {"kind", "schema", "command", "machine", "settings", "rows"}. `settings`
+are everything that changes a row's value (methods' options, probe, tokens); rerunning with the
+same settings resumes (finished rows are kept and skipped), with other settings it refuses to mix
+them. Every save writes a temporary file and renames it, so Ctrl-C never leaves a torn file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvsieve.errors import KvsieveError
+
+SCHEMA = 1
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on: CPU, cores, memory, GPU, library versions."""
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if "model name" in line]
+        cpu = names[0] if names else cpu
+    memory_gb = None
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        total_kb = int(meminfo.read_text().split("MemTotal:")[1].split()[0])
+        memory_gb = round(total_kb / 2**20, 1)
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_gb": memory_gb,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def command_line() -> str:
+    """The command as the user typed it (program name shortened to `kvsieve`)."""
+    program = Path(sys.argv[0]).name
+    program = "kvsieve" if program in ("kvsieve", "__main__.py", "cli.py") else program
+    return shlex.join([program, *sys.argv[1:]])
+
+
+def check_writable(path: Path) -> None:
+    """Fail before any work if `path` cannot be written (directory missing rights, a folder, ...)."""
+    if path.is_dir():
+        raise KvsieveError(f"Output {path} is a directory; give a file name such as {path / 'results.json'}.")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe = path.with_name(path.name + ".probe")
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise KvsieveError(f"Cannot write results to {path}: {error}. Choose another --out.") from error
+
+
+def open_results(path: Path, kind: str, settings: dict[str, Any], fresh: bool = False) -> dict[str, Any]:
+    """The result document to fill: the existing one when it was made with `settings`, else a new one.
+
+    Raises when `path` holds another kind of result or other settings (unless `fresh`, which
+    starts over and overwrites it at the first save).
+    """
+    check_writable(path)
+    settings = json.loads(json.dumps(settings))  # the form it takes once saved (tuples -> lists)
+    new = {"kind": kind, "schema": SCHEMA, "command": command_line(), "machine": machine(), "settings": settings}
+    if fresh or not path.exists():
+        return {**new, "rows": []}
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise KvsieveError(f"{path} exists but is not a kvsieve result file ({error}); use --fresh or --out.") from None
+    if old.get("kind") != kind or old.get("schema") != SCHEMA:
+        raise KvsieveError(f"{path} holds {old.get('kind')!r} results, not {kind!r}; choose another --out.")
+    if old.get("settings") != settings:
+        changed = sorted(k for k in {*settings, *old.get("settings", {})} if settings.get(k) != old["settings"].get(k))
+        raise KvsieveError(
+            f"{path} was made with other settings ({', '.join(changed)} differ), so its rows cannot be resumed. "
+            "Rerun with the same settings, add --fresh to start over, or choose another --out."
+        )
+    return {**new, "rows": old.get("rows", [])}
+
+
+def save(path: Path, document: dict[str, Any]) -> None:
+    """Write `document` atomically (temporary file + rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(document, indent=1))
+    os.replace(tmp, path)
+
+
+def load(path: Path, kind: str) -> dict[str, Any]:
+    """Read a result file of `kind`, with a clear error when it is missing or of another kind."""
+    try:
+        document = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise KvsieveError(f"Cannot read {kind} results from {path}: {error}") from None
+    if document.get("kind") != kind:
+        raise KvsieveError(f"{path} holds {document.get('kind')!r} results, not {kind!r}.")
+    return document

