@@ -25,6 +25,7 @@ import argparse
 import json
 import statistics
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
@@ -100,7 +101,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/kvpress.json"))
     args = parser.parse_args()
     try:
-        import kvpress
         from kvpress import SnapKVPress, StreamingLLMPress
     except ImportError:
         parser.error("kvpress is not installed in this environment; see this script's --help for a separate one.")
@@ -162,7 +162,7 @@ def main() -> None:
             document = {
                 "kind": "kvpress",
                 "versions": {
-                    "kvpress": getattr(kvpress, "__version__", "0.5.5"),
+                    "kvpress": version("kvpress"),
                     "transformers": transformers.__version__,
                 },
                 "machine": machine(),

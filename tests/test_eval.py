@@ -320,3 +320,37 @@ def test_report_needs_some_results(tmp_path):
     (tmp_path / "x.json").write_text("{not json")
     with pytest.raises(KvsieveError, match="Cannot read niah results"):
         write_report(tmp_path / "R.md", [tmp_path / "x.json"])
+
+
+def test_report_shows_the_optional_kvpress_comparison(tmp_path):
+    niah_doc = {
+        "kind": "niah",
+        "schema": 1,
+        "command": "kvsieve niah",
+        "machine": records.machine(),
+        "settings": {"methods": ["full"], "options": SMALL.__dict__, "probe": "needle", "max_new_tokens": 8},
+        "rows": [{"method": "full", "length": 200, "depth": 0.5, "rouge1": 1.0, "hit": True}],
+    }
+    kvpress_doc = {  # the shape benchmarks/kvpress_compare.py writes
+        "kind": "kvpress",
+        "versions": {"kvpress": "0.5.5", "transformers": "5.2.0"},
+        "machine": records.machine(),
+        "rows": [
+            {
+                "press": "snapkv",
+                "length": 2048,
+                "kept": 512,
+                "agreement": 0.98765,
+                "same_answer": False,
+                "needle_in_answer": {"kvsieve": True, "kvpress": False},
+                "kvpress_over_kvsieve": [0.9, 1.1, 1.3],
+            }
+        ],
+    }
+    (tmp_path / "n.json").write_text(json.dumps(niah_doc))
+    (tmp_path / "k.json").write_text(json.dumps(kvpress_doc))
+    out = write_report(tmp_path / "docs" / "R.md", [tmp_path / "n.json"], kvpress_file=tmp_path / "k.json")
+    text = out.read_text()
+    assert "kvpress 0.5.5 with transformers 5.2.0" in text
+    assert "| snapkv | 2048 | 512 | 0.9877 | no | yes / no | 0.90 / 1.10 / 1.30 |" in text
+    assert (out.parent / "results" / "k.json").is_file()

@@ -287,6 +287,34 @@ class Report:
         return lines
 
 
+def kvpress_section(document: dict[str, Any], link: str) -> list[str]:
+    """The optional comparison with NVIDIA's kvpress (benchmarks/kvpress_compare.py)."""
+    versions = document["versions"]
+    lines = [
+        "",
+        "## Against NVIDIA's kvpress (optional)",
+        "",
+        f"`benchmarks/kvpress_compare.py`, kvpress {versions['kvpress']} with transformers {versions['transformers']} "
+        f"in a separate environment, on {_machine_line(document['machine'])}. Both libraries compress the "
+        "prefilled cache of the same needle prompt (depth 0.5) to the same number of entries per layer and KV head. "
+        "Agreement: share of kvpress's kept positions that kvsieve keeps too, over layers and KV heads. Time: "
+        "prefill + compression, kvpress / kvsieve within a repeat (above 1: kvsieve is faster).",
+        "",
+        "| press | prompt tokens | kept | selection agreement | same greedy answer | needle in answer "
+        "(kvsieve / kvpress) | time kvpress / kvsieve (min/med/max) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in document["rows"]:
+        yes = {True: "yes", False: "no"}
+        needle = r["needle_in_answer"]
+        lines.append(
+            f"| {r['press']} | {r['length']} | {r['kept']} | {r['agreement']:.4f} | {yes[r['same_answer']]} "
+            f"| {yes[needle['kvsieve']]} / {yes[needle['kvpress']]} "
+            f"| {_spread(r['kvpress_over_kvsieve'])} |"
+        )
+    return [*lines, "", f"Rows: [{Path(link).name}]({link})."]
+
+
 def write_report(
     out: Path,
     niah_files: Sequence[Path] = (),
@@ -294,6 +322,7 @@ def write_report(
     bench_file: Path | None = None,
     notes: Path | None = None,
     baseline: str = "full",
+    kvpress_file: Path | None = None,
 ) -> Path:
     """Write the Markdown report to `out`, with `results/` (copied inputs) and `figures/` beside it."""
     niah_docs = [records.load(p, "niah") for p in niah_files]
@@ -301,6 +330,7 @@ def write_report(
         raise KvsieveError("Give at most one niah result file per probe (needle, passkey).")
     ppl = records.load(ppl_file, "ppl") if ppl_file else None
     bench = records.load(bench_file, "bench") if bench_file else None
+    kvpress = records.load(kvpress_file, "kvpress") if kvpress_file else None
     report = Report(niah_docs, ppl, bench, baseline)
     records.check_writable(out)
     root = out.parent
@@ -336,6 +366,11 @@ def write_report(
         "",
         "Raw rows: " + ", ".join(f"[{p.name}]({p.relative_to(root).as_posix()})" for p in copied) + ".",
     ]
+    if kvpress:
+        target = results / Path(kvpress_file).name
+        if Path(kvpress_file).resolve() != target.resolve():
+            shutil.copyfile(kvpress_file, target)
+        lines += kvpress_section(kvpress, target.relative_to(root).as_posix())
     if notes:
         link = Path(os.path.relpath(notes, root)).as_posix()
         lines += ["", f"More measurements (per-method studies, longer prompts, ablations): [{notes.name}]({link})."]
