@@ -354,3 +354,19 @@ def test_report_shows_the_optional_kvpress_comparison(tmp_path):
     assert "kvpress 0.5.5 with transformers 5.2.0" in text
     assert "| snapkv | 2048 | 512 | 0.9877 | no | yes / no | 0.90 / 1.10 / 1.30 |" in text
     assert (out.parent / "results" / "k.json").is_file()
+
+
+def test_cli_ctrl_c_keeps_finished_cases_and_says_how_to_resume(model, chat_tokenizer, tmp_path, monkeypatch, capsys):
+    from kvsieve import cli
+
+    monkeypatch.setattr(cli, "_load", lambda args: (model, chat_tokenizer))
+    out, plots = tmp_path / "niah.json", tmp_path / "plots"
+    argv = ["niah", "--methods", "full", "--lengths", "160", "--depths", "0.25,0.75", "--max-new-tokens", "4"]
+    argv += ["--out", str(out), "--plots", str(plots)]
+    count_generate_calls(monkeypatch, fail_after=2)
+    assert cli.main(argv) == 130
+    assert "rerun the same command to resume" in capsys.readouterr().err
+    assert len(json.loads(out.read_text())["rows"]) == 1
+    calls = count_generate_calls(monkeypatch)
+    assert cli.main(argv) == 0 and len(calls) == 1
+    assert len(json.loads(out.read_text())["rows"]) == 2 and (plots / "needle_full.png").is_file()

@@ -295,10 +295,6 @@ def _add_run_file(parser: argparse.ArgumentParser, default: str) -> None:
     )
 
 
-def _interrupted_hint(path: Path) -> str:
-    return f"Finished cases are saved in {path}; rerun the same command to resume."
-
-
 # ----------------------------------------------------------------------------- commands
 
 
@@ -376,7 +372,7 @@ def _resumable(path: Path, work):
     try:
         return work()
     except KeyboardInterrupt:
-        _err(f"\n{_interrupted_hint(path)}")
+        _err(f"\nFinished cases are saved in {path}; rerun the same command to resume.")
         raise
 
 
