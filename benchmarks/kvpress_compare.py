@@ -59,12 +59,11 @@ def kvsieve_run(model, prompt, method, budget: int) -> tuple[float, list[torch.T
     from kvsieve.compress.stages import Compress
     from kvsieve.pipeline import prefill
 
-    compress = Compress(method, budget)
     start = time.perf_counter()
     with torch.no_grad():
-        done = prefill(model, prompt, compress=compress)
+        done = prefill(model, prompt, compress=Compress(method, budget))
     seconds = time.perf_counter() - start
-    return seconds, compress.kept_positions, (done.prefilled.cache, done.prefilled.last_logits)
+    return seconds, done.state.compress.kept_positions, (done.prefilled.cache, done.prefilled.last_logits)
 
 
 def greedy(model, tokenizer, cache, logits, position: int, tokens: int) -> str:
@@ -107,8 +106,8 @@ def main() -> None:
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from kvsieve.compress.methods import SnapKV, StreamingLLM
-    from kvsieve.eval.data import prompt_case
+    from kvsieve import SnapKV, StreamingLLM
+    from kvsieve.data import prompt_case
     from kvsieve.eval.records import machine
     from kvsieve.models import converted_default_dir, load_model
 

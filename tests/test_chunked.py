@@ -14,8 +14,8 @@ import torch
 from conftest import FakeTokenizer, build_model, make_prompt
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from kvsieve import A2SF, H2O, SnapKV, StreamingLLM
 from kvsieve.attention import attention_hooks
-from kvsieve.compress.methods import A2SF, H2O, SnapKV, StreamingLLM
 from kvsieve.compress.stages import Evict
 from kvsieve.decode import Sampling
 from kvsieve.errors import KvsieveError
@@ -150,11 +150,11 @@ def test_memory_never_exceeds_its_step_size(pruner, schedule, decremental, singl
     feed = ChunkedPrefill(chunk=16, memory=24, schedule=schedule, decremental=decremental, pruner=pruner)
     out = feed.prefill(model, ids)
     sizes = out.details["chunk_sizes"]
-    assert sum(sizes) == 120 and out.details["steps"] == len(sizes) == len(feed.history)
+    assert sum(sizes) == 120 and out.details["steps"] == len(sizes) == len(out.history)
     planned_chunks, planned_memory = feed.plan(120, 3)
     assert sizes == planned_chunks
     previous = [0, 0, 0]
-    for step, record in enumerate(feed.history):
+    for step, record in enumerate(out.history):
         sinks_before, seen = min(4, record["start"]), record["start"] + record["chunk"]
         sinks_after = min(4, seen)
         for layer, length in enumerate(record["cache_lengths"]):
@@ -165,8 +165,8 @@ def test_memory_never_exceeds_its_step_size(pruner, schedule, decremental, singl
         # Attention ran over sinks + previous memory + chunk.
         assert out.details["attention_kv"][step] == max(sinks_before + m + record["chunk"] for m in previous)
         previous = [length - sinks_after for length in record["cache_lengths"]]
-    assert [layer.keys.shape[2] for layer in out.cache.layers] == feed.history[-1]["cache_lengths"]
-    last = feed.history[-1]["memory"]
+    assert [layer.keys.shape[2] for layer in out.cache.layers] == out.history[-1]["cache_lengths"]
+    last = out.history[-1]["memory"]
     if schedule == "adaptive":
         assert abs(sum(last) - 3 * 24) <= 3  # eq. 3 keeps the linear total (up to rounding)
     else:
@@ -174,7 +174,7 @@ def test_memory_never_exceeds_its_step_size(pruner, schedule, decremental, singl
     if decremental and schedule == "linear":
         kv = out.details["attention_kv"][1:]
         assert max(kv) - min(kv) <= 1  # eq. 6
-    for layer, kept in enumerate(feed.kept_positions):
+    for layer, kept in enumerate(out.kept_positions):
         assert kept.shape == out.cache.layers[layer].keys.shape[1:3]
 
 
@@ -214,14 +214,14 @@ def test_positions_contiguous_and_keys_rerotated_exactly(arch, schedule, decreme
     with attention_hooks(observers=[capture]):
         out = feed.prefill(model, ids)
     hook.remove()
-    assert len(captured) == len(feed.history) == len(chunk_positions)
+    assert len(captured) == len(out.history) == len(chunk_positions)
 
     attn = model.model.layers[0].self_attn
     with torch.no_grad():
         hidden = model.model.layers[0].input_layernorm(model.model.embed_tokens(ids))
         raw = attn.k_proj(hidden).view(1, 100, -1, attn.head_dim)[0].transpose(0, 1)  # (kv, L, d)
     largest, uneven = 0, False
-    for step, record in enumerate(feed.history):
+    for step, record in enumerate(out.history):
         position, size = record["position"], record["chunk"]
         sinks = min(4, record["start"])
         torch.testing.assert_close(chunk_positions[step], torch.arange(position, position + size))
@@ -243,9 +243,9 @@ def test_positions_contiguous_and_keys_rerotated_exactly(arch, schedule, decreme
     assert uneven == (schedule != "fixed")  # per-layer schedules exercise the right-aligned memories
     # sinks + memory + chunk; eq. 3 may give one layer up to N * b_i (the layers' total is linear's).
     assert out.details["max_position"] == largest - 1 <= 4 + 20 * (2 if schedule == "adaptive" else 1) + 16
-    assert out.next_position == feed.history[-1]["position"] + feed.history[-1]["chunk"]
+    assert out.next_position == out.history[-1]["position"] + out.history[-1]["chunk"]
     # Tokens of the final cache are prompt indices in increasing order, sinks first.
-    for tokens in feed.token_indices:
+    for tokens in out.token_indices:
         assert torch.equal(tokens[:, :4], torch.arange(4).expand(tokens.shape[0], 4))
         assert bool((tokens[:, 1:] > tokens[:, :-1]).all())
 
@@ -314,15 +314,15 @@ def test_kept_positions_align_last_step_scores_with_the_final_cache(single_threa
     """A decoding-eviction stage observing the feed keeps the last step's scores; gathered with
     `kept_positions` they line up with the final cache (what the pipeline can pass to Evict.start)."""
     model = build_model("llama")
-    evict = Evict(H2O(), 10)
+    evict = Evict(H2O(), 10).begin()
     feed = ChunkedPrefill(chunk=16, memory=20, schedule="adaptive", pruner=SnapKV(window=4))
     with attention_hooks(observers=evict.observers()):
         out = feed.prefill(model, make_prompt(100).ids)
-    for layer, kept in enumerate(feed.kept_positions):
-        state = evict._state[layer]
-        assert state.shape[1] == feed.history[-1]["keys"][layer] >= kept.shape[1]
+    for layer, kept in enumerate(out.kept_positions):
+        state = evict.scores[layer]
+        assert state.shape[1] == out.history[-1]["keys"][layer] >= kept.shape[1]
         assert state.gather(1, kept).shape == out.cache.layers[layer].keys.shape[1:3]
-    details = evict.start(out.cache, feed.kept_positions)
+    details = evict.start(out.cache, out.kept_positions)
     assert details["budget"] == 10 and all(layer.keys.shape[2] == 10 for layer in out.cache.layers)
 
 
@@ -343,7 +343,7 @@ def test_names_and_bad_inputs():
     for options in bad:
         with pytest.raises(KvsieveError):
             ChunkedPrefill(**options)
-    with pytest.raises(KvsieveError, match="--memory"):
+    with pytest.raises(KvsieveError, match="memory >= 1"):
         ChunkedPrefill(memory=0)
     with pytest.raises(KvsieveError, match="linear, sqrt"):
         ChunkedPrefill(schedule="nope")
@@ -365,22 +365,23 @@ def test_compress_after_a_chunked_feed_ranks_the_cache_by_the_last_steps_scores(
     calls: dict[int, list[torch.Tensor]] = {}
 
     def reference(layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
-        calls.setdefault(layer, []).append(H2O().prefill_scores(query[0], key[0], query.shape[-1] ** -0.5))
+        calls.setdefault(layer, []).append(H2O().prompt_scores(query[0], key[0], query.shape[-1] ** -0.5))
 
     feed = ChunkedPrefill(chunk=16, memory=40, pruner=SnapKV(window=4))
     compress = Compress(H2O(), 20)
     with attention_hooks(observers=[reference]):
         result = run(model, FakeTokenizer(), prompt, feed=feed, compress=compress, sampling=Sampling(2))
-    assert result.prefill_kv_length == 20 and feed.history[-1]["chunk"] == 1
-    for layer in range(len(feed.kept_positions)):
-        last = calls[layer][len(feed.history) - 1]  # the feed's last step (decoding steps come after)
-        aligned = last.gather(1, feed.kept_positions[layer])  # scores of the feed's final entries
+    fed = result.state.prefilled
+    assert result.prefill_kv_length == 20 and fed.history[-1]["chunk"] == 1
+    for layer in range(len(fed.kept_positions)):
+        last = calls[layer][len(fed.history) - 1]  # the feed's last step (decoding steps come after)
+        aligned = last.gather(1, fed.kept_positions[layer])  # scores of the feed's final entries
         sinks, recent = H2O().protected(20)
         ranked = aligned.clone()
         ranked[:, :sinks] = float("inf")
         ranked[:, aligned.shape[1] - recent :] = float("inf")
         expected = ranked.topk(20, dim=1).indices.sort(dim=1).values
-        assert torch.equal(compress.kept_positions[layer], expected)
+        assert torch.equal(result.state.compress.kept_positions[layer], expected)
 
 
 @pytest.mark.parametrize("arch", ARCHS3)
@@ -392,6 +393,6 @@ def test_critiprefill_inside_chunks_with_covering_sizes_reproduces_full_prefill(
     model = build_model(arch)
     ids = make_prompt(90).ids
     full = FullPrefill().prefill(model, ids)
-    with attention_hooks(kernel=CritiPrefill(segment=8, block=4, budget=128)):
+    with attention_hooks(kernel=CritiPrefill(segment=8, block=4, budget=128).begin()):
         chunked = ChunkedPrefill(chunk=24, memory=200).prefill(model, ids)
     torch.testing.assert_close(chunked.last_logits, full.last_logits, atol=1e-4, rtol=1e-4)

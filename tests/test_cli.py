@@ -5,8 +5,8 @@ import json
 import pytest
 
 from kvsieve.cli import main
+from kvsieve.data import passkey_case
 from kvsieve.eval.bench import summarize
-from kvsieve.eval.data import passkey_case
 from kvsieve.models import load_model
 
 pytestmark = pytest.mark.real_model
@@ -32,10 +32,21 @@ def test_generate_full_and_gemfilter(capsys, passkey_file):
     code, out, err = run_cli(capsys, "generate", "-c", str(path), "-q", case.question, "--max-new-tokens", "16")
     assert code == 0 and case.answer in out and "time to first token" in err
     code, out, _ = run_cli(
-        capsys, "generate", "-c", str(path), "-q", case.question, "--select", "gemfilter", "--k", "0.5", "--json"
+        capsys,
+        "generate",
+        "-c",
+        str(path),
+        "-q",
+        case.question,
+        "--method",
+        "gemfilter",
+        "--set",
+        "select.k=0.5",
+        "--json",
     )
     result = json.loads(out)
     assert code == 0 and case.answer in result["text"]
+    assert result["method"]["name"] == "gemfilter" and result["method"]["select"]["k"] == 0.5
     assert result["stages"][0]["stage"] == "select" and result["stages"][0]["details"]["kept"] == len(
         result["selected_indices"]
     )
@@ -52,7 +63,9 @@ def test_generate_reads_stdin(capsys, monkeypatch, passkey_file):
 
 def test_inspect_marks_kept_tokens(capsys, passkey_file):
     path, case = passkey_file
-    code, out, err = run_cli(capsys, "inspect", "-c", str(path), "-q", case.question, "--k", "200", "--plain")
+    code, out, err = run_cli(
+        capsys, "inspect", "-c", str(path), "-q", case.question, "--set", "select.k=200", "--plain"
+    )
     assert code == 0 and "[[" in out and "]]" in out
     assert "kept 200 of" in err
     kept = "".join(part.split("]]")[0] for part in out.split("[[")[1:])
@@ -71,7 +84,9 @@ def test_calibrate_writes_plot_and_recommends(capsys, tmp_path):
 
 def test_bench_runs_each_config_in_a_process(capsys, tmp_path):
     out_file = tmp_path / "bench.json"
-    code, out, _ = run_cli(capsys, "bench", "--lengths", "600", "--repeats", "1", "--k", "128", "--out", str(out_file))
+    code, out, _ = run_cli(
+        capsys, "bench", "--lengths", "600", "--repeats", "1", "--set", "select.k=128", "--out", str(out_file)
+    )
     assert code == 0
     data = json.loads(out_file.read_text())
     assert {r["method"] for r in data["rows"]} == {"full", "gemfilter"}
@@ -83,18 +98,23 @@ def test_bench_runs_each_config_in_a_process(capsys, tmp_path):
 
 
 def test_demo_runs_side_by_side(capsys):
-    code, out, _ = run_cli(capsys, "demo", "--length", "700", "--k", "256")
-    assert code == 0 and "full attention" in out and "GemFilter k=256" in out and "faster to the first token" in out
+    code, out, _ = run_cli(capsys, "demo", "--length", "700", "--set", "select.k=256")
+    assert code == 0 and "--- full" in out and "--- gemfilter (select=gemfilter(k=256" in out
+    assert "x full's speed to the first token" in out
 
 
 @pytest.mark.parametrize(
     "extra, message",
     [
         (["-q", "  "], "question is empty"),
-        (["--select", "gemfilter", "--k", "0"], "at least 1"),
-        (["--select", "gemfilter", "--k", "100000"], "exceeds the prompt"),
-        (["--select", "gemfilter", "--layer", "30"], "out of range"),
-        (["--select", "gemfilter", "--kernel", "4"], "odd"),
+        (["--method", "gemfilter", "--set", "select.k=0"], "GemFilter k must be"),
+        (["--method", "gemfilter", "--set", "select.k=100000"], "exceeds the prompt"),
+        (["--method", "gemfilter", "--set", "select.layer=30"], "out of range"),
+        (["--method", "gemfilter", "--set", "select.kernel=4"], "odd"),
+        (["--method", "gemfilter", "--set", "select.layer=middle"], "select.layer: 'middle' is not"),
+        (["--method", "gemfilter", "--set", "select.nope=1"], "has no field 'nope'; its fields are: k, layer"),
+        (["--method", "gemfilter", "--set", "select.k"], "--set takes PATH=VALUE"),
+        (["--method", "pyramid"], "Unknown method 'pyramid'; choose one of: full, gemfilter"),
         (["--temperature", "-1"], "temperature"),
     ],
 )
@@ -137,18 +157,20 @@ def test_missing_model_path(capsys, tmp_path):
     context = tmp_path / "c.txt"
     context.write_text("hello")
     code, _, err = run_cli(capsys, "generate", "--model", str(tmp_path / "nope"), "-c", str(context), "-q", "hi")
-    assert code == 2 and "never downloads" in err
+    assert code == 2 and "does not exist" in err
 
 
 def test_generate_with_compression_and_eviction(capsys, passkey_file):
     path, case = passkey_file
     base = ["generate", "-c", str(path), "-q", case.question, "--max-new-tokens", "12", "--json"]
-    code, out, _ = run_cli(capsys, *base, "--compress", "snapkv", "--budget", "256")
+    code, out, _ = run_cli(capsys, *base, "--method", "snapkv", "--set", "compress.budget=256")
     result = json.loads(out)
     compress = next(s for s in result["stages"] if s["stage"] == "compress")
     assert code == 0 and compress["method"] == "snapkv" and compress["details"]["budget"] == 256
     assert result["kv_cache_length"] == 256 + len(result["tokens"]) - 1
-    code, out, _ = run_cli(capsys, *base, "--evict", "a2sf", "--alpha", "0.2", "--budget", "128")
+    code, out, _ = run_cli(
+        capsys, *base, "--method", "a2sf", "--set", "evict.policy.alpha=0.2", "--set", "evict.budget=128"
+    )
     result = json.loads(out)
     assert code == 0 and result["kv_cache_length"] == 128
     assert result["stages"][-1]["details"]["evict"] == "a2sf"
@@ -157,7 +179,16 @@ def test_generate_with_compression_and_eviction(capsys, passkey_file):
 def test_budget_above_prompt_keeps_everything_and_says_so(capsys, passkey_file):
     path, case = passkey_file
     code, out, err = run_cli(
-        capsys, "generate", "-c", str(path), "-q", case.question, "--compress", "h2o", "--budget", "5000"
+        capsys,
+        "generate",
+        "-c",
+        str(path),
+        "-q",
+        case.question,
+        "--set",
+        "compress=h2o",
+        "--set",
+        "compress.budget=5000",
     )
     assert code == 0 and case.answer in out and "everything kept" in err
 
@@ -165,11 +196,13 @@ def test_budget_above_prompt_keeps_everything_and_says_so(capsys, passkey_file):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--evict", "a2sf", "--alpha", "1.5"], "alpha"),
-        (["--compress", "snapkv", "--budget", "16"], "exceeds the budget"),
-        (["--compress", "snapkv", "--snap-kernel", "4"], "odd"),
-        (["--compress", "h2o", "--budget", "0"], "Budget must be"),
-        (["--evict", "local", "--interval", "0"], "interval"),
+        (["--method", "a2sf", "--set", "evict.policy.alpha=1.5"], "alpha"),
+        (["--method", "snapkv", "--set", "compress.budget=16"], "exceeds the budget"),
+        (["--method", "snapkv", "--set", "compress.policy.kernel=4"], "odd"),
+        (["--method", "snapkv", "--set", "compress.budget=0"], "Budget must be"),
+        (["--method", "local", "--set", "evict.interval=0"], "interval"),
+        (["--method", "snapkv", "--set", "evict=snapkv"], "no per-step eviction rule"),
+        (["--method", "snapkv", "--set", "compress.budget=lots"], "is not a count (whole number) or a fraction"),
     ],
 )
 def test_kv_bad_input(capsys, passkey_file, extra, message):
@@ -202,12 +235,14 @@ def test_simulate_reports_perplexity_and_cosine(capsys, tmp_path):
 
 def test_generate_with_critiprefill_and_its_bad_input(capsys, passkey_file):
     path, case = passkey_file
-    base = ["generate", "-c", str(path), "-q", case.question, "--max-new-tokens", "12", "--attention", "critiprefill"]
-    code, out, _ = run_cli(capsys, *base, "--segment", "128", "--block", "16", "--attention-budget", "128")
+    base = ["generate", "-c", str(path), "-q", case.question, "--max-new-tokens", "12", "--method", "critiprefill"]
+    code, out, _ = run_cli(
+        capsys, *base, "--set", "attention.segment=128", "--set", "attention.block=16", "--set", "attention.budget=128"
+    )
     assert code == 0 and case.answer in out
-    code, _, err = run_cli(capsys, *base, "--segment", "100", "--block", "32")
+    code, _, err = run_cli(capsys, *base, "--set", "attention.segment=100", "--set", "attention.block=32")
     assert code == 2 and "multiple of block" in err
-    code, _, err = run_cli(capsys, *base, "--attention-budget", "16")
+    code, _, err = run_cli(capsys, *base, "--set", "attention.budget=16")
     assert code == 2 and "at least one block" in err
 
 
@@ -220,8 +255,8 @@ def test_generate_with_chunked_feeds_beyond_the_context(capsys, tmp_path):
     path.write_text(case.context)
     base = ["generate", "-c", str(path), "-q", case.question, "--max-new-tokens", "12"]
     code, _, err = run_cli(capsys, *base)
-    assert code == 2 and "--feed imdc" in err
-    code, out, _ = run_cli(capsys, *base, "--feed", "imdc", "--chunk", "2048", "--memory", "1024", "--json")
+    assert code == 2 and "--method imdc" in err
+    code, out, _ = run_cli(capsys, *base, "--method", "imdc", "--set", "feed.chunk=2048", "--json")
     result = json.loads(out)
     feed = next(s for s in result["stages"] if s["stage"] == "feed")
     assert code == 0 and len(result["tokens"]) > 0
@@ -232,9 +267,10 @@ def test_generate_with_chunked_feeds_beyond_the_context(capsys, tmp_path):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--feed", "fm", "--chunk", "0"], "--chunk >= 1"),
-        (["--feed", "im", "--memory", "2", "--sinks", "4"], "smaller than the 4 sink tokens"),
-        (["--feed", "fm", "--schedule", "sqrt"], "fixed memory"),
+        (["--method", "fm", "--set", "feed.chunk=0"], "chunk >= 1"),
+        (["--method", "im", "--set", "feed.memory=2"], "smaller than the 4 sink tokens"),
+        (["--method", "fm", "--set", "feed.schedule=cubic"], "feed.schedule: 'cubic' is not one of fixed, linear"),
+        (["--method", "fm", "--set", "feed.decremental=true"], "need an incremental memory schedule"),
     ],
 )
 def test_feed_bad_input(capsys, passkey_file, extra, message):
@@ -245,7 +281,8 @@ def test_feed_bad_input(capsys, passkey_file, extra, message):
 
 def test_bench_compares_chunked_feeds_against_a_chosen_baseline(capsys, tmp_path):
     out_file = tmp_path / "bench.json"
-    argv = ["bench", "--lengths", "700", "--repeats", "1", "--chunk", "256", "--memory", "128", "--out", str(out_file)]
+    argv = ["bench", "--lengths", "700", "--repeats", "1", "--set", "feed.chunk=256", "--set", "feed.memory=128"]
+    argv += ["--out", str(out_file)]
     code, out, _ = run_cli(capsys, *argv, "--methods", "fm,imdc", "--baseline", "fm", "--decode-tokens", "4")
     assert code == 0 and "speedup vs fm" in out
     data = json.loads(out_file.read_text())
@@ -259,7 +296,7 @@ def test_bench_compares_chunked_feeds_against_a_chosen_baseline(capsys, tmp_path
 
 def test_niah_ppl_and_report_on_the_real_model(capsys, tmp_path):
     niah, ppl, plots = tmp_path / "niah.json", tmp_path / "ppl.json", tmp_path / "plots"
-    grid = ["--lengths", "700", "--depths", "0.5", "--k", "256", "--out", str(niah), "--plots", str(plots)]
+    grid = ["--lengths", "700", "--depths", "0.5", "--out", str(niah), "--plots", str(plots)]
     code, out, _ = run_cli(capsys, "niah", "--methods", "full,critiprefill", *grid)
     assert code == 0 and "Heatmaps:" in out
     rows = json.loads(niah.read_text())["rows"]
@@ -278,8 +315,8 @@ def test_niah_ppl_and_report_on_the_real_model(capsys, tmp_path):
         "600",
         "--tokens",
         "16",
-        "--budget",
-        "128",
+        "--set",
+        "compress.budget=128",
         "--out",
         str(ppl),
     )
@@ -306,3 +343,29 @@ def test_niah_ppl_and_report_on_the_real_model(capsys, tmp_path):
 def test_evaluation_bad_input(capsys, tmp_path, argv, message):
     code, _, err = run_cli(capsys, *argv, "--out", str(tmp_path / "x" / "out.json"))
     assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_methods_lists_the_registry_with_every_field(capsys):
+    code, out, _ = run_cli(capsys, "methods", "--json")
+    specs = json.loads(out)
+    assert code == 0 and len(specs) == 13
+    assert {"tova", "knorm", "imdc", "critiprefill"} <= set(specs)
+    assert specs["critiprefill"]["attention"] == {
+        "type": "critiprefill",
+        "segment": 512,
+        "block": 32,
+        "budget": 1024,
+        "alpha": 0.25,
+        "dense_layers": 1,
+    }
+    code, out, _ = run_cli(capsys, "methods")
+    assert code == 0 and "compress.policy.window = 32" in out and "evict.policy.alpha = 0.2" in out
+
+
+def test_help_lists_every_methods_fields(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = capsys.readouterr().out
+    assert "--set PATH=VALUE" in out and "--dtype" in out and "--device" in out
+    assert "tova: evict.policy, evict.budget, evict.interval" in out
+    assert "critiprefill: attention.segment, attention.block" in out

@@ -7,15 +7,28 @@ import torch
 import torch.nn.functional as F
 from conftest import FakeTokenizer, make_prompt
 
-from kvsieve import A2SF, H2O, Compress, Evict, GemFilter, LocalWindow, Sampling, SnapKV, StreamingLLM, run
+from kvsieve import (
+    A2SF,
+    H2O,
+    TOVA,
+    Compress,
+    Evict,
+    GemFilter,
+    KNorm,
+    LocalWindow,
+    Sampling,
+    SnapKV,
+    StreamingLLM,
+    run,
+)
 from kvsieve.attention import attention_hooks
 from kvsieve.compress.cache import resolve_budget
-from kvsieve.compress.methods import make_method
 from kvsieve.compress.scorers import accumulated_attention, keep_indices, window_attention
 from kvsieve.errors import KvsieveError
+from kvsieve.registry import method
 
-ALL_METHODS = [SnapKV(window=4), H2O(), A2SF(alpha=0.3), StreamingLLM(sinks=2), LocalWindow()]
-DECODE_METHODS = [H2O(), A2SF(alpha=0.3), StreamingLLM(sinks=2), LocalWindow()]
+ALL_METHODS = [SnapKV(window=4), H2O(), A2SF(alpha=0.3), StreamingLLM(sinks=2), LocalWindow(), TOVA(), KNorm()]
+DECODE_METHODS = [H2O(), A2SF(alpha=0.3), StreamingLLM(sinks=2), LocalWindow(), TOVA(), KNorm()]
 
 
 def reference_attention(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -172,15 +185,49 @@ def test_eviction_interval_lets_cache_grow_between_evictions(make_model):
 
 def test_evict_running_score_follows_a2sf_recurrence():
     torch.manual_seed(0)
-    evict = Evict(A2SF(alpha=0.5), 100)
-    evict.observers()
+    evict = Evict(A2SF(alpha=0.5), 100).begin()
     query, key = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
-    evict.observe(0, query, key)  # prompt of 5 tokens
-    s0 = evict._state[0].clone()
+    evict.observe_prompt(0, query, key)  # prompt of 5 tokens
+    s0 = evict.scores[0].clone()
     q1, k1 = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 6, 8)
     evict.observe(0, q1, k1)
     row = per_group(reference_attention(q1[0], k1[0], 8**-0.5)[:, 0], 2)
-    torch.testing.assert_close(evict._state[0], 0.5 * torch.cat([s0, torch.zeros(2, 1)], 1) + row)
+    torch.testing.assert_close(evict.scores[0], 0.5 * torch.cat([s0, torch.zeros(2, 1)], 1) + row)
+
+
+def test_tova_scores_are_the_last_querys_attention_averaged_over_heads(qk):
+    query, key = qk
+    expected = reference_attention(query, key, 0.5)[:, -1].mean(0)  # (n,): one ranking for the layer
+    scores = TOVA().prompt_scores(query, key, 0.5)
+    assert scores.shape == (3, 12)
+    for g in range(3):
+        torch.testing.assert_close(scores[g], expected)
+    # Per step, the newest row replaces the old scores entirely (no accumulation).
+    q1, k1 = torch.randn(6, 1, 8), torch.randn(3, 13, 8)
+    step = TOVA().step_scores(torch.full((3, 12), 100.0), q1, k1, 0.5)
+    torch.testing.assert_close(step[0], reference_attention(q1, k1, 0.5)[:, 0].mean(0))
+
+
+def test_knorm_keeps_the_keys_with_the_smallest_norms(make_model):
+    key = torch.ones(2, 6, 4) * torch.tensor([3.0, 1.0, 5.0, 0.5, 2.0, 4.0])[None, :, None]
+    key[1] = key[1].flip(0)
+    scores = KNorm().prompt_scores(torch.randn(4, 6, 4), key, 0.5)
+    assert keep_indices(scores, 3).tolist() == [[1, 3, 4], [1, 2, 4]]
+    # End to end: the compressed cache holds exactly each KV head's lowest-norm keys.
+    model = make_model("llama")
+    prompt = make_prompt(30)
+    with torch.no_grad():
+        keys = model(input_ids=prompt.ids, use_cache=True).past_key_values.layers[0].keys[0]  # (kv, n, d)
+    expected = keys.norm(dim=-1).topk(8, largest=False).indices.sort().values
+    result = run(model, FakeTokenizer(), prompt, compress=Compress(KNorm(), 8), sampling=Sampling(1))
+    assert torch.equal(result.state.compress.kept_positions[0], expected)
+
+
+def test_tova_and_knorm_registered_everywhere():
+    """Adding a method is one module + one registry line: it is then a preset, a policy and a pruner."""
+    assert method("tova").evict.policy == TOVA() and method("knorm").compress.policy == KNorm()
+    assert method("imdc", {"feed.pruner": "knorm"}).feed.pruner == KNorm()
+    assert method("snapkv", {"compress.policy": "tova"}).compress.policy == TOVA()
 
 
 def test_stages_compose(make_model):
@@ -221,5 +268,5 @@ def test_budget_fractions_and_errors():
         Evict(H2O(), 64, interval=0)
     with pytest.raises(KvsieveError, match="Budget"):
         Compress(H2O(), 0)
-    with pytest.raises(KvsieveError, match="Unknown KV method"):
-        make_method("pyramid")
+    with pytest.raises(KvsieveError, match="unknown policy 'pyramid'"):
+        method("snapkv", {"compress.policy": "pyramid"})

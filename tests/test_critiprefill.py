@@ -90,15 +90,15 @@ def _sparse_selection(kernel, query, key, layer=1):
 def test_budget_covering_the_prompt_reproduces_dense_logits(make_model, arch):
     model = make_model(arch, num_layers=3)
     prompt = make_prompt(70)
-    kernel = CritiPrefill(segment=16, block=4, budget=72, dense_layers=0)
+    config = CritiPrefill(segment=16, block=4, budget=72, dense_layers=0)
     with torch.no_grad():
         dense = model(prompt.ids).logits
-        with attention_hooks(kernel=kernel):
+        with attention_hooks(kernel=config.begin()):
             ours = model(prompt.ids).logits
     torch.testing.assert_close(ours, dense, atol=1e-5, rtol=1e-5)
     sampling = Sampling(max_new_tokens=4)
     expected = run(model, FakeTokenizer(), prompt, sampling=sampling)
-    result = run(model, FakeTokenizer(), prompt, attention=kernel, sampling=sampling)
+    result = run(model, FakeTokenizer(), prompt, attention=config, sampling=sampling)
     assert result.tokens == expected.tokens
 
 
@@ -118,7 +118,7 @@ def test_all_candidate_blocks_selected_equals_dense():
 def test_sparse_kernel_in_a_model_is_causal_and_changes_logits(make_model):
     model = make_model("llama", num_layers=3, max_positions=512)
     ids = make_prompt(160).ids
-    kernel = CritiPrefill(segment=16, block=4, budget=8)
+    kernel = CritiPrefill(segment=16, block=4, budget=8).begin()
     changed = ids.clone()
     changed[0, 96:] = (changed[0, 96:] + 7) % 250 + 3  # from the start of segment 6 on
     with torch.no_grad():
@@ -155,7 +155,7 @@ def test_chunk_after_cache_with_full_budget_matches_and_small_budget_runs(make_m
         full = model(ids).logits
         for budget, exact in [(160, True), (8, False)]:
             first = model(ids[:, :37], use_cache=True)
-            with attention_hooks(kernel=CritiPrefill(segment=16, block=4, budget=budget)):
+            with attention_hooks(kernel=CritiPrefill(segment=16, block=4, budget=budget).begin()):
                 chunk = model(
                     ids[:, 37:], position_ids=torch.arange(37, 150)[None], past_key_values=first.past_key_values
                 )
@@ -202,7 +202,7 @@ def test_select_blocks_ignores_non_candidates_even_on_ties():
 
 
 def test_layer_fusion_uses_alpha_for_the_current_layer_and_resets_per_pass():
-    kernel = CritiPrefill(segment=16, block=4, budget=8, alpha=0.25, dense_layers=1)
+    kernel = CritiPrefill(segment=16, block=4, budget=8, alpha=0.25, dense_layers=1).begin()
     layers = [_qkv(96, 96, seed=seed) for seed in range(4)]
     current = [criticality_scores(q, k, 16, 4) for q, k, _ in layers]
 
@@ -220,7 +220,7 @@ def test_layer_fusion_uses_alpha_for_the_current_layer_and_resets_per_pass():
     q, k, _ = _qkv(80, 96, seed=9)
     torch.testing.assert_close(kernel.select(3, q, k).scores, criticality_scores(q, k, 16, 4))
     # alpha = 1 turns fusion off.
-    plain = CritiPrefill(segment=16, block=4, budget=8, alpha=1.0)
+    plain = CritiPrefill(segment=16, block=4, budget=8, alpha=1.0).begin()
     plain.select(1, *layers[1][:2])
     torch.testing.assert_close(plain.select(2, *layers[2][:2]).scores, current[2])
 
@@ -228,12 +228,12 @@ def test_layer_fusion_uses_alpha_for_the_current_layer_and_resets_per_pass():
 def test_dense_layers_and_short_prompts_are_exactly_dense():
     query, key, value = _qkv(96, 96)
     dense = dense_attention(query, key, value, None)
-    kernel = CritiPrefill(segment=16, block=4, budget=8, dense_layers=2)
+    kernel = CritiPrefill(segment=16, block=4, budget=8, dense_layers=2).begin()
     for layer in (0, 1):
         assert torch.equal(kernel(layer, query, key, value, None), dense)
     assert not torch.allclose(kernel(2, query, key, value, None), dense, atol=1e-4)
     # Short prompt: no segment has more candidate blocks than the budget holds.
-    short = CritiPrefill(segment=16, block=4, budget=64, dense_layers=0)
+    short = CritiPrefill(segment=16, block=4, budget=64, dense_layers=0).begin()
     assert len(sparse_segments(80, 80, 16, 4, 64)) == 0
     q, k, v = _qkv(80, 80)
     assert torch.equal(short(0, q, k, v, None), dense_attention(q, k, v, None))
@@ -256,11 +256,11 @@ SPARSE_CASES = [
 @pytest.mark.parametrize("scaling", [None, 0.3])
 def test_sparse_output_equals_dense_attention_restricted_to_the_mask(q_len, k_len, segment, block, budget, scaling):
     query, key, value = _qkv(q_len, k_len, heads=6, kv_heads=2, seed=k_len)
-    selection = _sparse_selection(CritiPrefill(segment, block, budget), query, key)
+    selection = _sparse_selection(CritiPrefill(segment, block, budget).begin(), query, key)
     expected = masked_reference(query, key, value, selection.mask(), scaling)
     out = sparse_attention(query, key, value, selection, scaling)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    kernel_out = CritiPrefill(segment, block, budget)(1, query, key, value, scaling)
+    kernel_out = CritiPrefill(segment, block, budget).begin()(1, query, key, value, scaling)
     torch.testing.assert_close(kernel_out, out)
     assert not torch.allclose(out, dense_attention(query, key, value, scaling), atol=1e-4)  # really pruned
 
@@ -268,7 +268,7 @@ def test_sparse_output_equals_dense_attention_restricted_to_the_mask(q_len, k_le
 @pytest.mark.parametrize(("q_len", "k_len", "segment", "block", "budget"), SPARSE_CASES)
 def test_mask_is_causal_keeps_own_tokens_and_budget(q_len, k_len, segment, block, budget):
     query, key, _ = _qkv(q_len, k_len, heads=4, kv_heads=2, seed=3)
-    selection = _sparse_selection(CritiPrefill(segment, block, budget), query, key)
+    selection = _sparse_selection(CritiPrefill(segment, block, budget).begin(), query, key)
     mask = selection.mask()
     causal = bottom_right_causal_mask(q_len, k_len)
     offset = k_len - q_len
@@ -296,7 +296,7 @@ def test_selection_is_per_kv_head_and_shared_by_its_query_heads():
     value = torch.randn(1, kv_heads, n, dim, generator=generator)
     key[0, 0, 12:16, 0] = 5.0  # block 3 stands out for KV head 0
     key[0, 1, 28:32, 0] = 5.0  # block 7 stands out for KV head 1
-    kernel = CritiPrefill(segment=16, block=4, budget=4, alpha=1.0)
+    kernel = CritiPrefill(segment=16, block=4, budget=4, alpha=1.0).begin()
     selection = _sparse_selection(kernel, query, key)
     assert selection.first == 1 and selection.num_sparse == 2  # segments 1 and 2 sparse
     assert selection.indices[0, 0, :, 0].tolist() == [3, 3]
@@ -305,19 +305,19 @@ def test_selection_is_per_kv_head_and_shared_by_its_query_heads():
 
     # Swapping query heads inside a group changes neither the selection nor the group's outputs.
     swapped = query[:, [1, 0, 3, 2]]
-    again = CritiPrefill(segment=16, block=4, budget=4, alpha=1.0).select(1, swapped, key)
+    again = CritiPrefill(segment=16, block=4, budget=4, alpha=1.0).begin().select(1, swapped, key)
     assert torch.equal(again.indices, selection.indices)
     out = kernel(1, query, key, value, None)
-    out_swapped = CritiPrefill(segment=16, block=4, budget=4, alpha=1.0)(1, swapped, key, value, None)
+    out_swapped = CritiPrefill(segment=16, block=4, budget=4, alpha=1.0).begin()(1, swapped, key, value, None)
     torch.testing.assert_close(out_swapped, out[:, [1, 0, 3, 2]])
 
 
 def test_batch_elements_select_independently():
     q1, k1, v1 = _qkv(96, 96, seed=1)
     q2, k2, v2 = _qkv(96, 96, seed=2)
-    batched = CritiPrefill(16, 4, 8)(1, torch.cat([q1, q2]), torch.cat([k1, k2]), torch.cat([v1, v2]), None)
-    torch.testing.assert_close(batched[:1], CritiPrefill(16, 4, 8)(1, q1, k1, v1, None))
-    torch.testing.assert_close(batched[1:], CritiPrefill(16, 4, 8)(1, q2, k2, v2, None))
+    batched = CritiPrefill(16, 4, 8).begin()(1, torch.cat([q1, q2]), torch.cat([k1, k2]), torch.cat([v1, v2]), None)
+    torch.testing.assert_close(batched[:1], CritiPrefill(16, 4, 8).begin()(1, q1, k1, v1, None))
+    torch.testing.assert_close(batched[1:], CritiPrefill(16, 4, 8).begin()(1, q2, k2, v2, None))
 
 
 # --- edges -----------------------------------------------------------------------------------
@@ -329,10 +329,10 @@ def test_edge_lengths_never_crash_and_never_see_the_future(segment, block, budge
         for extra in (0, 1, 5, 8, 21):
             k_len = q_len + extra
             query, key, value = _qkv(q_len, k_len, heads=4, kv_heads=2, seed=q_len * 31 + extra)
-            kernel = CritiPrefill(segment, block, budget, dense_layers=0)
+            kernel = CritiPrefill(segment, block, budget, dense_layers=0).begin()
             out = kernel(0, query, key, value, None)
             assert out.shape == query.shape and torch.isfinite(out).all()
-            selection = CritiPrefill(segment, block, budget, dense_layers=0).select(0, query, key)
+            selection = CritiPrefill(segment, block, budget, dense_layers=0).begin().select(0, query, key)
             if selection is not None:
                 assert not (selection.mask() & ~bottom_right_causal_mask(q_len, k_len)).any()
             # Changing keys/values from position t on must not change outputs of earlier positions.
@@ -340,7 +340,7 @@ def test_edge_lengths_never_crash_and_never_see_the_future(segment, block, budge
             key2, value2 = key.clone(), value.clone()
             key2[:, :, t:] = torch.randn_like(key2[:, :, t:]) * 3
             value2[:, :, t:] = torch.randn_like(value2[:, :, t:]) * 3
-            out2 = CritiPrefill(segment, block, budget, dense_layers=0)(0, query, key2, value2, None)
+            out2 = CritiPrefill(segment, block, budget, dense_layers=0).begin()(0, query, key2, value2, None)
             earlier = t - (k_len - q_len)  # query rows at positions < t
             torch.testing.assert_close(out2[:, :, :earlier], out[:, :, :earlier], atol=1e-6, rtol=1e-6)
 
@@ -374,7 +374,7 @@ def test_bad_options_raise_clear_errors(options, message):
 def test_bad_shapes_raise_clear_errors():
     query, key, value = _qkv(10, 8)
     with pytest.raises(KvsieveError, match="q <= k"):
-        CritiPrefill()(1, query, key, value, None)
+        CritiPrefill().begin()(1, query, key, value, None)
     query, key, value = _qkv(8, 8, heads=3, kv_heads=2)
     with pytest.raises(KvsieveError, match="multiple of"):
-        CritiPrefill()(1, query, key, value, None)
+        CritiPrefill().begin()(1, query, key, value, None)

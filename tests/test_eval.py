@@ -14,21 +14,28 @@ import torch
 from conftest import word_level_tokenizer
 
 import kvsieve.pipeline
-from kvsieve.compress.methods import make_method
-from kvsieve.compress.stages import Evict
 from kvsieve.errors import KvsieveError
 from kvsieve.eval import bench as bench_module
 from kvsieve.eval import niah, records
-from kvsieve.eval.methods import METHOD_NAMES, MethodOptions, check_lengths, parse_methods
+from kvsieve.eval.methods import build_specs, check_lengths, parse_names
 from kvsieve.eval.perplexity import continuation_nll, run_perplexity
 from kvsieve.eval.report import write_report
 from kvsieve.eval.scoring import contains, rouge1_recall
+from kvsieve.registry import REGISTRY, method
 
 TEMPLATE = (
     "{% for m in messages %}<s> question {{ m['content'] }} </s>{% endfor %}"
     "{% if add_generation_prompt %} answer{% endif %}"
 )
-SMALL = MethodOptions(k=32, budget=32, chunk=32, memory=32)
+# Settings that fit the tiny model: each applies to the methods that have the field.
+SMALL = [("select.k", 32), ("compress.budget", 32), ("evict.budget", 32), ("feed.chunk", 32), ("feed.memory", 32)]
+
+
+def small(*names: str) -> dict:
+    """{name: spec} of registered methods with the SMALL settings they have."""
+    return {n: method(n).with_settings([(p, v) for p, v in SMALL if method(n).has(p)]) for n in names}
+
+
 ROW_KEYS = {
     "method",
     "length",
@@ -57,7 +64,7 @@ def model(make_model, isolated_cache):
 
 
 def grid(model, tokenizer, out, methods=("full", "gemfilter"), lengths=(160, 200), depths=(0.25, 0.75), **kw):
-    return niah.run_grid(model, tokenizer, list(methods), list(lengths), list(depths), out, options=SMALL, **kw)
+    return niah.run_grid(model, tokenizer, small(*methods), list(lengths), list(depths), out, **kw)
 
 
 def count_generate_calls(monkeypatch, fail_after: int | None = None) -> list[int]:
@@ -81,7 +88,9 @@ def test_grid_rows_have_a_stable_schema_and_consistent_scores(model, chat_tokeni
     saved = json.loads(out.read_text())
     assert set(saved) == {"kind", "schema", "command", "machine", "settings", "rows"}
     assert saved["kind"] == "niah" and saved["schema"] == records.SCHEMA == 1
-    assert saved["settings"]["options"] == SMALL.__dict__ and saved["settings"]["probe"] == "needle"
+    specs = small("full", "gemfilter")
+    assert saved["settings"]["methods"] == {name: spec.to_dict() for name, spec in specs.items()}
+    assert saved["settings"]["probe"] == "needle"
     assert saved["rows"] == document["rows"]
     assert len(saved["rows"]) == 2 * 2 * 2  # methods x lengths x depths
     for row in saved["rows"]:
@@ -154,27 +163,34 @@ def test_unwritable_output_is_refused_before_any_work(model, chat_tokenizer, tmp
 
 
 def test_chunked_feeds_run_beyond_the_context(model, chat_tokenizer, tmp_path):
-    check_lengths(["fm", "imdc"], [4096], 48, 512)  # no error: chunked feeds re-encode positions
+    check_lengths(small("fm", "imdc"), [4096], 48, 512)  # no error: chunked feeds re-encode positions
     with pytest.raises(KvsieveError, match="which full need"):
-        check_lengths(["fm", "full"], [4096], 48, 512)
+        check_lengths(small("fm", "full"), [4096], 48, 512)
     document = grid(model, chat_tokenizer, tmp_path / "n.json", methods=("imdc",), lengths=(700,), depths=(0.5,))
     assert document["rows"][0]["prompt_tokens"] == 700 and document["rows"][0]["kv_length"] <= 4 + 32
 
 
 def test_every_method_name_runs_in_a_grid(model, chat_tokenizer, tmp_path):
-    document = grid(model, chat_tokenizer, tmp_path / "n.json", methods=METHOD_NAMES, lengths=(160,), depths=(0.5,))
+    document = grid(model, chat_tokenizer, tmp_path / "n.json", methods=list(REGISTRY), lengths=(160,), depths=(0.5,))
     rows = {r["method"]: r for r in document["rows"]}
-    assert list(rows) == list(METHOD_NAMES)
+    assert list(rows) == list(REGISTRY) and len(rows) == 13
     assert rows["full"]["kv_length"] == rows["critiprefill"]["kv_length"] == 160
-    assert all(rows[m]["kv_length"] == 32 for m in ("gemfilter", "snapkv", "h2o", "a2sf", "streaming", "local"))
+    kv = ("gemfilter", "snapkv", "h2o", "a2sf", "streaming", "local", "tova", "knorm")
+    assert all(rows[m]["kv_length"] == 32 for m in kv)
 
 
-def test_parse_methods():
-    assert parse_methods("full, h2o") == ["full", "h2o"]
+def test_parse_names_and_settings_apply_where_the_field_exists():
+    assert parse_names("full, h2o") == ["full", "h2o"]
     with pytest.raises(KvsieveError, match="listed twice"):
-        parse_methods("full,full")
+        parse_names("full,full")
     with pytest.raises(KvsieveError, match="No methods"):
-        parse_methods(" , ")
+        parse_names(" , ")
+    with pytest.raises(KvsieveError, match="Unknown method.*pyramid"):
+        parse_names("full,pyramid")
+    specs = build_specs("snapkv,h2o", [("compress.budget", "0.25")])
+    assert specs["snapkv"].compress.budget == 0.25 and specs["h2o"].evict.budget == 1024
+    with pytest.raises(KvsieveError, match="No listed method"):
+        build_specs("full,h2o", [("compress.budget", "0.25")])
 
 
 def test_heatmaps_are_written(model, chat_tokenizer, tmp_path):
@@ -204,7 +220,7 @@ def test_summary_counts_hits_and_averages():
 
 def test_full_continuation_nll_is_the_models_teacher_forced_nll(model):
     ids = torch.randint(3, 256, (1, 90), generator=torch.Generator().manual_seed(3))
-    row = continuation_nll(model, ids, 60, {})
+    row = continuation_nll(model, ids, 60, method("full"))
     with torch.no_grad():
         logits = model(ids).logits[0]
     expected = torch.nn.functional.cross_entropy(logits[59:89], ids[0, 60:]).item()
@@ -214,16 +230,16 @@ def test_full_continuation_nll_is_the_models_teacher_forced_nll(model):
 
 def test_stepwise_eviction_with_room_for_everything_equals_full(model):
     ids = torch.randint(3, 256, (1, 90), generator=torch.Generator().manual_seed(4))
-    full = continuation_nll(model, ids, 60, {})
-    roomy = continuation_nll(model, ids, 60, {"evict": Evict(make_method("h2o"), 1000)})
-    tight = continuation_nll(model, ids, 60, {"evict": Evict(make_method("h2o"), 16)})
+    full = continuation_nll(model, ids, 60, method("full"))
+    roomy = continuation_nll(model, ids, 60, method("h2o", {"evict.budget": 1000}))
+    tight = continuation_nll(model, ids, 60, method("h2o", {"evict.budget": 16}))
     assert roomy["nll"] == pytest.approx(full["nll"], abs=1e-5)
     assert tight["kv_length"] == 16 and tight["nll"] != pytest.approx(full["nll"], abs=1e-3)
 
 
 def test_perplexity_run_resumes_and_shares_the_continuation(model, chat_tokenizer, tmp_path, monkeypatch):
     out = tmp_path / "ppl.json"
-    document = run_perplexity(model, chat_tokenizer, ["full", "snapkv"], [100, 200], out, tokens=20, options=SMALL)
+    document = run_perplexity(model, chat_tokenizer, small("full", "snapkv"), [100, 200], out, tokens=20)
     assert [(r["method"], r["length"]) for r in document["rows"]] == [
         ("full", 100),
         ("snapkv", 100),
@@ -235,12 +251,12 @@ def test_perplexity_run_resumes_and_shares_the_continuation(model, chat_tokenize
 
     calls = []
     monkeypatch.setattr(perplexity, "continuation_nll", lambda *a: calls.append(a) or {})
-    run_perplexity(model, chat_tokenizer, ["full", "snapkv"], [100, 200], out, tokens=20, options=SMALL)
+    run_perplexity(model, chat_tokenizer, small("full", "snapkv"), [100, 200], out, tokens=20)
     assert calls == []
     with pytest.raises(KvsieveError, match="Score at least 2"):
-        run_perplexity(model, chat_tokenizer, ["full"], [100], tmp_path / "p2.json", tokens=1)
+        run_perplexity(model, chat_tokenizer, small("full"), [100], tmp_path / "p2.json", tokens=1)
     with pytest.raises(KvsieveError, match="plus 20 generated tokens exceed"):
-        run_perplexity(model, chat_tokenizer, ["full"], [500], tmp_path / "p2.json", tokens=20)
+        run_perplexity(model, chat_tokenizer, small("full"), [500], tmp_path / "p2.json", tokens=20)
 
 
 # ----------------------------------------------------------------------------- bench and report
@@ -248,9 +264,9 @@ def test_perplexity_run_resumes_and_shares_the_continuation(model, chat_tokenize
 
 def fake_measure(config: bench_module.BenchConfig) -> dict:
     """A worker's row with costs that depend on method and length only."""
-    scale = {"full": 1.0, "gemfilter": 0.5}[config.method]
+    scale = {"full": 1.0, "gemfilter": 0.5}[config.spec["name"]]
     return {
-        "method": config.method,
+        "method": config.spec["name"],
         "length": config.length,
         "ttft_s": scale * config.length / 100,
         "decode_tokens_per_s": 10 / scale,
@@ -267,18 +283,18 @@ def test_bench_saves_every_run_and_resumes(tmp_path, monkeypatch):
     out = tmp_path / "bench.json"
     runs = []
     monkeypatch.setattr(bench_module, "run_in_process", lambda c: runs.append(c) or fake_measure(c))
-    document = bench_module.bench(["full", "gemfilter"], [200, 400], 2, out, decode_tokens=4)
+    document = bench_module.bench(small("full", "gemfilter"), [200, 400], 2, out, decode_tokens=4)
     assert len(runs) == 8 and len(json.loads(out.read_text())["rows"]) == 8
     # Interleaved: every repeat runs every configuration before the next repeat starts.
-    assert [(c.length, c.method) for c in runs[:4]] == [
+    assert [(c.length, c.spec["name"]) for c in runs[:4]] == [
         (200, "full"),
         (200, "gemfilter"),
         (400, "full"),
         (400, "gemfilter"),
     ]
     runs.clear()
-    bench_module.bench(["full", "gemfilter"], [200, 400], 3, out, decode_tokens=4)
-    assert len(runs) == 4 and {c.method for c in runs} == {"full", "gemfilter"}  # only the third repeat
+    bench_module.bench(small("full", "gemfilter"), [200, 400], 3, out, decode_tokens=4)
+    assert len(runs) == 4 and {c.spec["name"] for c in runs} == {"full", "gemfilter"}  # only the third repeat
     summary = {(s["length"], s["method"]): s for s in bench_module.summarize(document["rows"])}
     assert summary[(400, "gemfilter")]["speedup"] == (2.0, 2.0, 2.0)
     assert summary[(400, "gemfilter")]["memory_ratio"][1] == pytest.approx(1200 / 1400)
@@ -287,21 +303,23 @@ def test_bench_saves_every_run_and_resumes(tmp_path, monkeypatch):
 
 
 def test_bench_config_round_trips_through_json():
-    config = bench_module.BenchConfig("imdc", 4000, MethodOptions(chunk=512, schedule="sqrt"), 8, None)
+    spec = method("imdc", {"feed.chunk": 512, "feed.schedule": "sqrt"})
+    config = bench_module.BenchConfig(spec.to_dict(), 4000, 8, None, "cpu", "bfloat16")
     assert bench_module.BenchConfig.from_json(config.to_json()) == config
+    assert method(type(spec).from_dict(config.spec)) == spec  # the worker rebuilds the very same stages
 
 
 def test_report_contains_every_configuration_that_was_run(model, chat_tokenizer, tmp_path, monkeypatch):
     runs = tmp_path / "runs"
     grid(model, chat_tokenizer, runs / "niah.json", methods=("full", "gemfilter", "h2o"), lengths=(200,))
-    run_perplexity(model, chat_tokenizer, ["full", "streaming"], [200], runs / "ppl.json", tokens=10, options=SMALL)
+    run_perplexity(model, chat_tokenizer, small("full", "streaming"), [200], runs / "ppl.json", tokens=10)
     monkeypatch.setattr(bench_module, "run_in_process", fake_measure)
-    bench_module.bench(["full", "gemfilter"], [200], 2, runs / "bench.json", options=SMALL, decode_tokens=4)
+    bench_module.bench(small("full", "gemfilter"), [200], 2, runs / "bench.json", decode_tokens=4)
     out = tmp_path / "docs" / "RESULTS.md"
     write_report(out, [runs / "niah.json"], runs / "ppl.json", runs / "bench.json", notes=tmp_path / "docs" / "S.md")
     text = out.read_text()
-    for method in ("full", "gemfilter", "h2o", "streaming"):
-        assert f"| {method} |" in text
+    for name in ("full", "gemfilter", "h2o", "streaming"):
+        assert f"| {name} |" in text
     assert "### 200 prompt tokens" in text
     for name in ("niah", "ppl", "bench"):  # each run's command, as recorded in its file
         assert json.loads((runs / f"{name}.json").read_text())["command"] in text
@@ -328,7 +346,7 @@ def test_report_shows_the_optional_kvpress_comparison(tmp_path):
         "schema": 1,
         "command": "kvsieve niah",
         "machine": records.machine(),
-        "settings": {"methods": ["full"], "options": SMALL.__dict__, "probe": "needle", "max_new_tokens": 8},
+        "settings": {"methods": {"full": method("full").to_dict()}, "probe": "needle", "max_new_tokens": 8},
         "rows": [{"method": "full", "length": 200, "depth": 0.5, "rouge1": 1.0, "hit": True}],
     }
     kvpress_doc = {  # the shape benchmarks/kvpress_compare.py writes

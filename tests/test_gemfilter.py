@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from conftest import HEAD_DIM, HEADS, KV_HEADS, FakeTokenizer, make_prompt
 
 from kvsieve import GemFilter, KvsieveError, Prompt, Sampling, run
-from kvsieve.select.gemfilter import filter_layer_qk, gemfilter_scores, resolve_count, top_k_with_tail
+from kvsieve.select.scoring import filter_layer_qk, gemfilter_scores, resolve_count, top_k_with_tail
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -262,16 +262,18 @@ def test_resolve_count_errors(value, message):
 def test_filter_layer_out_of_range_raises_naming_the_range(make_model):
     model = make_model("llama", num_layers=3)
     prompt = make_prompt(20)
-    for layer in (99, 3, -1):
+    for layer in (99, 3):
         with pytest.raises(KvsieveError, match=r"0\.\.2") as info:
             GemFilter(k=8, layer=layer).select(model, prompt)
         assert str(layer) in str(info.value) and "3 layers" in str(info.value)
+    with pytest.raises(KvsieveError, match="0-based layer index"):
+        GemFilter(k=8, layer=-1)
 
 
 @pytest.mark.parametrize("kernel", [4, 0, -1])
 def test_bad_kernel_raises(kernel, make_model):
     with pytest.raises(KvsieveError, match="odd"):
-        GemFilter(k=8, layer=0, kernel=kernel).select(make_model("llama"), make_prompt(20))
+        GemFilter(k=8, layer=0, kernel=kernel)
 
 
 def test_k_not_above_tail_raises(make_model):
@@ -290,13 +292,18 @@ def test_k_larger_than_prompt_raises_through_run(make_model):
         run(make_model("llama"), FakeTokenizer(), make_prompt(20), select=GemFilter(k=21, layer=0))
 
 
-def test_default_layer_is_middle_or_calibrated(make_model, isolated_cache):
+def test_default_layer_is_the_middle_and_calibration_is_asked_for(make_model, isolated_cache):
     model = make_model("llama", num_layers=4)
     assert GemFilter(k=8).filter_layer(model) == 2
     assert GemFilter(k=8, layer=0).filter_layer(model) == 0
+    with pytest.raises(KvsieveError, match="kvsieve calibrate"):
+        GemFilter(k=8, layer="calibrated").filter_layer(model)
     isolated_cache.mkdir(parents=True)
     key = model.config.name_or_path or model.config.model_type
     (isolated_cache / "calibration.json").write_text(json.dumps({key: {"layer": 1}}))
-    assert GemFilter(k=8).filter_layer(model) == 1
-    assert GemFilter(k=8).select(model, make_prompt(20)).details["layer"] == 1
-    assert GemFilter(k=8, layer=3).filter_layer(model) == 3  # an explicit layer wins
+    # A recorded calibration changes nothing unless it is asked for: same call, same result everywhere.
+    assert GemFilter(k=8).filter_layer(model) == 2
+    assert GemFilter(k=8, layer="calibrated").filter_layer(model) == 1
+    assert GemFilter.calibrated(model, k=8).layer == 1
+    assert GemFilter(k=8, layer="calibrated").select(model, make_prompt(20)).details["layer"] == 1
+    assert GemFilter(k=8, layer=3).filter_layer(model) == 3

@@ -8,8 +8,10 @@ from conftest import HEAD_DIM, HEADS, KV_HEADS, VOCAB, build_model, make_prompt,
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import kvsieve
+import kvsieve.models
 from kvsieve import KvsieveError, architecture, load_model, prepare
 from kvsieve.attention import ATTENTION_NAME
+from kvsieve.models import resolve_device, resolve_dtype
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -70,11 +72,116 @@ def test_prepare_switches_attention_and_eval_mode():
     assert model.config._attn_implementation == ATTENTION_NAME
 
 
-@pytest.mark.parametrize("bad", ["/nonexistent", "/nonexistent/model.gguf"])
-def test_load_model_missing_path(bad):
-    with pytest.raises(KvsieveError, match="Cannot load model") as info:
+class _NoHub:
+    """Stands in for AutoModelForCausalLM / AutoTokenizer: any load attempt fails the test."""
+
+    @staticmethod
+    def from_pretrained(*args, **kwargs):
+        raise AssertionError(f"from_pretrained was called with {args} {kwargs}")
+
+
+@pytest.mark.parametrize("bad", ["/nonexistent", "/nope/model.gguf", "./nope", "~/kvsieve-nope", "nope.gguf"])
+def test_load_model_missing_path_never_reaches_the_hub(bad, monkeypatch):
+    monkeypatch.setattr(kvsieve.models, "AutoModelForCausalLM", _NoHub)
+    monkeypatch.setattr(kvsieve.models, "AutoTokenizer", _NoHub)
+    with pytest.raises(KvsieveError, match="does not exist") as info:
         load_model(bad)
-    assert bad in str(info.value) and "never downloads" in str(info.value)
+    assert f"'{bad}'" in str(info.value)
+
+
+def test_load_model_missing_pathlike_object_is_a_path(tmp_path, monkeypatch):
+    monkeypatch.setattr(kvsieve.models, "AutoModelForCausalLM", _NoHub)
+    monkeypatch.setattr(kvsieve.models, "AutoTokenizer", _NoHub)
+    missing = tmp_path / "org" / "model"  # a Path is never a hub id, even without a leading '/'
+    with pytest.raises(KvsieveError, match="does not exist"):
+        load_model(missing)
+
+
+def test_load_model_sends_plain_names_to_transformers(monkeypatch):
+    """A name that is not a local path goes to transformers as a hub id, with no local_files_only."""
+    calls = []
+
+    class Recorder:
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            calls.append((args, kwargs))
+            raise OSError("not in the cache")
+
+    monkeypatch.setattr(kvsieve.models, "AutoTokenizer", Recorder)
+    monkeypatch.setattr(kvsieve.models, "AutoModelForCausalLM", Recorder)
+    monkeypatch.setattr(kvsieve.models.huggingface_hub.constants, "HF_HUB_CACHE", "/some/hf/cache")
+    monkeypatch.setattr(kvsieve.models.huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(KvsieveError) as info:
+        load_model("kvsieve-test/absent-model", device="cpu")
+    assert calls == [(("kvsieve-test/absent-model",), {})]
+    message = str(info.value)
+    for part in ("'kvsieve-test/absent-model'", "/some/hf/cache", "HF_HUB_OFFLINE=1", "not in the cache"):
+        assert part in message
+    assert "hf download kvsieve-test/absent-model" in message
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("float32", torch.float32),
+        ("fp32", torch.float32),
+        ("bfloat16", torch.bfloat16),
+        ("bf16", torch.bfloat16),
+        ("BF16", torch.bfloat16),
+        ("float16", torch.float16),
+        ("fp16", torch.float16),
+        ("float64", torch.float64),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float32),
+    ],
+)
+def test_resolve_dtype(value, expected):
+    assert resolve_dtype(value) is expected
+
+
+def test_resolve_dtype_default_follows_the_device():
+    assert resolve_dtype(None, "cpu") is torch.float32
+    expected = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    assert resolve_dtype(None) is expected
+
+
+@pytest.mark.parametrize("bad", ["float8", "half-ish", "", torch.int8])
+def test_resolve_dtype_rejects_unknown_names(bad):
+    with pytest.raises(KvsieveError) as info:
+        resolve_dtype(bad)
+    for name in ("float32", "bfloat16", "float16", "float64", "fp32", "bf16", "fp16"):
+        assert name in str(info.value)
+
+
+def test_resolve_device_cpu_and_default():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device(torch.device("cpu")) == torch.device("cpu")
+    assert resolve_device(None) == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize("asked", ["cuda", "cuda:0", "cuda:3"])
+def test_resolve_device_refuses_cuda_without_cuda(asked, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(KvsieveError, match="CUDA is not available") as info:
+        resolve_device(asked)
+    assert f"'{asked}'" in str(info.value) and "Available devices: cpu" in str(info.value)
+    assert resolve_device(None) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("garbage", ["banana", "gpu0", "cuda:x", "meta"])
+def test_resolve_device_rejects_garbage(garbage):
+    with pytest.raises(KvsieveError) as info:
+        resolve_device(garbage)
+    assert f"'{garbage}'" in str(info.value) and "cpu" in str(info.value)
+
+
+@pytest.mark.parametrize("bad", ["float8", "gpu"])
+def test_load_model_checks_options_before_loading(bad, tmp_path, monkeypatch):
+    monkeypatch.setattr(kvsieve.models, "AutoModelForCausalLM", _NoHub)
+    monkeypatch.setattr(kvsieve.models, "AutoTokenizer", _NoHub)
+    options = {"dtype": bad} if bad == "float8" else {"device": bad}
+    with pytest.raises(KvsieveError, match=bad):
+        load_model(tmp_path, **options)
 
 
 def test_load_model_folder_without_config(tmp_path):
@@ -94,10 +201,11 @@ def test_load_model_from_local_folder(tmp_path):
     original.save_pretrained(tmp_path)
     word_level_tokenizer().save_pretrained(tmp_path)
 
-    model, tokenizer = load_model(tmp_path)
+    model, tokenizer = load_model(tmp_path, device="cpu")
     assert model.config._attn_implementation == ATTENTION_NAME
     assert not model.training
     assert next(model.parameters()).dtype == torch.float32
+    assert next(model.parameters()).device == torch.device("cpu")
     assert architecture(model).num_kv_heads == KV_HEADS
     assert tokenizer("the pass key", add_special_tokens=False)["input_ids"] == [3, 4, 5]
     assert tokenizer.eos_token_id == 2
@@ -112,6 +220,33 @@ def test_load_model_from_local_folder(tmp_path):
     assert result.prompt_tokens == 8
     assert 1 <= len(result.tokens) <= 3
     assert all(0 <= t < VOCAB for t in result.tokens)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, "bf16"])
+def test_load_model_local_folder_in_bfloat16(dtype, tmp_path):
+    original = build_model("llama")
+    original.save_pretrained(tmp_path)
+    word_level_tokenizer().save_pretrained(tmp_path)
+
+    model, _ = load_model(tmp_path, device="cpu", dtype=dtype)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.config._attn_implementation == ATTENTION_NAME
+    # transformers' own bfloat16 load of the same folder (its RoPE inv_freq stays float32).
+    reference = prepare(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16))
+    ids = make_prompt(16).ids
+    with torch.no_grad():
+        logits = model(ids).logits
+        torch.testing.assert_close(logits, reference(ids).logits, rtol=0, atol=0)
+        torch.testing.assert_close(logits.float(), original(ids).logits, rtol=0.05, atol=0.5)
+
+
+def test_load_model_defaults_to_the_best_device(tmp_path):
+    build_model("llama").save_pretrained(tmp_path)
+    word_level_tokenizer().save_pretrained(tmp_path)
+    model, _ = load_model(tmp_path)
+    parameter = next(model.parameters())
+    assert parameter.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert parameter.dtype == (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
 
 
 def test_load_model_refuses_unsupported_saved_model(tmp_path):

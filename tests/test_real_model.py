@@ -3,7 +3,7 @@
 import pytest
 
 from kvsieve import GemFilter, Sampling, generate, load_model
-from kvsieve.eval.data import passkey_case
+from kvsieve.data import passkey_case
 from kvsieve.models import converted_default_dir
 
 pytestmark = pytest.mark.real_model
@@ -47,7 +47,7 @@ def test_short_passkey_is_answered(smollm, select):
 
 def test_needle_answered_with_critiprefill(smollm):
     from kvsieve import CritiPrefill
-    from kvsieve.eval.data import needle_case
+    from kvsieve.data import needle_case
     from kvsieve.eval.scoring import contains
 
     model, tokenizer = smollm

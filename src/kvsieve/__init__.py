@@ -1,24 +1,32 @@
 """kvsieve: faster, smaller long-context inference for Hugging Face causal LMs.
 
-The flow is select -> feed -> compress -> decode; pick one option per stage:
+The flow is select -> feed -> compress -> decode; a method names one option per stage:
 
-    from kvsieve import load_model, generate, GemFilter, Sampling
+    from kvsieve import load_model, generate, method, Sampling
     model, tokenizer = load_model()                      # embedded SmolLM2-135M-Instruct
     result = generate(model, tokenizer, long_text, "What is the pass key?",
-                      select=GemFilter(k=1024), sampling=Sampling(max_new_tokens=32))
+                      method=method("gemfilter", {"select.k": 1024}), sampling=Sampling(max_new_tokens=32))
 """
 
 from kvsieve.attention.critiprefill import CritiPrefill
-from kvsieve.compress.methods import A2SF, H2O, LocalWindow, SnapKV, StreamingLLM
+from kvsieve.compress.policies.a2sf import A2SF
+from kvsieve.compress.policies.h2o import H2O
+from kvsieve.compress.policies.knorm import KNorm
+from kvsieve.compress.policies.local import LocalWindow
+from kvsieve.compress.policies.snapkv import SnapKV
+from kvsieve.compress.policies.streaming import StreamingLLM
+from kvsieve.compress.policies.tova import TOVA
 from kvsieve.compress.stages import Compress, Evict
 from kvsieve.decode import Sampling
 from kvsieve.errors import KvsieveError
 from kvsieve.feed.chunked import ChunkedPrefill
 from kvsieve.feed.full import FullPrefill
 from kvsieve.models import architecture, load_model, prepare
-from kvsieve.pipeline import GenerationResult, StageRecord, generate, run
+from kvsieve.pipeline import GenerationResult, RunState, StageRecord, generate, run
 from kvsieve.prompt import Prompt, build_prompt
+from kvsieve.registry import REGISTRY, method, register
 from kvsieve.select.gemfilter import GemFilter
+from kvsieve.spec import MethodSpec
 
 __all__ = [
     "A2SF",
@@ -26,21 +34,28 @@ __all__ = [
     "Compress",
     "CritiPrefill",
     "Evict",
-    "H2O",
-    "LocalWindow",
-    "SnapKV",
-    "StreamingLLM",
     "FullPrefill",
     "GemFilter",
     "GenerationResult",
+    "H2O",
+    "KNorm",
     "KvsieveError",
+    "LocalWindow",
+    "MethodSpec",
     "Prompt",
+    "REGISTRY",
+    "RunState",
     "Sampling",
+    "SnapKV",
     "StageRecord",
+    "StreamingLLM",
+    "TOVA",
     "architecture",
     "build_prompt",
     "generate",
     "load_model",
+    "method",
     "prepare",
+    "register",
     "run",
 ]

@@ -1,4 +1,4 @@
-"""The `kvsieve` command line: generate, inspect, calibrate, bench, demo.
+"""The `kvsieve` command line: generate, inspect, methods, calibrate, niah, ppl, bench, report, simulate, demo.
 
 User mistakes (bad options, unreadable files, unsupported models) print one clear message and
 exit with status 2; they never show a traceback.
@@ -10,7 +10,6 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 from kvsieve.errors import KvsieveError
@@ -48,9 +47,62 @@ def _float_list(text: str) -> list[float]:
 
 
 def _add_model(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", help="local transformers folder or .gguf file (default: embedded SmolLM2-135M-Instruct)"
+    group = parser.add_argument_group("model")
+    group.add_argument(
+        "--model",
+        help="local transformers folder, .gguf file or Hugging Face model id (default: embedded SmolLM2-135M-Instruct)",
     )
+    group.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)")
+    group.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16", "float64"],
+        help="weights and activations (default: bfloat16 on cuda, float32 on cpu); scores are always float32",
+    )
+
+
+def _methods_epilog() -> str:
+    """Every registered method and its settable fields, from the registry (never written out by hand)."""
+    from kvsieve.registry import REGISTRY
+
+    lines = ["methods and their fields (--set PATH=VALUE; `kvsieve methods` explains each):"]
+    for name, spec in REGISTRY.items():
+        paths = ", ".join(f.path for f in spec.fields()) or "no fields"
+        lines.append(f"  {name}: {paths}")
+    lines.append("a whole stage: --set attention=critiprefill, --set evict=a2sf, --set compress=none, ...")
+    return "\n".join(lines)
+
+
+def _add_method(parser: argparse.ArgumentParser, *, multi: bool, default: str) -> None:
+    """--method NAME (or --methods A,B) plus repeatable --set PATH=VALUE, shared by every command."""
+    group = parser.add_argument_group("method (one spec for every command: `kvsieve methods` lists them)")
+    if multi:
+        group.add_argument("--methods", default=default, help=f"comma-separated method names (default {default})")
+    else:
+        group.add_argument("--method", default=default, help=f"a registered method name (default {default})")
+    group.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="change a field of the method's stages, e.g. compress.budget=0.25 or attention.budget=2048 "
+        "(repeatable; with several methods it applies to each that has the field)",
+    )
+    parser.epilog = _methods_epilog()
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+
+
+def _spec(args: argparse.Namespace):
+    from kvsieve.registry import method
+    from kvsieve.spec import parse_settings
+
+    return method(args.method, parse_settings(args.set))
+
+
+def _specs(args: argparse.Namespace):
+    from kvsieve.eval.methods import build_specs
+    from kvsieve.spec import parse_settings
+
+    return build_specs(args.methods, parse_settings(args.set))
 
 
 def _add_prompt(parser: argparse.ArgumentParser) -> None:
@@ -61,133 +113,6 @@ def _add_prompt(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_gemfilter(parser: argparse.ArgumentParser, default_select: str | None) -> None:
-    group = parser.add_argument_group("selection (GemFilter)")
-    if default_select is None:
-        group.add_argument(
-            "--select", choices=["none", "gemfilter"], default="none", help="token selection before prefill"
-        )
-    group.add_argument("--k", type=_count, default=1024, help="tokens to keep: a count or a fraction (default 1024)")
-    group.add_argument(
-        "--layer", type=int, help="0-based filter layer (default: the calibrated layer, else the middle one)"
-    )
-    group.add_argument("--kernel", type=int, default=5, help="average-pooling kernel, odd (default 5)")
-    group.add_argument(
-        "--no-keep-tail",
-        dest="keep_tail",
-        action="store_false",
-        help="let the question and template suffix be dropped (the reference code's behaviour)",
-    )
-
-
-KV_METHODS = ["snapkv", "h2o", "a2sf", "streaming", "local"]
-
-
-def _add_kv(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("KV cache (compress after prefill, evict while decoding)")
-    group.add_argument("--compress", choices=KV_METHODS, help="prune the cache once after prefill")
-    group.add_argument(
-        "--evict", choices=["h2o", "a2sf", "streaming", "local"], help="keep the cache at the budget while decoding"
-    )
-    group.add_argument(
-        "--budget", type=_count, default=1024, help="KV entries kept per layer and head: count or fraction (1024)"
-    )
-    group.add_argument("--alpha", type=float, default=0.2, help="A2SF forgetting factor in [0, 1] (default 0.2)")
-    group.add_argument("--window", type=int, default=32, help="SnapKV observation window (default 32)")
-    group.add_argument("--snap-kernel", type=int, default=5, help="SnapKV pooling kernel, odd (default 5)")
-    group.add_argument("--pool", choices=["avg", "max"], default="avg", help="SnapKV pooling (default avg)")
-    group.add_argument(
-        "--sinks", type=int, default=4, help="sink tokens kept by StreamingLLM and chunked feeds (default 4)"
-    )
-    group.add_argument("--recent", type=int, default=0, help="A2SF recent tail kept outside the score (default 0)")
-    group.add_argument("--interval", type=int, default=1, help="evict every N decoding steps (default 1)")
-
-
-def _kv_method(args: argparse.Namespace, name: str):
-    from kvsieve.compress.methods import make_method
-
-    return make_method(
-        name,
-        alpha=args.alpha,
-        window=args.window,
-        kernel=args.snap_kernel,
-        pool=args.pool,
-        sinks=args.sinks,
-        recent=args.recent,
-    )
-
-
-def _kv_stages(args: argparse.Namespace) -> dict:
-    from kvsieve.compress.stages import Compress, Evict
-
-    stages = {}
-    if args.compress:
-        stages["compress"] = Compress(_kv_method(args, args.compress), args.budget)
-    if args.evict:
-        stages["evict"] = Evict(_kv_method(args, args.evict), args.budget, args.interval)
-    return stages
-
-
-def _add_feed(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("feed (chunked prefill with a compressed memory: FM / IM / IMDC)")
-    group.add_argument(
-        "--feed",
-        choices=["full", "fm", "im", "imdc"],
-        default="full",
-        help="full: one pass (default); fm: fixed memory; im: incremental memory; imdc: im + decremental "
-        "chunks. Chunked feeds accept prompts longer than the model's context.",
-    )
-    group.add_argument("--chunk", type=int, default=1024, help="chunk size c in tokens (default 1024)")
-    group.add_argument("--memory", type=int, default=1024, help="maximum memory m_max per layer and head (1024)")
-    group.add_argument(
-        "--schedule",
-        choices=["linear", "sqrt", "square", "square-sqrt", "adaptive"],
-        help="im / imdc memory growth (default linear)",
-    )
-    group.add_argument(
-        "--pruner", choices=KV_METHODS, default="snapkv", help="scores memory + chunk at each step (default snapkv)"
-    )
-
-
-def _feed(args: argparse.Namespace):
-    from kvsieve.feed.chunked import make_feed
-
-    if args.feed == "full":
-        return None
-    return make_feed(
-        args.feed,
-        chunk=args.chunk,
-        memory=args.memory,
-        schedule=args.schedule,
-        pruner=_kv_method(args, args.pruner),
-        sinks=args.sinks,
-    )
-
-
-def _add_attention(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("prefill attention (CritiPrefill)")
-    group.add_argument(
-        "--attention", choices=["dense", "critiprefill"], default="dense", help="prefill attention kernel"
-    )
-    group.add_argument("--segment", type=int, default=512, help="CritiPrefill query segment (default 512)")
-    group.add_argument("--block", type=int, default=32, help="CritiPrefill KV block, divides segment (default 32)")
-    group.add_argument(
-        "--attention-budget", type=int, default=1024, help="CritiPrefill KV tokens per segment (default 1024)"
-    )
-    group.add_argument(
-        "--fusion-alpha", type=float, default=0.25, help="CritiPrefill weight of the current layer (default 0.25)"
-    )
-    group.add_argument("--dense-layers", type=int, default=1, help="CritiPrefill dense first layers (default 1)")
-
-
-def _attention(args: argparse.Namespace):
-    from kvsieve.attention.critiprefill import CritiPrefill
-
-    if args.attention == "dense":
-        return None
-    return CritiPrefill(args.segment, args.block, args.attention_budget, args.fusion_alpha, args.dense_layers)
-
-
 def _add_sampling(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("decoding")
     group.add_argument("--max-new-tokens", type=int, default=64, help="maximum tokens to generate (default 64)")
@@ -195,12 +120,6 @@ def _add_sampling(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
     group.add_argument("--seed", type=int, help="random seed for sampling")
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-
-
-def _gemfilter(args: argparse.Namespace):
-    from kvsieve.select.gemfilter import GemFilter
-
-    return GemFilter(k=args.k, layer=args.layer, kernel=args.kernel, keep_tail=args.keep_tail)
 
 
 def _sampling(args: argparse.Namespace):
@@ -223,7 +142,7 @@ def _read_context(source: str) -> str:
 def _load(args: argparse.Namespace):
     from kvsieve.models import load_model
 
-    return load_model(args.model)
+    return load_model(args.model, device=args.device, dtype=args.dtype)
 
 
 def _err(text: str) -> None:
@@ -242,50 +161,6 @@ def _report(result) -> None:
         _err(f"  {stage.stage:<8} {stage.method:<10} {stage.seconds:6.2f} s  {details}")
 
 
-def _add_methods(parser: argparse.ArgumentParser, default: str) -> None:
-    """--methods plus every method's settings, shared by niah, ppl and bench (same names, same configs)."""
-    from kvsieve.eval.methods import METHOD_NAMES
-
-    parser.add_argument(
-        "--methods",
-        default=default,
-        help=f"comma-separated, from: {','.join(METHOD_NAMES)} (default {default})",
-    )
-    group = parser.add_argument_group("method settings (shared by every configuration of the run)")
-    group.add_argument("--k", type=_count, default=1024, help="GemFilter tokens kept (default 1024)")
-    group.add_argument("--layer", type=int, help="GemFilter filter layer (default: calibrated)")
-    group.add_argument("--fusion-alpha", type=float, default=0.25, help="CritiPrefill layer fusion (default 0.25)")
-    group.add_argument("--chunk", type=int, default=1024, help="fm/im/imdc chunk size (default 1024)")
-    group.add_argument("--memory", type=int, default=1024, help="fm/im/imdc maximum memory (default 1024)")
-    group.add_argument(
-        "--schedule",
-        choices=["linear", "sqrt", "square", "square-sqrt", "adaptive"],
-        help="im/imdc memory growth (default linear)",
-    )
-    group.add_argument("--pruner", choices=KV_METHODS, default="snapkv", help="fm/im/imdc pruner (default snapkv)")
-    group.add_argument(
-        "--budget", type=_count, default=1024, help="KV entries kept by snapkv/h2o/a2sf/streaming/local (1024)"
-    )
-    group.add_argument("--alpha", type=float, default=0.2, help="A2SF forgetting factor (default 0.2)")
-
-
-def _methods_and_options(args: argparse.Namespace):
-    from kvsieve.eval.methods import MethodOptions, parse_methods
-
-    options = MethodOptions(
-        k=args.k,
-        layer=args.layer,
-        fusion_alpha=args.fusion_alpha,
-        chunk=args.chunk,
-        memory=args.memory,
-        schedule=args.schedule,
-        pruner=args.pruner,
-        budget=args.budget,
-        alpha=args.alpha,
-    )
-    return parse_methods(args.methods), options
-
-
 def _add_run_file(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument(
         "--out", type=Path, default=Path(default), help=f"result JSON, written after every case (default {default})"
@@ -301,25 +176,17 @@ def _add_run_file(parser: argparse.ArgumentParser, default: str) -> None:
 def cmd_generate(args: argparse.Namespace) -> None:
     from kvsieve.pipeline import generate
 
+    spec = _spec(args)  # a bad name or setting fails before the model loads
+    sampling = _sampling(args)
+    sampling.validate()
     context = _read_context(args.context)
     model, tokenizer = _load(args)
-    select = _gemfilter(args) if args.select == "gemfilter" else None
     stream = None if args.json else (lambda piece: print(piece, end="", flush=True))
     result = generate(
-        model,
-        tokenizer,
-        context,
-        args.question,
-        raw=args.raw,
-        select=select,
-        feed=_feed(args),
-        attention=_attention(args),
-        sampling=_sampling(args),
-        stream=stream,
-        **_kv_stages(args),
+        model, tokenizer, context, args.question, raw=args.raw, method=spec, sampling=sampling, stream=stream
     )
     if args.json:
-        print(json.dumps(asdict(result), indent=1))
+        print(json.dumps({"method": spec.to_dict(), **result.to_dict()}, indent=1))
     else:
         print()
         _report(result)
@@ -328,10 +195,16 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_inspect(args: argparse.Namespace) -> None:
     from kvsieve.prompt import build_prompt
 
+    spec = _spec(args)
+    if spec.select is None:
+        raise KvsieveError(
+            f"Method '{spec.name}' has no select stage, so there is nothing to inspect; use --method gemfilter "
+            "or add one with --set select=gemfilter."
+        )
     context = _read_context(args.context)
     model, tokenizer = _load(args)
     prompt = build_prompt(tokenizer, context, args.question, raw=args.raw)
-    selection = _gemfilter(args).select(model, prompt)
+    selection = spec.select.select(model, prompt)
     kept = set(selection.indices.tolist())
     color = sys.stdout.isatty() and not os.environ.get("NO_COLOR") and not args.plain
     on, off = ("\x1b[1;30;43m", "\x1b[0m") if color else ("[[", "]]")
@@ -352,7 +225,8 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
-    from kvsieve.select.calibrate import calibrate, calibration_file, plot_recall
+    from kvsieve.select.calibrate import calibrate, plot_recall
+    from kvsieve.select.layers import calibration_file
 
     model, tokenizer = _load(args)
     result = calibrate(model, tokenizer, args.lengths, args.depths, args.k, args.probe, save=not args.no_save)
@@ -364,7 +238,10 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     plot_recall(result, args.plot, f"GemFilter filter-layer calibration ({args.probe}, k={args.k})")
     print(f"\nRecommended filter layer: {result.layer}. Curve: {args.plot}")
     if not args.no_save:
-        print(f"Saved to {calibration_file()}; GemFilter now defaults to layer {result.layer} for this model.")
+        print(
+            f"Saved to {calibration_file()}; use it with --set select.layer=calibrated "
+            f"(GemFilter(layer='calibrated') in Python)."
+        )
 
 
 def _resumable(path: Path, work):
@@ -379,18 +256,17 @@ def _resumable(path: Path, work):
 def cmd_niah(args: argparse.Namespace) -> None:
     from kvsieve.eval.niah import plot_heatmaps, run_grid, summarize
 
-    methods, options = _methods_and_options(args)
+    specs = _specs(args)
     model, tokenizer = _load(args)
     document = _resumable(
         args.out,
         lambda: run_grid(
             model,
             tokenizer,
-            methods,
+            specs,
             args.lengths,
             args.depths,
             args.out,
-            options=options,
             probe=args.probe,
             max_new_tokens=args.max_new_tokens,
             model_name=args.model,
@@ -409,18 +285,18 @@ def cmd_niah(args: argparse.Namespace) -> None:
 def cmd_ppl(args: argparse.Namespace) -> None:
     from kvsieve.eval.perplexity import run_perplexity
 
-    methods, options = _methods_and_options(args)
+    specs = _specs(args)
+    methods = list(specs)
     model, tokenizer = _load(args)
     document = _resumable(
         args.out,
         lambda: run_perplexity(
             model,
             tokenizer,
-            methods,
+            specs,
             args.lengths,
             args.out,
             tokens=args.tokens,
-            options=options,
             model_name=args.model,
             fresh=args.fresh,
         ),
@@ -439,24 +315,34 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from kvsieve.eval.methods import check_lengths
     from kvsieve.models import architecture
 
-    methods, options = _methods_and_options(args)
-    if not isinstance(args.budget, int):
-        raise KvsieveError("bench needs --budget as a token count, so every length keeps the same cache size.")
-    if args.baseline not in methods:
-        raise KvsieveError(f"--baseline {args.baseline} is not among --methods {','.join(methods)}; add it.")
+    specs = _specs(args)
+    fractions = [
+        name
+        for name, spec in specs.items()
+        for stage in (spec.compress, spec.evict)
+        if stage is not None and isinstance(stage.budget, float)
+    ]
+    if fractions:
+        raise KvsieveError(
+            f"bench needs KV budgets as token counts so every length keeps the same cache size; {', '.join(fractions)} "
+            "got a fraction (set e.g. compress.budget=1024)."
+        )
+    if args.baseline not in specs:
+        raise KvsieveError(f"--baseline {args.baseline} is not among --methods {','.join(specs)}; add it.")
     model, _ = _load(args)
-    check_lengths(methods, args.lengths, args.decode_tokens, architecture(model).max_positions)
+    check_lengths(specs, args.lengths, args.decode_tokens, architecture(model).max_positions)
     del model
     document = _resumable(
         args.out,
         lambda: bench(
-            methods,
+            specs,
             args.lengths,
             args.repeats,
             args.out,
-            options=options,
             decode_tokens=args.decode_tokens,
             model=args.model,
+            device=args.device,
+            dtype=args.dtype,
             fresh=args.fresh,
         ),
     )
@@ -487,25 +373,28 @@ def cmd_report(args: argparse.Namespace) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
-    from kvsieve.eval.data import haystack_text
+    from kvsieve.data import haystack_text
     from kvsieve.eval.simulate import compare_policies
+    from kvsieve.spec import components
 
+    policies = components("policy")
+    unknown = [name for name in args.methods if name not in policies]
+    if unknown:
+        raise KvsieveError(f"Unknown policy {', '.join(unknown)}; choose from {', '.join(policies)}.")
+    methods = {}
+    for name in args.methods:
+        cls = policies[name]
+        given = {"sinks": args.sinks, "recent": args.recent}
+        values = {k: v for k, v in given.items() if k in cls.__dataclass_fields__}
+        if name == "a2sf":
+            methods.update({f"a2sf alpha={a}": cls(alpha=a, **values) for a in args.alphas})
+        else:
+            methods[name] = cls(**values)
     model, tokenizer = _load(args)
     ids = tokenizer(haystack_text(), add_special_tokens=False, return_tensors="pt")["input_ids"]
     if args.length < 2 or args.length > min(ids.shape[1], model.config.max_position_embeddings):
         raise KvsieveError(f"--length must be within 2..{min(ids.shape[1], model.config.max_position_embeddings)}.")
     ids = ids[:, : args.length]
-    methods = {}
-    for name in args.methods:
-        if name == "a2sf":
-            methods.update(
-                {
-                    f"a2sf alpha={a}": _kv_method(argparse.Namespace(**{**vars(args), "alpha": a}), name)
-                    for a in args.alphas
-                }
-            )
-        else:
-            methods[name] = _kv_method(args, name)
     rows = compare_policies(model, ids, methods, args.budget)
     print(f"{'method':<16} {'budget':>6} {'NLL':>7} {'perplexity':>10} {'cosine to ideal':>15}")
     for row in rows:
@@ -515,52 +404,58 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         args.out.write_text(json.dumps(rows, indent=1))
 
 
-def cmd_demo(args: argparse.Namespace) -> None:
-    from kvsieve.decode import Sampling
-    from kvsieve.eval.data import needle_case
-    from kvsieve.eval.scoring import rouge1_recall
-    from kvsieve.models import load_model
-    from kvsieve.pipeline import generate
-    from kvsieve.select.gemfilter import GemFilter
+def cmd_methods(args: argparse.Namespace) -> None:
+    from kvsieve.registry import REGISTRY
 
-    model, tokenizer = load_model(args.model)
+    if args.json:
+        print(json.dumps({name: spec.to_dict() for name, spec in REGISTRY.items()}, indent=1))
+        return
+    for name, spec in REGISTRY.items():
+        print(f"{name}: {spec.summary}")
+        print(f"  stages: {spec.describe()}")
+        for info in spec.fields():
+            print(f"    {info.path} = {info.default!r}  ({info.type}) {info.help}")
+        print()
+    print("Change any field with --set PATH=VALUE on generate, inspect, niah, ppl, bench and demo.")
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from kvsieve.data import needle_case
+    from kvsieve.decode import Sampling
+    from kvsieve.eval.scoring import rouge1_recall
+    from kvsieve.pipeline import generate
+
+    specs = _specs(args)
+    model, tokenizer = _load(args)
     case = needle_case(tokenizer, args.length, args.depth)
     print(
         f"Haystack: {args.length} tokens of Paul Graham essays; needle at {args.depth:.0%} depth:\n  {case.needle}\n"
         f"Question: {case.question}\n"
     )
     sampling = Sampling(max_new_tokens=48)
-    runs = [("full attention", None), (f"GemFilter k={args.k}", GemFilter(k=args.k, layer=args.layer))]
-    results = []
-    for label, select in runs:
-        print(f"--- {label}: ", end="", flush=True)
+    results = {}
+    for name, spec in specs.items():
+        print(f"--- {name} ({spec.describe()}):\n    ", end="", flush=True)
         result = generate(
             model,
             tokenizer,
             case.context,
             case.question,
-            select=select,
+            method=spec,
             sampling=sampling,
             stream=lambda p: print(p, end="", flush=True),
         )
-        results.append(result)
+        results[name] = result
         score = rouge1_recall(result.text, case.answer)
         print(
-            f"\n    time to first token {result.prefill_seconds:.2f} s, KV cache {result.kv_cache_length} tokens, "
-            f"ROUGE-1 recall {score:.2f}\n"
+            f"\n    time to first token {result.prefill_seconds:.2f} s, KV cache {result.prefill_kv_length} entries "
+            f"after prefill, ROUGE-1 recall {score:.2f}\n"
         )
-    full, gem = results
-    details = gem.stages[0].details
-    print(
-        f"GemFilter ran layers 0..{details['layer']} on all {full.prompt_tokens} tokens, kept {details['kept']}, "
-        f"and was {full.prefill_seconds / gem.prefill_seconds:.2f}x faster to the first token."
-    )
-    needle_pos = gem.selected_text.find("San Francisco is eat")
-    if needle_pos >= 0:
-        print(f"The needle survived selection: ...{gem.selected_text[max(0, needle_pos - 80) : needle_pos + 100]}...")
-    else:
-        print("The needle's sentence was not kept intact by the selection.")
-    print("See what was kept: kvsieve inspect --context FILE --question ...")
+    first, *others = specs
+    for name in others:
+        ratio = results[first].prefill_seconds / results[name].prefill_seconds
+        print(f"{name}: {ratio:.2f}x {first}'s speed to the first token (one run each, not a benchmark).")
+    print("See what GemFilter kept: kvsieve inspect --context FILE --question ...; every method: kvsieve methods")
 
 
 # ----------------------------------------------------------------------------- parser
@@ -574,10 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.description = "Generate from a long context (file or stdin) and a question; the answer streams to stdout."
     _add_model(p)
     _add_prompt(p)
-    _add_gemfilter(p, default_select=None)
-    _add_feed(p)
-    _add_attention(p)
-    _add_kv(p)
+    _add_method(p, multi=False, default="full")
     _add_sampling(p)
     p.add_argument("--json", action="store_true", help="print the whole result (timings, stages, ids) as JSON")
     p.set_defaults(func=cmd_generate)
@@ -586,14 +478,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.description = "Run GemFilter's selection and print the prompt with the kept tokens highlighted."
     _add_model(p)
     _add_prompt(p)
-    _add_gemfilter(p, default_select="gemfilter")
+    _add_method(p, multi=False, default="gemfilter")
     p.add_argument("--plain", action="store_true", help="mark kept spans with [[ ]] instead of colour")
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("calibrate", help="measure which filter layer finds needles best")
     p.description = (
         "Run needle probes, report per layer the fraction of needle tokens in GemFilter's top-k, plot the curve, "
-        "recommend a layer and remember it as GemFilter's default for this model."
+        "recommend a layer and remember it for this model (used by --set select.layer=calibrated)."
     )
     _add_model(p)
     p.add_argument("--lengths", type=_int_list, default=[2048, 4096], help="probe lengths in tokens")
@@ -613,11 +505,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(p)
     p.add_argument("--probe", choices=["needle", "passkey"], default="needle", help="probe kind (default needle)")
     p.add_argument("--lengths", type=_int_list, default=[2048, 4096, 8000], help="prompt lengths in tokens")
-    p.add_argument(
-        "--depths", type=_float_list, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]"
-    )
+    p.add_argument("--depths", type=_float_list, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]")
     p.add_argument("--max-new-tokens", type=int, default=48, help="answer length limit (default 48)")
-    _add_methods(p, "full,gemfilter")
+    _add_method(p, multi=True, default="full,gemfilter")
     _add_run_file(p, "runs/niah.json")
     p.add_argument("--plots", type=Path, default=Path("runs/plots"), help="folder for the heatmap PNGs")
     p.set_defaults(func=cmd_niah)
@@ -632,7 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(p)
     p.add_argument("--lengths", type=_int_list, default=[2048, 4096, 8000], help="context lengths in tokens")
     p.add_argument("--tokens", type=int, default=192, help="continuation tokens scored (default 192)")
-    _add_methods(p, "full,snapkv,h2o,a2sf,streaming")
+    _add_method(p, multi=True, default="full,snapkv,h2o,a2sf,streaming")
     _add_run_file(p, "runs/ppl.json")
     p.set_defaults(func=cmd_ppl)
 
@@ -644,7 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_model(p)
     p.add_argument("--lengths", type=_int_list, default=[2048, 4096, 8000], help="prompt lengths in tokens")
-    _add_methods(p, "full,gemfilter")
+    _add_method(p, multi=True, default="full,gemfilter")
     p.add_argument(
         "--baseline", default="full", help="method the ratios compare against (default full; fm beyond the context)"
     )
@@ -683,20 +573,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--methods",
         type=lambda s: s.split(","),
         default=["local", "streaming", "h2o", "a2sf"],
-        help="policies with a per-step rule: local,streaming,h2o,a2sf (default all four)",
+        help="KV policies with an accumulating or positional per-step rule: local,streaming,h2o,a2sf "
+        "(default all four)",
     )
     p.add_argument("--alphas", type=_float_list, default=[0.1, 0.5], help="A2SF forgetting factors (default 0.1,0.5)")
     p.add_argument("--length", type=int, default=1024, help="tokens of essay text (default 1024)")
     p.add_argument("--out", type=Path, help="write the rows as JSON")
-    p.set_defaults(func=cmd_simulate, alpha=0.2, window=32, snap_kernel=5, pool="avg")
+    p.set_defaults(func=cmd_simulate)
 
-    p = sub.add_parser("demo", help="needle question on a long essay haystack: full vs GemFilter")
-    p.description = "Answer a needle question from a Paul Graham essays haystack with full attention and GemFilter."
+    p = sub.add_parser("methods", help="list the registered methods, their stages and every field")
+    p.description = "The method registry: every name, its stages, and every field with its default and meaning."
+    p.add_argument("--json", action="store_true", help="the specs as JSON (what --set and the server accept)")
+    p.set_defaults(func=cmd_methods)
+
+    p = sub.add_parser("demo", help="needle question on a long essay haystack, answered by several methods")
+    p.description = (
+        "Answer a needle question from a Paul Graham essays haystack with each method: answer, time to first "
+        "token and KV entries side by side."
+    )
     _add_model(p)
     p.add_argument("--length", type=int, default=4000, help="haystack length in tokens (default 4000)")
     p.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1] (default 0.5)")
-    p.add_argument("--k", type=int, default=1024, help="GemFilter k (default 1024)")
-    p.add_argument("--layer", type=int, help="GemFilter filter layer (default: calibrated)")
+    _add_method(p, multi=True, default="full,gemfilter")
     p.set_defaults(func=cmd_demo)
     return parser
 

@@ -14,7 +14,7 @@ import torch
 from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvsieve.attention import attention_hooks
-from kvsieve.compress.stages import Evict
+from kvsieve.compress.stages import EvictRun
 from kvsieve.errors import KvsieveError
 
 
@@ -61,7 +61,7 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
     """Pick the next token from (vocab,) logits."""
     if sampling.temperature == 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    probs = torch.softmax(logits.float().cpu() / sampling.temperature, dim=-1)
     if sampling.top_p < 1:
         sorted_probs, order = probs.sort(descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
@@ -80,7 +80,8 @@ def extend(
     model: PreTrainedModel, cache: Cache, ids: torch.Tensor, position: int, logits_to_keep: int = 1
 ) -> torch.Tensor:
     """Run (1, t) `ids` on top of `cache` at logical positions `position`, ...; (logits_to_keep, vocab) logits."""
-    positions = torch.arange(position, position + ids.shape[1])[None]
+    ids = ids.to(model.device)
+    positions = torch.arange(position, position + ids.shape[1], device=ids.device)[None]
     out = model(
         input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep
     )
@@ -95,13 +96,14 @@ def decode(
     position: int,
     sampling: Sampling,
     stream: Callable[[str], None] | None = None,
-    evict: Evict | None = None,
+    evict: EvictRun | None = None,
 ) -> Decoded:
     """Generate up to `sampling.max_new_tokens` tokens continuing `cache` at logical `position`.
 
     Stops at an EOS token (kept in `tokens`, not in `text`), at a stop string (text cut before
     it) or at the token limit. `stream` receives text pieces as they become final. `evict`
-    (already started on `cache`) keeps the cache at its budget after every step.
+    (the run's eviction state, already started on `cache`) keeps the cache at its budget.
+    Sampling draws on the CPU from a CPU generator (seeded runs give the same tokens on any device).
     """
     generator = None
     if sampling.seed is not None:
@@ -130,7 +132,7 @@ def decode(
             if stream is not None and len(text) - hold_back > emitted and not text.endswith("\ufffd"):
                 stream(text[emitted : len(text) - hold_back])
                 emitted = len(text) - hold_back
-            logits = extend(model, cache, torch.tensor([[token]]), position)[-1]
+            logits = extend(model, cache, torch.tensor([[token]], device=model.device), position)[-1]
             position, steps = position + 1, steps + 1
             if evict is not None:
                 evict.after_step(cache)

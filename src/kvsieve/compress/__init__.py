@@ -1,34 +1,9 @@
-"""The `compress` stage and per-step eviction: shrink the KV cache by a scorer and a budget.
+"""The `compress` stage and per-step eviction: shrink the KV cache by a policy and a budget.
 
-- `scorers.py`: one small function per importance score (window attention, accumulated
-  attention with forgetting factor), shared with decoding eviction and chunked feeds;
-- `methods.py`: SnapKV, H2O, A2SF, StreamingLLM, local window (scorer + protected positions);
+- `policy.py`: the interface of a KV policy (scores per KV head and token, protected positions);
+- `policies/`: one module per policy: SnapKV, H2O, A2SF, StreamingLLM, local window, TOVA, KNorm;
+- `scorers.py`: the shared scoring functions (window attention, accumulated attention with a
+  forgetting factor, top-k with protected positions), used by compress, eviction and chunked feeds;
 - `cache.py`: budgets and the per-KV-head gather that frees memory;
-- `stages.py`: `Compress` (once, after prefill) and `Evict` (while decoding).
+- `stages.py`: `Compress` (once, after prefill) and `Evict` (while decoding), each with a per-run state.
 """
-
-from __future__ import annotations
-
-from collections.abc import Sequence
-from typing import Any, Protocol
-
-import torch
-from transformers import Cache
-
-from kvsieve.attention import Observer
-
-
-class Compressor(Protocol):
-    name: str
-
-    def observers(self) -> Sequence[Observer]:
-        """Observers to run during the feed, collecting what scoring needs."""
-        ...
-
-    def compress(self, cache: Cache, kept_positions: list[torch.Tensor] | None = None) -> dict[str, Any]:
-        """Prune `cache` in place; return what was done (budget, sizes, ...).
-
-        `kept_positions` map cache entries to the feed's last attended keys when the feed pruned
-        its own cache (chunked prefill), so observed scores can be aligned with the cache.
-        """
-        ...

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kvsieve.attention.dense import bottom_right_causal_mask
+from kvsieve.errors import KvsieveError
 
 
 def attention_probs(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -31,6 +32,12 @@ def attention_probs(query: torch.Tensor, key: torch.Tensor, scaling: float) -> t
 def per_kv_head(scores: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """Sum (h, ...) query-head scores into (kv_heads, ...): query head h -> KV head h // n_rep."""
     return scores.view(kv_heads, scores.shape[0] // kv_heads, *scores.shape[1:]).sum(1)
+
+
+def check_kernel(kernel: int) -> None:
+    """Pooling kernels are odd (so pooling keeps every position centred), at least 1."""
+    if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
+        raise KvsieveError(f"Pooling kernel must be an odd whole number >= 1, got {kernel!r}.")
 
 
 def window_attention(
@@ -66,11 +73,13 @@ def accumulated_attention(
     kv_heads, n, _ = key.shape
     n_rep = heads // kv_heads
     total = torch.zeros(kv_heads, n_rep, n, dtype=torch.float32, device=query.device)
-    exponents = torch.arange(q_len - 1, -1, -1, device=query.device, dtype=torch.float32)
-    weights = torch.pow(torch.tensor(float(alpha), device=query.device), exponents)  # 0**0 == 1
-    # alpha^k underflows to exactly 0 in fp32 after a few dozen steps for small alpha (0.2^64 == 0):
-    # those queries add nothing, so only the trailing ones with a nonzero weight are computed.
+    # The weights depend on alpha and q_len only: computed on the CPU, so counting them needs no
+    # device synchronisation. alpha^k underflows to exactly 0 in fp32 after a few dozen steps for
+    # small alpha (0.2^64 == 0): those queries add nothing, so only the trailing ones are computed.
+    exponents = torch.arange(q_len - 1, -1, -1, dtype=torch.float32, device="cpu")
+    weights = torch.pow(torch.tensor(float(alpha), device="cpu"), exponents)  # 0**0 == 1
     first = q_len - int(torch.count_nonzero(weights))
+    weights = weights.to(query.device)
     grouped = query.float().view(kv_heads, n_rep, q_len, dim)
     keys_t = key.float().transpose(1, 2)[:, None]  # (g, 1, d, n)
     for start in range(first, q_len, chunk):

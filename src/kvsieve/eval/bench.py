@@ -13,7 +13,7 @@ import json
 import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -22,21 +22,23 @@ from tqdm import tqdm
 
 from kvsieve.errors import KvsieveError
 from kvsieve.eval import records
-from kvsieve.eval.methods import MethodOptions
+from kvsieve.spec import MethodSpec
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    method: str  # a name of kvsieve.eval.methods.METHOD_NAMES
+    """One measured run: a method's exact spec (JSON form), the prompt length and the model to load."""
+
+    spec: dict[str, Any]  # MethodSpec.to_dict(): the worker rebuilds the very same stages
     length: int  # prompt tokens
-    options: MethodOptions = MethodOptions()
     decode_tokens: int = 32
     model: str | None = None
+    device: str | None = None
+    dtype: str | None = None
 
     @classmethod
     def from_json(cls, text: str) -> BenchConfig:
-        fields = json.loads(text)
-        return cls(**{**fields, "options": MethodOptions(**fields["options"])})
+        return cls(**json.loads(text))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -58,27 +60,26 @@ def measure(config: BenchConfig) -> dict:
     """Run one configuration in this process and return its timings and memory."""
     import torch
 
+    from kvsieve.data import prompt_case
     from kvsieve.decode import Sampling
-    from kvsieve.eval.data import prompt_case
     from kvsieve.models import load_model
     from kvsieve.pipeline import run
 
-    model, tokenizer = load_model(config.model)
-    stages = config.options.stages(config.method)  # validate before any work
+    spec = MethodSpec.from_dict(config.spec)  # validate before any work
+    model, tokenizer = load_model(config.model, device=config.device, dtype=config.dtype)
     _, prompt = prompt_case(tokenizer, "needle", config.length, 0.5)
     sampling = Sampling(max_new_tokens=config.decode_tokens)
     _, warm = prompt_case(tokenizer, "needle", min(2048, config.length), 0.5)
-    run(model, tokenizer, warm, sampling=sampling, **stages)  # warm-up: allocator, kernels
-    cuda = torch.cuda.is_available()
+    run(model, tokenizer, warm, method=spec, sampling=sampling)  # warm-up: allocator, kernels
+    cuda = model.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     _reset_peak_rss()
     before = _memory_status("VmRSS")
-    stages = config.options.stages(config.method)  # fresh stage objects for the measured call
-    result = run(model, tokenizer, prompt, sampling=sampling, **stages)
+    result = run(model, tokenizer, prompt, method=spec, sampling=sampling)
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else _memory_status("VmHWM")
     return {
-        "method": config.method,
+        "method": spec.name,
         "length": prompt.length,
         "ttft_s": result.prefill_seconds,
         "decode_tokens_per_s": result.decode_tokens_per_s,
@@ -87,7 +88,7 @@ def measure(config: BenchConfig) -> dict:
         "prefill_kv_length": result.prefill_kv_length,
         "kv_cache_length": result.kv_cache_length,
         "generated_tokens": len(result.tokens),
-        "layer": result.stages[0].details.get("layer") if config.method == "gemfilter" else None,
+        "layer": result.stages[0].details.get("layer") if result.stages[0].stage == "select" else None,
     }
 
 
@@ -109,31 +110,30 @@ def spread(values: Sequence[float]) -> tuple[float, float, float]:
 
 
 def bench(
-    methods: Sequence[str],
+    specs: Mapping[str, MethodSpec],
     lengths: Sequence[int],
     repeats: int,
     out: Path,
     *,
-    options: MethodOptions | None = None,
     decode_tokens: int = 32,
     model: str | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
     fresh: bool = False,
 ) -> dict[str, Any]:
     """Every (repeat, length, method) in its own process, configurations interleaved; saved to `out`.
 
     Rows are saved after every run; rerunning with the same settings resumes where it stopped.
     """
-    options = options or MethodOptions()
-    if repeats < 1 or not lengths or not methods:
+    if repeats < 1 or not lengths or not specs:
         raise KvsieveError("bench needs at least one method, one length and one repeat.")
-    for method in methods:
-        options.stages(method)  # fail fast on a bad name or option
-    settings = {"options": asdict(options), "decode_tokens": decode_tokens, "model": model}
+    methods = {name: spec.to_dict() for name, spec in specs.items()}
+    settings = {"methods": methods, "decode_tokens": decode_tokens, "model": model, "device": device, "dtype": dtype}
     document = records.open_results(out, "bench", settings, fresh=fresh)
     done = {(r["repeat"], r["requested_length"], r["method"]) for r in document["rows"]}
     grid = [(r, n, m) for r in range(repeats) for n in lengths for m in methods if (r, n, m) not in done]
     for rep, length, method in tqdm(grid, desc="bench", unit="run"):
-        row = run_in_process(BenchConfig(method, length, options, decode_tokens, model))
+        row = run_in_process(BenchConfig(methods[method], length, decode_tokens, model, device, dtype))
         document["rows"].append({**row, "repeat": rep, "requested_length": length})
         records.save(out, document)
     if not grid:

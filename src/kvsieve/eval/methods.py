@@ -1,107 +1,60 @@
-"""Method names used by the evaluations (niah, ppl, bench, report) and the stages they stand for.
+"""The methods of an evaluation run (niah, ppl, bench, report), built from the one registry.
 
-One `MethodOptions` is shared by every configuration of a run, so a needle grid, a perplexity
-run and a benchmark made with the same options compare the same configurations. To add a
-method to the evaluations, give it a name in METHOD_NAMES and a branch in `stages`/`describe`.
+A run names registered methods (`--methods snapkv,h2o`) and settings (`--set compress.budget=0.25`).
+A setting applies to every listed method that has that field and must apply to at least one, so
+`--set compress.budget=512` with `snapkv,h2o` changes SnapKV's compression and leaves H2O's
+eviction budget alone. The result files record the exact spec of every method.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from kvsieve.errors import KvsieveError
-
-SELECTORS = ("full", "gemfilter", "critiprefill")
-CHUNKED = ("fm", "im", "imdc")
-KV = ("snapkv", "h2o", "a2sf", "streaming", "local")
-METHOD_NAMES = (*SELECTORS, *CHUNKED, *KV)
+from kvsieve.registry import REGISTRY, method
+from kvsieve.spec import MethodSpec
 
 
-@dataclass(frozen=True)
-class MethodOptions:
-    """Settings of every method in a run (defaults: the papers' and the CLI's).
-
-    k, layer: GemFilter; fusion_alpha: CritiPrefill (segment 512, block 32, budget 1024);
-    chunk, memory, schedule, pruner: FM / IM / IMDC; budget (count or fraction), alpha: KV methods.
-    """
-
-    k: int | float = 1024
-    layer: int | None = None
-    fusion_alpha: float = 0.25
-    chunk: int = 1024
-    memory: int = 1024
-    schedule: str | None = None
-    pruner: str = "snapkv"
-    budget: int | float = 1024
-    alpha: float = 0.2
-
-    def stages(self, method: str) -> dict:
-        """The pipeline stages (keyword arguments of `kvsieve.run`) that `method` stands for.
-
-        full: nothing; gemfilter: GemFilter(k, layer); critiprefill: the CritiPrefill kernel;
-        fm / im / imdc: a chunked feed; snapkv compresses the cache to `budget` after a full
-        prefill; h2o, a2sf, streaming and local evict to `budget` right after prefill and after
-        every decoding step (one Evict stage: its start is the one-shot compression).
-        """
-        from kvsieve.attention.critiprefill import CritiPrefill
-        from kvsieve.compress.methods import make_method, supports_decode
-        from kvsieve.compress.stages import Compress, Evict
-        from kvsieve.feed.chunked import make_feed
-        from kvsieve.select.gemfilter import GemFilter
-
-        if method == "full":
-            return {}
-        if method == "gemfilter":
-            return {"select": GemFilter(k=self.k, layer=self.layer)}
-        if method == "critiprefill":
-            return {"attention": CritiPrefill(alpha=self.fusion_alpha)}
-        if method in CHUNKED:
-            pruner = make_method(self.pruner, alpha=self.alpha)
-            return {
-                "feed": make_feed(method, chunk=self.chunk, memory=self.memory, schedule=self.schedule, pruner=pruner)
-            }
-        if method in KV:
-            kv_method = make_method(method, alpha=self.alpha)
-            if supports_decode(kv_method):
-                return {"evict": Evict(kv_method, self.budget)}
-            return {"compress": Compress(kv_method, self.budget)}
-        raise KvsieveError(f"Unknown method '{method}'; choose from {', '.join(METHOD_NAMES)}.")
-
-    def describe(self, method: str) -> str:
-        """One line saying how `method` is configured in this run (for reports and plot titles)."""
-        if method == "full":
-            return "full attention, one-pass prefill"
-        if method == "gemfilter":
-            layer = "calibrated layer" if self.layer is None else f"layer {self.layer}"
-            return f"GemFilter k={self.k}, {layer}"
-        if method == "critiprefill":
-            return f"CritiPrefill segment 512, block 32, budget 1024, fusion alpha {self.fusion_alpha}"
-        if method in CHUNKED:
-            schedule = "" if method == "fm" else f", {self.schedule or 'linear'} schedule"
-            return f"{method.upper()} chunk {self.chunk}, memory {self.memory}{schedule}, {self.pruner} pruner"
-        if method == "snapkv":
-            return f"SnapKV once after prefill, budget {self.budget}"
-        if method == "a2sf":
-            return f"A2SF alpha {self.alpha}, budget {self.budget}, evicting every step"
-        if method in KV:
-            return f"{method} budget {self.budget}, evicting every step"
-        raise KvsieveError(f"Unknown method '{method}'; choose from {', '.join(METHOD_NAMES)}.")
-
-
-def parse_methods(text: str | list[str]) -> list[str]:
-    """Comma-separated method names, checked, duplicates refused."""
+def parse_names(text: str | Sequence[str]) -> list[str]:
+    """Comma-separated method names, checked against the registry, duplicates refused."""
     names = [m.strip() for m in text.split(",")] if isinstance(text, str) else list(text)
     names = [m for m in names if m]
     if not names:
-        raise KvsieveError(f"No methods given; choose from {', '.join(METHOD_NAMES)}.")
-    if unknown := [m for m in names if m not in METHOD_NAMES]:
-        raise KvsieveError(f"Unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHOD_NAMES)}.")
+        raise KvsieveError(f"No methods given; choose from {', '.join(REGISTRY)}.")
+    if unknown := [m for m in names if m not in REGISTRY]:
+        raise KvsieveError(f"Unknown method(s) {', '.join(unknown)}; choose from {', '.join(REGISTRY)}.")
     if len(set(names)) != len(names):
         raise KvsieveError(f"Methods are listed twice in '{','.join(names)}'; list each once.")
     return names
 
 
-def check_lengths(methods: list[str], lengths: list[int], extra: int, max_positions: int) -> None:
+def build_specs(names: str | Sequence[str], settings: Iterable[tuple[str, Any]] = ()) -> dict[str, MethodSpec]:
+    """{name: spec} for the listed methods, each setting applied where the method has the field."""
+    specs = {name: method(name) for name in parse_names(names)}
+    for path, value in settings:
+        targets = [name for name, spec in specs.items() if spec.has(path)]
+        if not targets:
+            raise KvsieveError(
+                f"No listed method ({', '.join(specs)}) has the field '{path}'; see `kvsieve methods` for each "
+                "method's fields."
+            )
+        for name in targets:
+            specs[name] = specs[name].with_setting(path, value)
+    return specs
+
+
+def specs_from_settings(recorded: Mapping[str, Any]) -> dict[str, MethodSpec]:
+    """The specs a result file recorded under settings['methods'] ({name: spec dict})."""
+    return {name: MethodSpec.from_dict(data) for name, data in recorded.items()}
+
+
+def bounded(spec: MethodSpec) -> bool:
+    """Whether the method places every prompt token at its position (all but the chunked feeds)."""
+    return spec.select is not None or spec.feed is None or spec.feed.needs_full_context
+
+
+def check_lengths(specs: Mapping[str, MethodSpec], lengths: list[int], extra: int, max_positions: int) -> None:
     """Refuse lengths a configuration cannot run: only chunked feeds go beyond the model's context.
 
     `extra` is the positions needed after the prompt (tokens to generate or score).
@@ -109,9 +62,9 @@ def check_lengths(methods: list[str], lengths: list[int], extra: int, max_positi
     if not lengths or any(n < 1 for n in lengths):
         raise KvsieveError(f"Lengths must be positive token counts, got {lengths}.")
     too_long = [n for n in lengths if n + extra > max_positions]
-    bounded = [m for m in methods if m not in CHUNKED]
-    if too_long and bounded:
+    limited = [name for name, spec in specs.items() if bounded(spec)]
+    if too_long and limited:
         raise KvsieveError(
             f"Length(s) {too_long} plus {extra} generated tokens exceed the model's {max_positions} positions, "
-            f"which {', '.join(bounded)} need. Use shorter lengths or only the chunked feeds (fm, im, imdc)."
+            f"which {', '.join(limited)} need. Use shorter lengths or only chunked feeds (fm, im, imdc)."
         )

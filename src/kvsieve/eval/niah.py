@@ -8,28 +8,26 @@ figures: context length on x, needle depth on y, colour = ROUGE-1 recall.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from kvsieve.data import PROBES, prompt_case
 from kvsieve.errors import KvsieveError
 from kvsieve.eval import records
-from kvsieve.eval.data import PROBES, prompt_case
-from kvsieve.eval.methods import MethodOptions, check_lengths
+from kvsieve.eval.methods import check_lengths, specs_from_settings
 from kvsieve.eval.scoring import contains, rouge1_recall
 from kvsieve.models import architecture
+from kvsieve.spec import MethodSpec
 
 
-def settings(
-    methods: Sequence[str], options: MethodOptions, probe: str, max_new_tokens: int, model: str | None
-) -> dict[str, Any]:
-    """What makes a grid's rows comparable; a resumed run must match it."""
+def settings(specs: Mapping[str, MethodSpec], probe: str, max_new_tokens: int, model: str | None) -> dict[str, Any]:
+    """What makes a grid's rows comparable (every method's exact spec); a resumed run must match it."""
     return {
-        "methods": list(methods),
-        "options": options.__dict__,
+        "methods": {name: spec.to_dict() for name, spec in specs.items()},
         "probe": probe,
         "max_new_tokens": max_new_tokens,
         "model": model,
@@ -39,12 +37,11 @@ def settings(
 def run_grid(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    methods: Sequence[str],
+    specs: Mapping[str, MethodSpec],
     lengths: Sequence[int],
     depths: Sequence[float],
     out: Path,
     *,
-    options: MethodOptions | None = None,
     probe: str = "needle",
     max_new_tokens: int = 48,
     model_name: str | None = None,
@@ -57,23 +54,20 @@ def run_grid(
     from kvsieve.decode import Sampling
     from kvsieve.pipeline import run
 
-    options = options or MethodOptions()
     if probe not in PROBES:
         raise KvsieveError(f"Unknown probe '{probe}'; choose from {', '.join(PROBES)}.")
     if not depths or any(not 0 <= d <= 1 for d in depths):
         raise KvsieveError(f"Depths must be a non-empty list of fractions in [0, 1], got {list(depths)}.")
-    check_lengths(list(methods), list(lengths), max_new_tokens, architecture(model).max_positions)
-    stages = {m: options.stages(m) for m in methods}  # validates every option before any work
-    document = records.open_results(
-        out, "niah", settings(methods, options, probe, max_new_tokens, model_name), fresh=fresh
-    )
+    check_lengths(specs, list(lengths), max_new_tokens, architecture(model).max_positions)
+    methods = list(specs)
+    document = records.open_results(out, "niah", settings(specs, probe, max_new_tokens, model_name), fresh=fresh)
     done = {(r["method"], r["length"], r["depth"]) for r in document["rows"]}
     todo = [(n, d, m) for n in lengths for d in depths for m in methods if (m, n, d) not in done]
     sampling = Sampling(max_new_tokens)
     cases = {(n, d): prompt_case(tokenizer, probe, n, d) for n, d in dict.fromkeys((n, d) for n, d, _ in todo)}
     for length, depth, method in tqdm(todo, desc=f"{probe} grid", unit="case"):
         case, prompt = cases[(length, depth)]
-        result = run(model, tokenizer, prompt, sampling=sampling, **stages[method])
+        result = run(model, tokenizer, prompt, method=specs[method], sampling=sampling)
         select = next((s for s in result.stages if s.stage == "select"), None)
         document["rows"].append(
             {
@@ -136,7 +130,7 @@ def plot_heatmaps(document: dict[str, Any], folder: Path, prefix: str = "niah") 
     folder.mkdir(parents=True, exist_ok=True)
     methods = list(dict.fromkeys(r["method"] for r in rows))
     summary = summarize(rows)
-    options = MethodOptions(**document["settings"]["options"])
+    specs = specs_from_settings(document["settings"]["methods"])
     probe = document["settings"]["probe"]
 
     def draw(ax, method: str) -> object:
@@ -158,7 +152,7 @@ def plot_heatmaps(document: dict[str, Any], folder: Path, prefix: str = "niah") 
         fig, ax = plt.subplots(figsize=(5, 3.6))
         image = draw(ax, method)
         fig.colorbar(image, ax=ax, label="ROUGE-1 recall")
-        fig.suptitle(f"{probe}: {options.describe(method)}", fontsize=8)
+        fig.suptitle(f"{probe}: {specs[method].describe()}", fontsize=8)
         fig.tight_layout()
         path = folder / f"{prefix}_{method}.png"
         fig.savefig(path, dpi=110)

@@ -17,7 +17,7 @@ token by token); with one, token by token so that eviction happens after every s
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +29,15 @@ from kvsieve.attention import attention_hooks
 from kvsieve.decode import extend
 from kvsieve.errors import KvsieveError
 from kvsieve.eval import records
-from kvsieve.eval.methods import MethodOptions, check_lengths
+from kvsieve.eval.methods import check_lengths
 from kvsieve.models import architecture
 from kvsieve.pipeline import prefill
 from kvsieve.prompt import Prompt
+from kvsieve.spec import MethodSpec
 
 
-def continuation_nll(model: PreTrainedModel, ids: torch.Tensor, context_len: int, stages: dict) -> dict[str, Any]:
-    """Mean NLL of ids[context_len:] given ids[:context_len] prefilled through `stages`.
+def continuation_nll(model: PreTrainedModel, ids: torch.Tensor, context_len: int, spec: MethodSpec) -> dict[str, Any]:
+    """Mean NLL of ids[context_len:] given ids[:context_len] prefilled through `spec`'s stages.
 
     ids is (1, n). Returns nll, ppl, the scored token count, time to first token and cache size.
     """
@@ -44,18 +45,18 @@ def continuation_nll(model: PreTrainedModel, ids: torch.Tensor, context_len: int
     if context_len < 1 or tokens < 1:
         raise KvsieveError(f"Need a context and at least one token to score; got {context_len} and {tokens}.")
     prompt = Prompt(ids=ids[:, :context_len], context_start=0, context_len=context_len)
-    targets = ids[0, context_len:]
+    targets = ids[0, context_len:].to(model.device)
     with torch.no_grad():
-        done = prefill(model, prompt, reserve=tokens, **stages)
+        done = prefill(model, prompt, method=spec, reserve=tokens)
         cache, position = done.prefilled.cache, done.prefilled.next_position
         logits = [done.prefilled.last_logits[None]]
-        evict = stages.get("evict")
+        evict = done.state.evict
         if tokens > 1 and evict is None:
             logits.append(extend(model, cache, targets[None, :-1], position, logits_to_keep=tokens - 1))
         elif tokens > 1:
             with attention_hooks(observers=[evict.observe]):
-                for step, token in enumerate(targets[:-1].tolist()):
-                    logits.append(extend(model, cache, torch.tensor([[token]]), position + step))
+                for step in range(tokens - 1):
+                    logits.append(extend(model, cache, targets[None, step : step + 1], position + step))
                     evict.after_step(cache)
         nll = torch.nn.functional.cross_entropy(torch.cat(logits).float(), targets).item()
     return {
@@ -69,7 +70,7 @@ def continuation_nll(model: PreTrainedModel, ids: torch.Tensor, context_len: int
 
 def essay_ids(tokenizer: PreTrainedTokenizerBase, count: int) -> torch.Tensor:
     """The first `count` tokens of the essays haystack as (1, count) ids."""
-    from kvsieve.eval.data import haystack_text
+    from kvsieve.data import haystack_text
 
     ids = tokenizer(haystack_text(), add_special_tokens=False)["input_ids"]
     if len(ids) < count:
@@ -80,24 +81,21 @@ def essay_ids(tokenizer: PreTrainedTokenizerBase, count: int) -> torch.Tensor:
 def run_perplexity(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    methods: Sequence[str],
+    specs: Mapping[str, MethodSpec],
     lengths: Sequence[int],
     out: Path,
     *,
     tokens: int = 192,
-    options: MethodOptions | None = None,
     model_name: str | None = None,
     fresh: bool = False,
 ) -> dict[str, Any]:
     """Continuation perplexity of every (length, method) not yet in `out`, saving after each."""
-    options = options or MethodOptions()
     if tokens < 2:
         raise KvsieveError(f"Score at least 2 continuation tokens, got {tokens}.")
-    check_lengths(list(methods), list(lengths), tokens, architecture(model).max_positions)
-    stages = {m: options.stages(m) for m in methods}  # validates every option before any work
+    check_lengths(specs, list(lengths), tokens, architecture(model).max_positions)
+    methods = list(specs)
     settings = {
-        "methods": list(methods),
-        "options": options.__dict__,
+        "methods": {name: spec.to_dict() for name, spec in specs.items()},
         "tokens": tokens,
         "text_end": max(lengths),
         "model": model_name,
@@ -108,7 +106,7 @@ def run_perplexity(
     done = {(r["method"], r["length"]) for r in document["rows"]}
     todo = [(n, m) for n in lengths for m in methods if (m, n) not in done]
     for length, method in tqdm(todo, desc="perplexity", unit="run"):
-        row = continuation_nll(model, ids[:, end - length :], length, stages[method])
+        row = continuation_nll(model, ids[:, end - length :], length, specs[method])
         document["rows"].append({"method": method, "length": length, **row})
         records.save(out, document)
     if not todo:

@@ -18,7 +18,8 @@ from typing import Any
 from kvsieve.errors import KvsieveError
 from kvsieve.eval import niah, records
 from kvsieve.eval.bench import plot_scaling, summarize
-from kvsieve.eval.methods import METHOD_NAMES, MethodOptions
+from kvsieve.eval.methods import specs_from_settings
+from kvsieve.registry import REGISTRY
 
 
 def _fmt(value: float | None, digits: int = 2) -> str:
@@ -40,7 +41,7 @@ def _machine_line(machine: dict[str, Any]) -> str:
 
 def _order(methods: Sequence[str]) -> list[str]:
     """Methods in the library's order (full first), unknown names last."""
-    known = [m for m in METHOD_NAMES if m in methods]
+    known = [m for m in REGISTRY if m in methods]
     return known + sorted(set(methods) - set(known))
 
 
@@ -68,9 +69,13 @@ class Report:
 
     # ------------------------------------------------------------------ lookups
 
-    def _options(self) -> MethodOptions:
-        first = self.documents[0]["settings"]["options"]
-        return MethodOptions(**first)
+    def _descriptions(self) -> tuple[dict[str, str], bool]:
+        """Each method's configuration as recorded in the result files, and whether the files disagree."""
+        seen: dict[str, set[str]] = {}
+        for doc in self.documents:
+            for name, spec in specs_from_settings(doc["settings"]["methods"]).items():
+                seen.setdefault(name, set()).add(spec.describe())
+        return {name: " / ".join(sorted(d)) for name, d in seen.items()}, any(len(d) > 1 for d in seen.values())
 
     def _niah(self, doc: dict[str, Any], method: str, length: int) -> str:
         mine = [r for r in doc["rows"] if r["method"] == method and r["length"] == length]
@@ -127,14 +132,12 @@ class Report:
             "| method | configuration |",
             "|---|---|",
         ]
-        options = self._options()
-        for doc in self.documents[1:]:
-            if doc["settings"]["options"] != self.documents[0]["settings"]["options"]:
-                lines.insert(
-                    -4, "**Warning**: the result files were made with different method settings; compare with care.\n"
-                )
-                break
-        lines += [f"| {m} | {options.describe(m)} |" for m in self.methods]
+        descriptions, differ = self._descriptions()
+        if differ:
+            lines.insert(
+                -4, "**Warning**: the result files were made with different method settings; compare with care.\n"
+            )
+        lines += [f"| {m} | {descriptions.get(m, '-')} |" for m in self.methods]
         return lines
 
     def side_by_side(self) -> list[str]:

@@ -18,16 +18,18 @@ from transformers import PreTrainedModel
 
 from kvsieve.attention import attention_hooks
 from kvsieve.attention.dense import bottom_right_causal_mask
-from kvsieve.compress.methods import Method, supports_decode
+from kvsieve.compress.policy import Policy
 from kvsieve.errors import KvsieveError
 
 
 class SimulatedEviction:
     """Prefill kernel replaying per-step eviction with `method` at `budget` tokens per KV head."""
 
-    def __init__(self, method: Method, budget: int, chunk: int = 256) -> None:
-        if not supports_decode(method):
-            raise KvsieveError(f"{method.name} has no per-step rule to simulate; use h2o, a2sf, streaming or local.")
+    def __init__(self, method: Policy, budget: int, chunk: int = 256) -> None:
+        if not (method.position_only or method.step_alpha is not None):
+            raise KvsieveError(
+                f"{method.name} has no accumulating per-step rule to simulate; use h2o, a2sf, streaming or local."
+            )
         if budget < 1:
             raise KvsieveError(f"Budget must be at least 1 token, got {budget}.")
         self.method, self.budget, self.chunk = method, budget, chunk
@@ -51,16 +53,17 @@ class SimulatedEviction:
         n_rep = heads // kv_heads
         q = query[0].float().view(kv_heads, n_rep, n, dim)
         k, v = key[0].float(), value[0].float()
-        kept = torch.zeros(kv_heads, n, dtype=torch.bool)
-        state = torch.zeros(kv_heads, n)
-        out = torch.empty(kv_heads, n_rep, n, dim)
+        device = query.device
+        kept = torch.zeros(kv_heads, n, dtype=torch.bool, device=device)
+        state = torch.zeros(kv_heads, n, device=device)
+        out = torch.empty(kv_heads, n_rep, n, dim, device=device)
         alpha = self.method.step_alpha
         sinks, recent = self.protected
-        heads_index = torch.arange(kv_heads)
+        heads_index = torch.arange(kv_heads, device=device)
         for start in range(0, n, self.chunk):
             stop = min(start + self.chunk, n)
             logits = torch.einsum("grcd,gnd->grcn", q[:, :, start:stop], k[:, :stop]) * scaling
-            logits = logits.masked_fill(~bottom_right_causal_mask(stop - start, stop), float("-inf"))
+            logits = logits.masked_fill(~bottom_right_causal_mask(stop - start, stop, device), float("-inf"))
             probs = torch.empty_like(logits)  # (g, r, c, stop): each row's attention under the policy
             for i in range(start, stop):
                 kept[:, i] = True
@@ -85,7 +88,7 @@ class SimulatedEviction:
 
     def _compare_with_ideal(self, logits: torch.Tensor, probs: torch.Tensor, start: int) -> None:
         """Cosine of each pruned row's attention to ideal pruning (softmax over its top-budget logits)."""
-        rows = torch.arange(start, start + logits.shape[2])
+        rows = torch.arange(start, start + logits.shape[2], device=logits.device)
         pruned = rows + 1 > self.budget
         if not pruned.any():
             return
@@ -104,6 +107,7 @@ def sequence_nll(
 
     Logits are computed in chunks of positions, never for the whole sequence at once.
     """
+    ids = ids.to(model.device)
     with torch.no_grad(), attention_hooks(kernel=kernel):
         hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
         head = model.get_output_embeddings()
@@ -118,7 +122,7 @@ def sequence_nll(
 
 
 def compare_policies(
-    model: PreTrainedModel, ids: torch.Tensor, methods: dict[str, Method], budget: int | float
+    model: PreTrainedModel, ids: torch.Tensor, methods: dict[str, Policy], budget: int | float
 ) -> list[dict]:
     """Perplexity and Table-2 cosine of each policy on `ids`, with full attention as the first row."""
     from tqdm import tqdm

@@ -27,6 +27,8 @@ class Prefilled:
     next_position: int
     details: dict[str, Any] = field(default_factory=dict)
     kept_positions: list[torch.Tensor] | None = None
+    token_indices: list[torch.Tensor] | None = None  # chunked feeds: prompt index of every final cache entry
+    history: list[dict[str, Any]] = field(default_factory=list)  # chunked feeds: one record per step
 
 
 class Feed(Protocol):

@@ -42,19 +42,19 @@ last chunk goes through the LM head (logits_to_keep=1), and no full-length tenso
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 
 from kvsieve.attention import attention_hooks
 from kvsieve.compress.cache import prune_layer
-from kvsieve.compress.methods import Method, SnapKV
+from kvsieve.compress.policies.snapkv import SnapKV
+from kvsieve.compress.policy import Policy
 from kvsieve.compress.scorers import keep_indices
 from kvsieve.errors import KvsieveError
 from kvsieve.feed import Prefilled
-from kvsieve.feed.full import FullPrefill
 from kvsieve.feed.schedules import (
     SCHEDULES,
     adaptive_memory,
@@ -65,6 +65,7 @@ from kvsieve.feed.schedules import (
     retention_ratio,
 )
 from kvsieve.models import architecture
+from kvsieve.spec import component, option
 
 # chunk_logits(logits (c_i, vocab) of the chunk's tokens, index of the chunk's first token)
 ChunkLogits = Callable[[torch.Tensor, int], None]
@@ -86,9 +87,10 @@ def rerotate_keys(keys: torch.Tensor, delta: torch.Tensor, rotary_emb: torch.nn.
     probe = torch.empty(0, dtype=torch.float32, device=keys.device)
     cos, sin = rotary_emb(probe, delta)  # (kv_heads, k, rot)
     scale = float(getattr(rotary_emb, "attention_scaling", 1.0) or 1.0)
-    cos, sin = cos[None].float() / scale, sin[None].float() / scale
+    compute = torch.promote_types(keys.dtype, torch.float32)  # at least float32; float64 stays float64
+    cos, sin = cos[None].to(compute) / scale, sin[None].to(compute) / scale
     rot = cos.shape[-1]
-    k = keys.float()
+    k = keys.to(compute)
     turned = k[..., :rot] * cos + rotate_half(k[..., :rot]) * sin
     return torch.cat([turned, k[..., rot:]], dim=-1).to(keys.dtype)
 
@@ -100,7 +102,7 @@ def _frame(sinks: int, memory: int, chunk_start: int, device: torch.device) -> t
     )
 
 
-def _recent(pruner: Method, budget: int) -> int:
+def _recent(pruner: Policy, budget: int) -> int:
     """How many most recent keys the pruner always keeps at `budget`, never more than the budget.
 
     Position-only pruners (StreamingLLM, local window) keep the most recent `budget`; the feed's
@@ -117,28 +119,28 @@ def _recent(pruner: Method, budget: int) -> int:
 
 def _rank_ties(scores: torch.Tensor) -> torch.Tensor:
     """Replace +inf ("always keep", e.g. SnapKV's window) by finite scores above every other, newer
-    tokens higher, so that a memory smaller than the window keeps the window's most recent tokens."""
+    tokens higher, so that a memory smaller than the window keeps the window's most recent tokens.
+    Computed without reading values back to the host (no device synchronisation)."""
     infinite = torch.isinf(scores) & (scores > 0)
-    if not infinite.any():
-        return scores
-    finite = scores[~infinite]
-    top = float(finite.max()) if finite.numel() else 0.0
+    top = scores.masked_fill(infinite, float("-inf")).amax()
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     order = torch.arange(scores.shape[-1], dtype=scores.dtype, device=scores.device)
     return torch.where(infinite, top + 1 + order, scores)
 
 
-def _score(pruner: Method, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
+def _score(pruner: Policy, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
     """Pruner scores (kv_heads, n) of a layer's keys (1, kv_heads, n, d) from the chunk's queries (1, h, q, d).
 
     The shared scorers aggregate query heads per KV head (h // n_rep); None for position-only pruners.
     """
     if pruner.position_only:
         return None
-    scores = pruner.prefill_scores(query[0], key[0], query.shape[-1] ** -0.5)
+    scores = pruner.prompt_scores(query[0], key[0], query.shape[-1] ** -0.5)
     return None if scores is None else _rank_ties(scores.float())
 
 
-@dataclass
+@component("chunked", "feed")
+@dataclass(frozen=True)
 class ChunkedPrefill:
     """Feed the prompt in chunks with a KV memory pruned by `pruner` at every step (FM / IM / IMDC).
 
@@ -147,56 +149,58 @@ class ChunkedPrefill:
     schedule: "fixed" (FM) or an incremental one (IM): "linear" (eq. 1), "sqrt" (eq. 9),
         "square" (eq. 8), "square-sqrt" (appendix A.1, per layer), "adaptive" (eq. 2-3, per layer).
     decremental: IMDC's decremental chunk (eq. 7); needs an incremental schedule.
-    pruner: the KV method that scores memory + chunk: SnapKV (window attention of the chunk's
+    pruner: the KV policy that scores memory + chunk: SnapKV (window attention of the chunk's
         last queries, pooled), A2SF / H2O (accumulated attention of the chunk's queries),
-        StreamingLLM / LocalWindow (recency).
+        TOVA (the chunk's last query), KNorm (key norms), StreamingLLM / LocalWindow (recency).
     sinks: first tokens always kept, outside the memory budget (4 in the paper).
     trace: record, per step and layer, the prompt index and position of every attention key in
-        `history` (tests, or the paper's memory maps of Figures 1b and 6); off by default, as it
+        the history (tests, or the paper's memory maps of Figures 1b and 6); off by default, as it
         grows with the prompt.
 
-    After `prefill`, `kept_positions[j]` (kv_heads, k) are the positions the last step kept from
-    its keys (what a decoding-eviction stage that observed the last step must gather its scores
-    with), `token_indices[j]` the prompt indices of the final cache entries and `history` one
-    small record per step (chunk, position, memory sizes, per-layer key counts, cache lengths).
+    `prefill` returns, besides the cache, `kept_positions[j]` (kv_heads, k): the positions the
+    last step kept from its keys (what a decoding-eviction stage that observed the last step must
+    gather its scores with), `token_indices[j]`: the prompt indices of the final cache entries, and
+    `history`: one small record per step (chunk, position, memory sizes, key counts, cache lengths).
 
     `Prefilled.details`: steps, chunk_sizes, memory_sizes (per step, the largest layer's target),
     layer_memory_sizes (per step and layer, only when layers differ), attention_kv (per step,
     the largest sinks + memory + chunk attended over), max_position, kv_cache (final length).
     """
 
-    chunk: int = 1024
-    memory: int = 1024
-    schedule: str = "fixed"
-    decremental: bool = False
-    pruner: Method = field(default_factory=SnapKV)
-    sinks: int = 4
-    trace: bool = False
+    chunk: int = option(1024, "chunk size c in tokens (IMDC: the first and the average chunk, eq. 5)")
+    memory: int = option(1024, "maximum memory m_max per layer and KV head, reached at the last step")
+    schedule: Literal["fixed", "linear", "sqrt", "square", "square-sqrt", "adaptive"] = option(
+        "fixed", "memory growth: fixed (FM) or linear / sqrt / square / square-sqrt / adaptive (IM)"
+    )
+    decremental: bool = option(False, "IMDC's decremental chunks (eq. 7); needs an incremental schedule")
+    pruner: Policy = option(
+        help="the KV policy that prunes memory + chunk at every step", kind="policy", factory=SnapKV
+    )
+    sinks: int = option(4, "first tokens always kept, outside the memory (paper 4)")
+    trace: bool = option(False, "record every step's key positions in the history (tests, memory maps)")
     needs_full_context: ClassVar[bool] = False
-    kept_positions: list[torch.Tensor] = field(default_factory=list, init=False, repr=False, compare=False)
-    token_indices: list[torch.Tensor] = field(default_factory=list, init=False, repr=False, compare=False)
-    history: list[dict[str, Any]] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for option, value in (("chunk", self.chunk), ("memory", self.memory)):
+        for label, value in (("chunk", self.chunk), ("memory", self.memory)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise KvsieveError(f"Chunked prefill needs --{option} >= 1 (tokens), got {value!r}.")
+                raise KvsieveError(f"Chunked prefill needs {label} >= 1 (tokens), got {value!r}.")
         if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
             raise KvsieveError(f"The sink count must be a whole number >= 0, got {self.sinks!r}.")
         if self.memory < self.sinks:
             raise KvsieveError(
-                f"Memory {self.memory} is smaller than the {self.sinks} sink tokens; raise --memory or lower --sinks."
+                f"Memory {self.memory} is smaller than the {self.sinks} sink tokens; "
+                "raise feed.memory or lower feed.sinks."
             )
         if self.schedule not in SCHEDULES:
             raise KvsieveError(f"Unknown memory schedule '{self.schedule}'; choose one of: {', '.join(SCHEDULES)}.")
         if self.decremental and self.schedule == "fixed":
             raise KvsieveError(
-                "Decremental chunks (IMDC) need an incremental memory schedule: choose --schedule linear, sqrt, "
+                "Decremental chunks (IMDC) need an incremental memory schedule: set feed.schedule to linear, sqrt, "
                 "square, square-sqrt or adaptive, or drop decremental for fixed-size memory (FM)."
             )
-        if not all(hasattr(self.pruner, a) for a in ("prefill_scores", "position_only", "protected", "name")):
+        if not isinstance(self.pruner, Policy):
             raise KvsieveError(
-                f"{self.pruner!r} is not a KV pruning method; use SnapKV, A2SF, H2O, StreamingLLM or LocalWindow."
+                f"{self.pruner!r} is not a KV policy; use one of the registered policies (kvsieve methods)."
             )
 
     @property
@@ -233,7 +237,7 @@ class ChunkedPrefill:
         layers = arch.num_layers
         length = ids.shape[1]
         sizes, targets = self.plan(length, layers)
-        device = model.get_input_embeddings().weight.device
+        device = model.device
         ids = ids.to(device)
         cache = DynamicCache(config=model.config)
         scores: dict[int, torch.Tensor] = {}
@@ -246,7 +250,8 @@ class ChunkedPrefill:
         memory = [0] * layers  # memory entries per layer, sinks excluded
         origin = [torch.empty(arch.num_kv_heads, 0, dtype=torch.long, device=device) for _ in range(layers)]
         sinks, start = 0, 0  # sink entries in the cache; prompt index of the chunk's first token
-        self.history, self.kept_positions, self.token_indices = [], [], []
+        history: list[dict[str, Any]] = []
+        final_kept: list[torch.Tensor] = []
         step_memory: list[list[int]] = []
         attention_kv: list[int] = []
         logits, next_position, max_position = None, length, 0
@@ -290,9 +295,9 @@ class ChunkedPrefill:
                     origin[j] = key_origin[j].gather(1, kept[j])
                     if last:  # the final cache stays in the last step's frame
                         continue
+                    # Rotating by a zero delta is exact, so every layer is rotated without asking the device.
                     delta = _frame(new_sinks, new_memory[j], next_chunk, device)[None] - key_positions[j][kept[j]]
-                    if delta.any():
-                        cache.layers[j].keys = rerotate_keys(cache.layers[j].keys, delta, arch.rotary_emb)
+                    cache.layers[j].keys = rerotate_keys(cache.layers[j].keys, delta, arch.rotary_emb)
                 step_memory.append(budgets)
                 record: dict[str, Any] = {
                     "step": step,
@@ -305,12 +310,11 @@ class ChunkedPrefill:
                 }
                 if self.trace:
                     record.update(tokens=key_origin, positions=key_positions, kept=kept)
-                self.history.append(record)
+                history.append(record)
                 if last:
-                    self.kept_positions = kept
+                    final_kept = kept
                     next_position = position + size
                 sinks, memory = new_sinks, new_memory
-        self.token_indices = origin
         details: dict[str, Any] = {
             "schedule": self.schedule,
             "pruner": self.pruner.name,
@@ -328,7 +332,9 @@ class ChunkedPrefill:
             last_logits=logits,
             next_position=next_position,
             details=details,
-            kept_positions=self.kept_positions,
+            kept_positions=final_kept,
+            token_indices=origin,
+            history=history,
         )
 
     def _budgets(
@@ -386,42 +392,4 @@ class ChunkedPrefill:
         return kept
 
 
-FEEDS = ("full", "fm", "im", "imdc")
-
-
-def make_feed(
-    name: str,
-    *,
-    chunk: int = 1024,
-    memory: int = 1024,
-    schedule: str | None = None,
-    pruner: Method | None = None,
-    sinks: int = 4,
-) -> FullPrefill | ChunkedPrefill:
-    """The feed a name stands for (CLI, benchmarks): full, fm, im or imdc.
-
-    fm keeps a fixed memory; im grows it along `schedule` (default linear); imdc adds the
-    decremental chunks. `pruner` defaults to SnapKV.
-    """
-    if name == "full":
-        return FullPrefill()
-    if name not in FEEDS:
-        raise KvsieveError(f"Unknown feed '{name}'; choose one of: {', '.join(FEEDS)}.")
-    if name == "fm" and schedule not in (None, "fixed"):
-        raise KvsieveError(
-            f"The fm feed keeps a fixed memory, so --schedule {schedule} does not apply; use --feed im or imdc."
-        )
-    schedule = "fixed" if name == "fm" else schedule or "linear"
-    if name != "fm" and schedule == "fixed":
-        raise KvsieveError(f"--feed {name} grows its memory: choose a schedule other than 'fixed' (or use --feed fm).")
-    return ChunkedPrefill(
-        chunk=chunk,
-        memory=memory,
-        schedule=schedule,
-        decremental=name == "imdc",
-        pruner=pruner or SnapKV(),
-        sinks=sinks,
-    )
-
-
-__all__ = ["FEEDS", "SCHEDULES", "ChunkedPrefill", "make_feed", "rerotate_keys", "rotate_half"]
+__all__ = ["SCHEDULES", "ChunkedPrefill", "rerotate_keys", "rotate_half"]

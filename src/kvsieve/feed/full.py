@@ -3,21 +3,27 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from transformers import PreTrainedModel
 
 from kvsieve.feed import Prefilled
+from kvsieve.spec import component
 
 
+@component("full", "feed")
 @dataclass(frozen=True)
 class FullPrefill:
     """Prefill the whole prompt in one forward pass; only the last position's logits are computed."""
 
-    name: str = "full"
-    needs_full_context: bool = True
+    needs_full_context: ClassVar[bool] = True
+
+    @property
+    def name(self) -> str:
+        return self.tag
 
     def prefill(self, model: PreTrainedModel, ids: torch.Tensor) -> Prefilled:
         with torch.no_grad():
-            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            out = model(input_ids=ids.to(model.device), use_cache=True, logits_to_keep=1)
         return Prefilled(cache=out.past_key_values, last_logits=out.logits[0, -1], next_position=ids.shape[1])

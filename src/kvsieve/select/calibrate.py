@@ -4,13 +4,12 @@ For needle probes (passkey by default: on SmolLM2 it gives a clear per-layer sig
 essay needle a noisy one) of a few lengths and depths, one full forward pass scores every layer the way
 GemFilter would and records the fraction of needle tokens inside that layer's top-k. The
 recommended layer is the earliest one within `tolerance` of the best recall (earlier = cheaper
-first pass). The choice is remembered per model in the kvsieve cache dir and becomes
-GemFilter's default layer for that model.
+first pass). The choice is remembered per model in the kvsieve cache dir (`select/layers.py`)
+and used by `GemFilter(layer="calibrated")` or `GemFilter.calibrated(model)`.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,36 +19,12 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvsieve.attention import attention_hooks
+from kvsieve.data import PROBES, Case
 from kvsieve.errors import KvsieveError
-from kvsieve.eval.data import PROBES, Case
-from kvsieve.models import architecture, cache_dir
+from kvsieve.models import architecture
 from kvsieve.prompt import build_prompt
-from kvsieve.select.gemfilter import gemfilter_scores, top_k_with_tail
-
-
-def calibration_file() -> Path:
-    return cache_dir() / "calibration.json"
-
-
-def model_key(model: PreTrainedModel) -> str:
-    """Identity under which a model's calibration is stored (its load path or name)."""
-    return str(getattr(model.config, "name_or_path", "") or model.config.model_type)
-
-
-def _load_all() -> dict:
-    path = calibration_file()
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-
-
-def calibrated_layer(model: PreTrainedModel) -> int | None:
-    """The filter layer `kvsieve calibrate` recorded for this model, if any."""
-    entry = _load_all().get(model_key(model))
-    return None if entry is None else int(entry["layer"])
+from kvsieve.select import layers
+from kvsieve.select.scoring import gemfilter_scores, top_k_with_tail
 
 
 @dataclass
@@ -62,12 +37,14 @@ class Calibration:
     depths: list[float]
 
 
-def needle_token_indices(tokenizer: PreTrainedTokenizerBase, case: Case, context_start: int) -> torch.Tensor:
+def needle_token_indices(
+    tokenizer: PreTrainedTokenizerBase, case: Case, context_start: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Prompt positions of the tokens that overlap the needle's characters."""
     offsets = tokenizer(case.context, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
     lo, hi = case.needle_start, case.needle_start + len(case.needle)
     inside = [i for i, (a, b) in enumerate(offsets) if a < hi and b > lo]
-    return torch.tensor(inside) + context_start
+    return torch.tensor(inside, dtype=torch.long, device=device) + context_start
 
 
 def layer_recall(
@@ -75,15 +52,15 @@ def layer_recall(
 ) -> torch.Tensor:
     """Per layer, the fraction of the needle's tokens inside GemFilter's top-k at that layer."""
     prompt = build_prompt(tokenizer, case.context, case.question)
-    needle = needle_token_indices(tokenizer, case, prompt.context_start)
-    recall = torch.zeros(architecture(model).num_layers)
+    needle = needle_token_indices(tokenizer, case, prompt.context_start, model.device)
+    recall = torch.zeros(architecture(model).num_layers)  # filled with Python floats, stays on the CPU
 
     def score(layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
         selected = top_k_with_tail(gemfilter_scores(query[0, :, -1], key[0], kernel), k, prompt.tail_len)
-        recall[layer] = torch.isin(needle, selected).float().mean()
+        recall[layer] = float(torch.isin(needle, selected).float().mean())
 
     with torch.no_grad(), attention_hooks(observers=[score]):
-        model.model(input_ids=prompt.ids, use_cache=False)
+        model.model(input_ids=prompt.ids.to(model.device), use_cache=False)
     return recall
 
 
@@ -119,11 +96,7 @@ def calibrate(
     recall = (total / len(grid)).tolist()
     result = Calibration(recall, recommend_layer(recall), k, probe, list(lengths), list(depths))
     if save:
-        entries = _load_all()
-        entries[model_key(model)] = asdict(result)
-        path = calibration_file()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(entries, indent=1))
+        layers.record(model, asdict(result))
     return result
 
 

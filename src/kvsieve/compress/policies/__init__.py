@@ -1,0 +1,1 @@
+"""The KV policies, one module each (see `kvsieve.compress.policy` for the interface)."""

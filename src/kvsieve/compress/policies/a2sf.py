@@ -1,0 +1,43 @@
+"""A2SF (a2sf.md): accumulated attention with a forgetting factor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvsieve.compress.policy import Policy
+from kvsieve.compress.scorers import accumulated_attention
+from kvsieve.errors import KvsieveError
+from kvsieve.spec import component, option
+
+
+@component("a2sf", "policy")
+@dataclass(frozen=True)
+class A2SF(Policy):
+    """A_k = sum_q alpha^(n-q) S_{q,k} (eq. 5), updated per step as alpha * A + row (eq. 6).
+
+    The whole budget goes to the score, as in the paper; `recent` > 0 keeps a recent tail as the
+    authors' later one-shot code does.
+    """
+
+    alpha: float = option(0.2, "forgetting factor in [0, 1] (1 = H2O's accumulation, 0 = last row only)")
+    recent: int = option(0, "newest tokens always kept, outside the score (paper: 0)")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or not 0 <= self.alpha <= 1:
+            raise KvsieveError(f"A2SF forgetting factor alpha must be within [0, 1], got {self.alpha!r}.")
+        if isinstance(self.recent, bool) or not isinstance(self.recent, int) or self.recent < 0:
+            raise KvsieveError(f"A2SF recent tail must be a whole number >= 0, got {self.recent!r}.")
+
+    @property
+    def step_alpha(self) -> float:
+        return float(self.alpha)
+
+    def prompt_scores(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+        return accumulated_attention(query, key, scaling, alpha=float(self.alpha))
+
+    def protected(self, budget: int) -> tuple[int, int]:
+        if self.recent > budget:
+            raise KvsieveError(f"A2SF recent tail {self.recent} exceeds the budget {budget}.")
+        return 0, self.recent

@@ -1,0 +1,33 @@
+"""KNorm (Devoto et al. 2024, "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression").
+
+Keys with a *low* L2 norm attract the most attention, so the score is minus the key's norm. It
+needs no attention at all: neither the prompt's queries nor a decoding step's, which makes it
+the cheapest policy. Per KV head, like every kvsieve policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvsieve.compress.policy import Policy
+from kvsieve.spec import component
+
+
+@component("knorm", "policy")
+@dataclass(frozen=True)
+class KNorm(Policy):
+    """Score = -||k||_2 per KV head and token (float32); the same rule after every decoding step."""
+
+    @property
+    def decodes(self) -> bool:
+        return True
+
+    def prompt_scores(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+        return -key.float().norm(dim=-1)
+
+    def step_scores(
+        self, previous: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
+        return self.prompt_scores(query, key, scaling)

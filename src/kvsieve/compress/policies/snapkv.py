@@ -1,0 +1,38 @@
+"""SnapKV (Li et al. 2024): the last `window` prompt queries vote; their pooled attention ranks the rest."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from kvsieve.compress.policy import Policy
+from kvsieve.compress.scorers import check_kernel, window_attention
+from kvsieve.errors import KvsieveError
+from kvsieve.spec import component, option
+
+
+@component("snapkv", "policy")
+@dataclass(frozen=True)
+class SnapKV(Policy):
+    """Attention of the last `window` prompt queries, pooled; the window itself is always kept. One-shot."""
+
+    window: int = option(32, "observation window: the last prompt queries that vote (always kept)")
+    kernel: int = option(5, "pooling kernel over the votes, odd")
+    pool: Literal["avg", "max"] = option("avg", "pooling: avg or max")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise KvsieveError(f"SnapKV window must be a whole number >= 1, got {self.window!r}.")
+        check_kernel(self.kernel)
+        if self.pool not in ("avg", "max"):
+            raise KvsieveError(f"SnapKV pooling must be 'avg' or 'max', got {self.pool!r}.")
+
+    def prompt_scores(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+        return window_attention(query, key, scaling, self.window, self.kernel, self.pool)
+
+    def protected(self, budget: int) -> tuple[int, int]:
+        if self.window > budget:
+            raise KvsieveError(f"SnapKV window {self.window} exceeds the budget {budget}; lower the window.")
+        return 0, self.window

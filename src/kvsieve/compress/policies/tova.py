@@ -1,0 +1,36 @@
+"""TOVA (Oren et al. 2024, "Transformers are Multi-State RNNs"): keep what the newest query attends to.
+
+The score of a cached token is the attention the *last* query pays it, averaged over all query
+heads of the layer (the paper's choice: one ranking per layer, shared by every KV head). After
+prefill the last prompt token is that query; while decoding, each new token's row replaces the
+previous scores (no accumulation), which is TOVA's per-step rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvsieve.compress.policy import Policy
+from kvsieve.compress.scorers import attention_probs
+from kvsieve.spec import component
+
+
+@component("tova", "policy")
+@dataclass(frozen=True)
+class TOVA(Policy):
+    """The newest query's attention, averaged over the layer's heads; replaced at every step."""
+
+    @property
+    def decodes(self) -> bool:
+        return True
+
+    def prompt_scores(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+        row = attention_probs(query[:, -1:], key, scaling)[:, 0]  # (h, n), float32
+        return row.mean(0).expand(key.shape[0], -1)
+
+    def step_scores(
+        self, previous: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
+        return self.prompt_scores(query, key, scaling)

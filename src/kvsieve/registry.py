@@ -1,0 +1,72 @@
+"""The method registry: every name kvsieve knows, and the stages it stands for.
+
+A name means the same thing in every entry point: `kvsieve generate --method NAME`, the
+evaluations (`niah`, `ppl`, `bench` and its worker processes), `report`, the Python API
+(`kvsieve.method(NAME)`) and the server. Any field of a preset can be changed with a setting
+(`--set compress.budget=0.25`, or `spec.with_setting(...)`).
+
+Adding a method: write its component in its own module (a KV policy in `compress/policies/`,
+registered with `@component`), import it here and add one `register(...)` line. The CLI, the
+evaluations and `kvsieve methods` pick it up from the registry.
+"""
+
+from __future__ import annotations
+
+from kvsieve.attention.critiprefill import CritiPrefill
+from kvsieve.compress.policies.a2sf import A2SF
+from kvsieve.compress.policies.h2o import H2O
+from kvsieve.compress.policies.knorm import KNorm
+from kvsieve.compress.policies.local import LocalWindow
+from kvsieve.compress.policies.snapkv import SnapKV
+from kvsieve.compress.policies.streaming import StreamingLLM
+from kvsieve.compress.policies.tova import TOVA
+from kvsieve.compress.stages import Compress, Evict
+from kvsieve.errors import KvsieveError
+from kvsieve.feed.chunked import ChunkedPrefill
+from kvsieve.feed.full import FullPrefill
+from kvsieve.select.gemfilter import GemFilter
+from kvsieve.spec import MethodSpec
+
+REGISTRY: dict[str, MethodSpec] = {}
+
+
+def register(spec: MethodSpec) -> MethodSpec:
+    """Add a preset under `spec.name` (a name is registered once)."""
+    if spec.name in REGISTRY:
+        raise KvsieveError(f"A method named '{spec.name}' is already registered.")
+    REGISTRY[spec.name] = spec
+    return spec
+
+
+def method(name: str | MethodSpec, settings=()) -> MethodSpec:
+    """The preset `name` (or a spec as given) with `settings` applied ({path: value} or pairs)."""
+    if isinstance(name, MethodSpec):
+        spec = name
+    elif name in REGISTRY:
+        spec = REGISTRY[name]
+    else:
+        raise KvsieveError(f"Unknown method '{name}'; choose one of: {', '.join(REGISTRY)} (see `kvsieve methods`).")
+    return spec.with_settings(settings)
+
+
+register(MethodSpec("full", "full attention, one-pass prefill (the baseline)", feed=FullPrefill()))
+register(
+    MethodSpec("gemfilter", "GemFilter: early-layer selection of k tokens, then a short prefill", select=GemFilter())
+)
+register(MethodSpec("critiprefill", "CritiPrefill: block-sparse prefill attention", attention=CritiPrefill()))
+register(MethodSpec("fm", "chunked prefill with a fixed-size memory (IMDC's FM baseline)", feed=ChunkedPrefill()))
+register(MethodSpec("im", "chunked prefill, incremental memory (IM)", feed=ChunkedPrefill(schedule="linear")))
+register(
+    MethodSpec(
+        "imdc",
+        "chunked prefill, incremental memory and decremental chunks (IMDC)",
+        feed=ChunkedPrefill(schedule="linear", decremental=True),
+    )
+)
+register(MethodSpec("snapkv", "SnapKV: compress once after prefill", compress=Compress(SnapKV())))
+register(MethodSpec("h2o", "H2O: heavy hitters + recent half, evicting every step", evict=Evict(H2O())))
+register(MethodSpec("a2sf", "A2SF: accumulated attention with forgetting factor, every step", evict=Evict(A2SF())))
+register(MethodSpec("streaming", "StreamingLLM: sinks + recent window, every step", evict=Evict(StreamingLLM())))
+register(MethodSpec("local", "local window: the newest tokens, every step", evict=Evict(LocalWindow())))
+register(MethodSpec("tova", "TOVA: the newest query's attention, every step", evict=Evict(TOVA())))
+register(MethodSpec("knorm", "KNorm: lowest key norms, compressed once after prefill", compress=Compress(KNorm())))

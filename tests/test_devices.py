@@ -1,0 +1,236 @@
+"""Every registered method on any device and dtype, and one configuration serving concurrent requests.
+
+- dtypes: every method runs end to end in float32, bfloat16 and float64 on the tiny models, and its
+  exact invariant (a budget that covers the prompt reproduces full attention) holds with a tolerance
+  that fits the dtype; GemFilter's selection equals a plain float64 reference.
+- devices: prefill and compression run with the model and inputs on the `meta` device, where any
+  CPU tensor that meets a model tensor raises; and a function mode audits every tensor factory
+  call made from kvsieve's own code during whole generations (decoding included) for a `device=`.
+- threads: one frozen configuration used from two threads at once gives exactly the sequential results.
+- gpu (marked, deselected by default; `make test-gpu`): every method on CUDA in bfloat16.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import FakeTokenizer, build_model, make_prompt
+from torch.overrides import TorchFunctionMode
+
+from kvsieve import REGISTRY, KvsieveError, Sampling, method, run
+from kvsieve.attention import attention_hooks
+from kvsieve.pipeline import prefill
+from kvsieve.prompt import Prompt
+from kvsieve.select.scoring import filter_layer_qk
+
+NAMES = list(REGISTRY)
+DTYPES = [torch.float32, torch.bfloat16, torch.float64]
+# Sizes that fit a 100-token prompt on the tiny models; each applies where a method has the field.
+SMALL = [
+    ("select.k", 32),
+    ("compress.budget", 32),
+    ("evict.budget", 32),
+    ("feed.chunk", 32),
+    ("feed.memory", 32),
+    ("attention.segment", 16),
+    ("attention.block", 4),
+    ("attention.budget", 16),
+]
+# Settings under which each method keeps everything: it must then reproduce full attention.
+COVERING = [
+    ("select.k", 1.0),
+    ("compress.budget", 512),
+    ("evict.budget", 512),
+    ("feed.chunk", 32),
+    ("feed.memory", 512),
+    ("attention.segment", 16),
+    ("attention.block", 4),
+    ("attention.budget", 512),
+]
+# Logit tolerance per dtype: bf16 keeps 8 mantissa bits, and chunked or sparse paths sum in another order.
+TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 6e-2}
+
+
+def spec_with(name: str, settings: list[tuple[str, object]]):
+    spec = method(name)
+    return spec.with_settings([(path, value) for path, value in settings if spec.has(path)])
+
+
+def model_in(dtype: torch.dtype, arch: str = "llama", device: str = "cpu"):
+    return build_model(arch, num_layers=3).to(device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", NAMES)
+def test_every_method_runs_in_every_dtype(name, dtype, single_thread):
+    model = model_in(dtype)
+    result = run(model, FakeTokenizer(), make_prompt(100), method=spec_with(name, SMALL), sampling=Sampling(4))
+    assert len(result.tokens) == 4 and result.prompt_tokens == 100
+    expected = 100 if name in ("full", "critiprefill") else 36 if name in ("fm", "imdc") else 32
+    assert result.prefill_kv_length == expected
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "full"])
+def test_covering_budget_reproduces_full_attention_in_every_dtype(name, dtype, single_thread):
+    model, prompt = model_in(dtype, arch="qwen2"), make_prompt(100)
+    full = prefill(model, prompt, method=method("full"))
+    ours = prefill(model, prompt, method=spec_with(name, COVERING))
+    assert ours.prefilled.last_logits.dtype == dtype
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(ours.prefilled.last_logits, full.prefilled.last_logits, atol=tol, rtol=tol)
+    if dtype != torch.bfloat16:  # greedy choices are exact where rounding cannot flip them
+        sampling = Sampling(6)
+        expected = run(model, FakeTokenizer(), prompt, method=method("full"), sampling=sampling).tokens
+        assert run(model, FakeTokenizer(), prompt, method=spec_with(name, COVERING), sampling=sampling).tokens == (
+            expected
+        )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gemfilter_selection_equals_a_float64_reference_in_every_dtype(dtype, single_thread):
+    model, prompt = model_in(dtype, arch="mistral"), make_prompt(120, tail_len=5)
+    spec = method("gemfilter", {"select.k": 40, "select.layer": 1})
+    selected = spec.select.select(model, prompt).indices
+    query, keys = filter_layer_qk(model, prompt.ids, 1)  # the model's own post-RoPE q/k in its dtype
+    n_rep = query.shape[0] // keys.shape[0]
+    raw = sum(keys[h // n_rep].double() @ query[h].double() for h in range(query.shape[0]))
+    pooled = F.avg_pool1d(raw[None, None], kernel_size=5, stride=1, padding=2)[0, 0]
+    body = pooled[:-5].topk(35).indices
+    expected = torch.cat([body, torch.arange(115, 120)]).sort().values
+    assert torch.equal(selected.cpu(), expected)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_prefill_and_compression_stay_on_the_models_device(name):
+    """On `meta`, a CPU tensor meeting the model's tensors raises; nothing may be created off-device."""
+    model = model_in(torch.float32).to("meta")
+    host = make_prompt(100)
+    prompt = Prompt(host.ids.to("meta"), host.context_start, host.context_len)
+    done = prefill(model, prompt, method=spec_with(name, SMALL))
+    assert done.prefilled.last_logits.device.type == "meta"
+    assert all(layer.keys.device.type == "meta" for layer in done.prefilled.cache.layers)
+
+
+FACTORIES = {
+    torch.arange,
+    torch.zeros,
+    torch.ones,
+    torch.empty,
+    torch.full,
+    torch.tensor,
+    torch.as_tensor,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.linspace,
+    torch.eye,
+}
+SOURCE = str(Path(__import__("kvsieve").__file__).parent)
+
+
+class DeviceAudit(TorchFunctionMode):
+    """Records every tensor factory call made from kvsieve's source without a `device=` argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offenders: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in FACTORIES and "device" not in kwargs:
+            caller = sys._getframe(1)
+            if caller.f_code.co_filename.startswith(SOURCE):
+                self.offenders.append(f"{caller.f_code.co_filename}:{caller.f_lineno} {func.__name__}")
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_no_tensor_is_created_without_a_device_in_a_whole_generation(name, single_thread):
+    model, prompt = model_in(torch.float32), make_prompt(100)
+    spec = spec_with(name, SMALL)
+    if spec.evict is None and name != "full":
+        spec = spec.with_setting("evict", "a2sf").with_setting("evict.budget", 24)  # decoding eviction too
+    with DeviceAudit() as audit:
+        run(model, FakeTokenizer(), prompt, method=spec, sampling=Sampling(5, temperature=0.7, seed=1))
+    assert audit.offenders == []
+
+
+def test_the_audit_catches_a_tensor_created_without_a_device():
+    with DeviceAudit() as audit:
+        exec(compile("import torch\ntorch.arange(3)", SOURCE + "/fake_module.py", "exec"))
+    assert len(audit.offenders) == 1 and "arange" in audit.offenders[0]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"select": "gemfilter", "select.k": 96, "attention": "critiprefill", "attention.segment": 16,
+         "attention.block": 4, "attention.budget": 16, "compress": "snapkv", "compress.budget": 32,
+         "compress.policy.window": 4, "evict": "a2sf", "evict.budget": 24},
+        {"feed": "chunked", "feed.chunk": 24, "feed.memory": 32, "feed.schedule": "adaptive",
+         "feed.decremental": True, "feed.pruner": "tova", "evict": "h2o", "evict.budget": 20},
+    ],
+    ids=["gemfilter+critiprefill+snapkv+a2sf", "imdc-adaptive+h2o"],
+)  # fmt: skip
+def test_one_configuration_serves_two_threads_at_once(settings, single_thread):
+    """Two requests run in lockstep, layer call by layer call (a barrier in an observer), so each stage's
+    work for one request falls between the other's: any state kept in the shared configuration would mix."""
+    model = build_model("qwen3", num_layers=6)
+    spec = method("full", settings)
+    prompts = [make_prompt(120, seed=11), make_prompt(120, seed=12)]
+    sampling = Sampling(8)
+
+    def one(prompt):
+        result = run(model, FakeTokenizer(), prompt, method=spec, sampling=sampling)
+        untimed = [{k: v for k, v in s.details.items() if "seconds" not in k} for s in result.stages]
+        cache = [float(layer.keys.double().sum()) for layer in result.state.prefilled.cache.layers]
+        return result.tokens, result.prefill_kv_length, untimed, cache  # the final cache, to the last bit
+
+    sequential = [one(p) for p in prompts]
+    barrier, results, errors = threading.Barrier(2), [None, None], []
+
+    def lockstep(layer, query, key):
+        barrier.wait(timeout=30)
+
+    def worker(i):
+        try:
+            with attention_hooks(observers=[lockstep]):
+                results[i] = one(prompts[i])
+        except Exception as error:  # reported below: an exception in a thread would be lost
+            errors.append(error)
+            barrier.abort()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    assert results == sequential and sequential[0] != sequential[1]
+
+
+def test_an_unprepared_model_is_refused_with_the_fix():
+    model = model_in(torch.float32)
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(KvsieveError, match=r"kvsieve\.prepare\(model\)"):
+        run(model, FakeTokenizer(), make_prompt(40), method=method("snapkv"), sampling=Sampling(2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", NAMES)
+def test_every_method_on_cuda_in_bfloat16(name):
+    assert torch.cuda.is_available(), "the gpu tests need CUDA (run them with `make test-gpu` on a GPU machine)"
+    model, prompt = model_in(torch.bfloat16, arch="llama", device="cuda"), make_prompt(100)
+    result = run(model, FakeTokenizer(), prompt, method=spec_with(name, SMALL), sampling=Sampling(4))
+    assert len(result.tokens) == 4
+    full = prefill(model, prompt, method=method("full"))
+    covered = prefill(model, prompt, method=spec_with(name, COVERING))
+    assert covered.prefilled.last_logits.device.type == "cuda"
+    tol = TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(covered.prefilled.last_logits, full.prefilled.last_logits, atol=tol, rtol=tol)

@@ -1,0 +1,110 @@
+"""`load_model` with a Hugging Face model id, served offline from a fake local Hugging Face cache.
+
+huggingface_hub reads HF_HUB_CACHE / HF_HUB_OFFLINE when it is imported, so each check runs
+kvsieve in a subprocess with those variables set. The cache has the layout `hf download` makes:
+`models--ORG--NAME/snapshots/<commit>/...` and `models--ORG--NAME/refs/main` naming the commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build_model, make_prompt, word_level_tokenizer
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+MODEL_ID = "kvsieve-test/tiny-llama"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def run_offline(hub: Path, code: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_CACHE=str(hub), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
+    env.pop("HF_HOME", None)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_model_id_loads_from_the_offline_hf_cache(tmp_path):
+    original = build_model("llama")
+    hub = tmp_path / "hub"
+    repo = hub / ("models--" + MODEL_ID.replace("/", "--"))
+    snapshot = repo / "snapshots" / COMMIT
+    original.save_pretrained(snapshot)
+    word_level_tokenizer().save_pretrained(snapshot)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+
+    ids = make_prompt(16).ids
+    code = f"""
+        import json, torch
+        torch.set_num_threads(1)
+        import kvsieve
+        model, tokenizer = kvsieve.load_model({MODEL_ID!r}, device="cpu", dtype="bfloat16")
+        ids = torch.tensor({ids.tolist()!r})
+        with torch.no_grad():
+            logits = model(ids).logits[0]
+        parameter = next(model.parameters())
+        print(json.dumps({{
+            "model_type": model.config.model_type,
+            "attn": model.config._attn_implementation,
+            "dtype": str(parameter.dtype),
+            "device": str(parameter.device),
+            "next_ids": logits.argmax(-1).tolist(),
+            "last_logits": logits[-1].float().tolist(),
+            "tokens": tokenizer("the pass key", add_special_tokens=False)["input_ids"],
+        }}))
+    """
+    # cwd has no "kvsieve-test" folder, so the id cannot be mistaken for a local path.
+    result = run_offline(hub, code, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    loaded = json.loads(result.stdout.strip().splitlines()[-1])
+
+    # The original model in bfloat16, as from_pretrained(dtype=bfloat16) builds it: every weight
+    # cast, the RoPE inverse frequencies kept in float32.
+    rotary = original.model.rotary_emb
+    inv_freq = {name: buffer.clone() for name, buffer in rotary.named_buffers()}
+    reference = original.to(torch.bfloat16)
+    for name, buffer in inv_freq.items():
+        setattr(rotary, name, buffer)
+    with torch.no_grad():
+        expected = reference(ids).logits[0]
+    last_logits = torch.tensor(loaded.pop("last_logits"))
+    torch.testing.assert_close(last_logits, expected[-1].float(), rtol=0, atol=0)
+    assert loaded == {
+        "model_type": "llama",
+        "attn": "kvsieve",
+        "dtype": "torch.bfloat16",
+        "device": "cpu",
+        "next_ids": expected.argmax(-1).tolist(),
+        "tokens": [3, 4, 5],
+    }
+
+
+def test_model_id_missing_from_the_offline_cache_is_explained(tmp_path):
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    code = """
+        import kvsieve
+        try:
+            kvsieve.load_model("kvsieve-test/not-cached", device="cpu")
+        except kvsieve.KvsieveError as error:
+            print("KvsieveError:", error)
+        else:
+            print("loaded")
+    """
+    result = run_offline(hub, code, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    message = result.stdout
+    assert message.startswith("KvsieveError:"), message
+    assert "'kvsieve-test/not-cached'" in message
+    assert str(hub) in message  # where it looked
+    assert "HF_HUB_OFFLINE=1" in message  # that the network was off
+    assert "hf download kvsieve-test/not-cached" in message  # how to fix it

@@ -1,0 +1,125 @@
+"""The method spec and registry: one definition per name, JSON round trips, `--set` paths and their errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvsieve import REGISTRY, TOVA, CritiPrefill, Evict, KvsieveError, MethodSpec, SnapKV, method
+from kvsieve.spec import component, components, parse_settings
+
+EXPECTED = ["full", "gemfilter", "critiprefill", "fm", "im", "imdc", "snapkv", "h2o", "a2sf"]
+EXPECTED += ["streaming", "local", "tova", "knorm"]
+
+
+def test_registry_holds_the_thirteen_methods_with_their_stages():
+    assert list(REGISTRY) == EXPECTED
+    assert method("gemfilter").select.k == 1024 and method("critiprefill").attention == CritiPrefill()
+    assert method("imdc").feed.decremental and method("imdc").feed.schedule == "linear"
+    assert method("fm").feed.schedule == "fixed" and not method("fm").feed.decremental
+    assert method("snapkv").compress.policy == SnapKV() and method("snapkv").evict is None
+    assert method("h2o").evict.policy.name == "h2o" and method("h2o").compress is None
+    assert method("tova").evict.policy == TOVA()
+
+
+@pytest.mark.parametrize("name", EXPECTED)
+def test_every_spec_round_trips_through_json(name):
+    spec = REGISTRY[name]
+    assert MethodSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    changed = spec.with_settings([(f.path, f.default) for f in spec.fields() if not isinstance(f.default, dict)])
+    assert changed == spec  # every listed default parses back to itself
+
+
+def test_settings_change_nested_fields_and_whole_stages():
+    spec = method("imdc", [("feed.pruner", "a2sf"), ("feed.pruner.alpha", "0.5"), ("feed.chunk", "512")])
+    assert spec.feed.pruner.alpha == 0.5 and spec.feed.chunk == 512 and spec.feed.decremental
+    combined = method("gemfilter", {"attention": "critiprefill", "attention.budget": 2048, "evict": "a2sf"})
+    assert combined.attention.budget == 2048 and isinstance(combined.evict, Evict)
+    assert combined.stages().keys() == {"select", "attention", "evict"}
+    assert method("snapkv", {"compress.budget": "0.25"}).compress.budget == 0.25  # a fraction
+    assert method("snapkv", {"compress.budget": "256"}).compress.budget == 256  # a count
+    assert method("gemfilter", {"select.layer": "calibrated"}).select.layer == "calibrated"
+    assert method("gemfilter", {"select.layer": "none"}).select.layer is None
+    assert method("gemfilter", {"select.keep_tail": "false"}).select.keep_tail is False
+    assert method("critiprefill", {"attention": "none"}).attention is None
+    assert REGISTRY["snapkv"].compress.budget == 1024  # presets are never changed
+
+
+@pytest.mark.parametrize(
+    ("name", "settings", "message"),
+    [
+        ("snapkv", {"compress.budget": "lots"}, "compress.budget: 'lots' is not a count"),
+        ("snapkv", {"compress.budget": 1.5}, "not a fraction"),
+        ("snapkv", {"compress.window": 8}, "compress has no field 'window'; its fields are: policy, budget"),
+        ("snapkv", {"compress.policy": "pyramid"}, "unknown policy 'pyramid'; choose one of"),
+        ("snapkv", {"attention.budget": 8}, "has no attention stage; add one first with --set attention="),
+        ("snapkv", {"budget": 8}, "a path starts with a stage"),
+        ("snapkv", {"compress.budget.x": 8}, "is a plain value"),
+        ("fm", {"feed.schedule": "cubic"}, "one of fixed, linear, sqrt"),
+        ("critiprefill", {"attention.alpha": "2"}, "alpha must be between 0 and 1"),
+        ("critiprefill", {"attention.segment": True}, "is not a whole number"),
+        ("gemfilter", {"select.keep_tail": "maybe"}, "is not true or false"),
+        ("snapkv", {"evict": "snapkv"}, "no per-step eviction rule"),
+        ("snapkv", {"attention": "sparse"}, "not one of none, critiprefill"),
+        ("nope", {}, "Unknown method 'nope'; choose one of: full, gemfilter"),
+    ],
+)
+def test_bad_settings_say_what_is_valid(name, settings, message):
+    with pytest.raises(KvsieveError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        method(name, settings)
+
+
+def test_bad_spec_documents_are_refused():
+    with pytest.raises(KvsieveError, match="'type'"):
+        MethodSpec.from_dict({"name": "x", "compress": {"budget": 3}})
+    with pytest.raises(KvsieveError, match="Unknown method spec keys"):
+        MethodSpec.from_dict({"name": "x", "decode": None})
+    with pytest.raises(KvsieveError, match="unknown compress 'evict'"):
+        MethodSpec.from_dict({"name": "x", "compress": {"type": "evict"}})
+    with pytest.raises(KvsieveError, match="is not a evict component|is not a compress component"):
+        MethodSpec("x", compress=Evict())
+    with pytest.raises(KvsieveError, match="PATH=VALUE"):
+        parse_settings(["compress.budget"])
+    assert parse_settings(["a.b = 3", "c=x=y"]) == [("a.b", "3"), ("c", "x=y")]
+
+
+def test_fields_describe_every_path_with_default_and_help():
+    infos = {f.path: f for f in method("imdc").fields()}
+    assert infos["feed.chunk"].default == 1024 and "chunk size" in infos["feed.chunk"].help
+    assert infos["feed.pruner"].default == "snapkv" and "tova" in infos["feed.pruner"].type
+    assert infos["feed.pruner.window"].default == 32
+    assert method("snapkv").has("compress.policy.window") and not method("h2o").has("compress.budget")
+    assert not method("snapkv").has("compress.policy.alpha") and method("h2o").has("attention")
+
+
+def test_a_new_component_is_usable_everywhere_once_registered():
+    """What 'one module plus one registry line' relies on: components register themselves by tag."""
+    from dataclasses import dataclass
+
+    from kvsieve.compress.policy import Policy
+    from kvsieve.registry import register
+
+    @component("test-oldest", "policy")
+    @dataclass(frozen=True)
+    class Oldest(Policy):
+        """Keeps the oldest tokens: score = minus the position."""
+
+        def prompt_scores(self, query, key, scaling):
+            import torch
+
+            return -torch.arange(key.shape[1], device=key.device, dtype=torch.float32).expand(key.shape[0], -1)
+
+    try:
+        spec = register(
+            MethodSpec("test-oldest", "oldest tokens", compress=method("snapkv").compress.__class__(Oldest()))
+        )
+        assert method("test-oldest", {"compress.budget": 8}).compress.budget == 8
+        assert method("fm", {"feed.pruner": "test-oldest"}).feed.pruner == Oldest()
+        assert MethodSpec.from_dict(spec.to_dict()) == spec
+    finally:
+        REGISTRY.pop("test-oldest", None)
+        from kvsieve import spec as spec_module
+
+        spec_module._COMPONENTS.pop("test-oldest", None)
+    assert "test-oldest" not in components("policy")
