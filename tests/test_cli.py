@@ -246,22 +246,23 @@ def test_generate_with_critiprefill_and_its_bad_input(capsys, passkey_file):
     assert code == 2 and "at least one block" in err
 
 
-def test_generate_with_chunked_feeds_beyond_the_context(capsys, tmp_path):
+def test_generate_with_chunked_feeds_beyond_the_context(capsys, tmp_path, passkey_file):
     """A prompt longer than the 8192 trained positions is refused for full prefill with a message that names the
-    chunked feed, and accepted by it."""
+    chunked feed; the chunked feed re-encodes positions (its largest stays within the chunk + memory frame)."""
     _, tokenizer = load_model()
     case = passkey_case(tokenizer, 9000, 0.3, seed=11)
     path = tmp_path / "long.txt"
     path.write_text(case.context)
-    base = ["generate", "-c", str(path), "-q", case.question, "--max-new-tokens", "12"]
-    code, _, err = run_cli(capsys, *base)
+    code, _, err = run_cli(capsys, "generate", "-c", str(path), "-q", case.question, "--max-new-tokens", "12")
     assert code == 2 and "--method imdc" in err
-    code, out, _ = run_cli(capsys, *base, "--method", "imdc", "--set", "feed.chunk=2048", "--json")
+    short, short_case = passkey_file  # 700 tokens in chunks of 160: the same frame logic, in seconds
+    argv = ["generate", "-c", str(short), "-q", short_case.question, "--max-new-tokens", "4", "--method", "imdc"]
+    code, out, _ = run_cli(capsys, *argv, "--set", "feed.chunk=160", "--set", "feed.memory=128", "--json")
     result = json.loads(out)
     feed = next(s for s in result["stages"] if s["stage"] == "feed")
     assert code == 0 and len(result["tokens"]) > 0
     assert feed["method"] == "imdc" and feed["details"]["pruner"] == "snapkv" and feed["details"]["steps"] == 5
-    assert result["prefill_kv_length"] == 4 + 1024 and feed["details"]["max_position"] < 8192
+    assert result["prefill_kv_length"] == 4 + 128 and feed["details"]["max_position"] < 4 + 128 + 2 * 160
 
 
 @pytest.mark.parametrize(

@@ -191,6 +191,8 @@ def test_parse_names_and_settings_apply_where_the_field_exists():
     assert specs["snapkv"].compress.budget == 0.25 and specs["h2o"].evict.budget == 1024
     with pytest.raises(KvsieveError, match="No listed method"):
         build_specs("full,h2o", [("compress.budget", "0.25")])
+    added = build_specs("full,snapkv", [("evict.budget", "64"), ("evict", "tova")])  # a stage, then its field
+    assert added["full"].evict.budget == 64 and added["snapkv"].evict.policy.name == "tova"
 
 
 def test_heatmaps_are_written(model, chat_tokenizer, tmp_path):
@@ -316,7 +318,9 @@ def test_report_contains_every_configuration_that_was_run(model, chat_tokenizer,
     monkeypatch.setattr(bench_module, "run_in_process", fake_measure)
     bench_module.bench(small("full", "gemfilter"), [200], 2, runs / "bench.json", decode_tokens=4)
     out = tmp_path / "docs" / "RESULTS.md"
-    write_report(out, [runs / "niah.json"], runs / "ppl.json", runs / "bench.json", notes=tmp_path / "docs" / "S.md")
+    write_report(
+        out, [runs / "niah.json"], [runs / "ppl.json"], [runs / "bench.json"], notes=tmp_path / "docs" / "S.md"
+    )
     text = out.read_text()
     for name in ("full", "gemfilter", "h2o", "streaming"):
         assert f"| {name} |" in text
@@ -330,6 +334,26 @@ def test_report_contains_every_configuration_that_was_run(model, chat_tokenizer,
         assert (out.parent / "figures" / name).stat().st_size > 5000
     assert "figures/needle_all.png" in text and "figures/scaling.png" in text
     assert sorted(p.name for p in (out.parent / "results").iterdir()) == ["bench.json", "niah.json", "ppl.json"]
+
+
+def test_report_merges_runs_that_add_methods(tmp_path, monkeypatch):
+    """A later bench run adds methods next to an earlier one: its ratios come from its own baseline rows."""
+    monkeypatch.setattr(bench_module, "run_in_process", fake_measure)
+    first, second = tmp_path / "b1.json", tmp_path / "b2.json"
+    bench_module.bench(small("full", "gemfilter"), [200], 2, first, decode_tokens=4)
+    costs = {"full": 1.0, "gemfilter": 0.25}  # the second run measures gemfilter 4x faster than its own full
+
+    def faster(config):
+        row = fake_measure(config)
+        return {**row, "ttft_s": costs[config.spec["name"]] * config.length / 100}
+
+    monkeypatch.setattr(bench_module, "run_in_process", faster)
+    bench_module.bench(small("full", "gemfilter"), [200], 2, second, decode_tokens=4)
+    out = write_report(tmp_path / "docs" / "R.md", bench_files=[first, second])
+    text = out.read_text()
+    assert "2.00 / 2.00 / 2.00" in text and "4.00 / 4.00 / 4.00" not in text  # the first run that has it
+    out = write_report(tmp_path / "docs" / "R.md", bench_files=[second, first])
+    assert "4.00 / 4.00 / 4.00" in out.read_text()
 
 
 def test_report_needs_some_results(tmp_path):

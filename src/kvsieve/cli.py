@@ -548,11 +548,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.description = (
         "Put quality (needle/passkey heatmaps, perplexity) and cost (time to first token, decode speed, peak memory) "
         "of every method side by side in one Markdown file. The result files are copied to results/ and the "
-        "figures drawn to figures/ next to --out; every number comes from the files."
+        "figures drawn to figures/ next to --out; every number comes from the files. Files of one kind are "
+        "merged: each method comes from the first file that has it."
     )
     p.add_argument("--niah", type=Path, action="append", default=[], help="kvsieve niah result file (repeatable)")
-    p.add_argument("--ppl", type=Path, help="kvsieve ppl result file")
-    p.add_argument("--bench", type=Path, help="kvsieve bench result file")
+    p.add_argument("--ppl", type=Path, action="append", default=[], help="kvsieve ppl result file (repeatable)")
+    p.add_argument(
+        "--bench", type=Path, action="append", default=[], help="kvsieve bench result file (repeatable; ratios per run)"
+    )
     p.add_argument("--baseline", default="full", help="method the ratios compare against (default full)")
     p.add_argument("--notes", type=Path, help="a Markdown file of further measurements to link at the end")
     p.add_argument("--kvpress", type=Path, help="output of benchmarks/kvpress_compare.py (optional comparison)")

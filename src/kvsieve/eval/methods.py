@@ -31,17 +31,18 @@ def parse_names(text: str | Sequence[str]) -> list[str]:
 
 def build_specs(names: str | Sequence[str], settings: Iterable[tuple[str, Any]] = ()) -> dict[str, MethodSpec]:
     """{name: spec} for the listed methods, each setting applied where the method has the field."""
-    specs = {name: method(name) for name in parse_names(names)}
-    for path, value in settings:
-        targets = [name for name, spec in specs.items() if spec.has(path)]
-        if not targets:
+    settings = list(settings)
+    # Whole stages first (`--set evict=a2sf`), so that their fields (`evict.budget`) exist for the rest.
+    stages = [(p, v) for p, v in settings if "." not in p]
+    settings = [(p, v) for p, v in settings if "." in p]
+    specs = {name: method(name, stages) for name in parse_names(names)}
+    for path, _ in settings:
+        if not any(spec.has(path) for spec in specs.values()):
             raise KvsieveError(
                 f"No listed method ({', '.join(specs)}) has the field '{path}'; see `kvsieve methods` for each "
                 "method's fields."
             )
-        for name in targets:
-            specs[name] = specs[name].with_setting(path, value)
-    return specs
+    return {name: spec.with_settings([(p, v) for p, v in settings if spec.has(p)]) for name, spec in specs.items()}
 
 
 def specs_from_settings(recorded: Mapping[str, Any]) -> dict[str, MethodSpec]:

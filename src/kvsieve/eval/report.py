@@ -45,25 +45,52 @@ def _order(methods: Sequence[str]) -> list[str]:
     return known + sorted(set(methods) - set(known))
 
 
+def merge(documents: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """One document from several result files of one kind: each method's rows (and spec) come from the
+    first file that has the method, so a later run can add methods next to an earlier one."""
+    if not documents:
+        return None
+    first = documents[0]
+    merged = {**first, "settings": {**first["settings"], "methods": {}}, "rows": []}
+    for doc in documents:
+        new = [m for m in dict.fromkeys(r["method"] for r in doc["rows"]) if m not in merged["settings"]["methods"]]
+        merged["settings"]["methods"].update({m: doc["settings"]["methods"][m] for m in new})
+        merged["rows"] += [r for r in doc["rows"] if r["method"] in new]
+    return merged
+
+
+def _bench_summary(documents: Sequence[dict[str, Any]], baseline: str) -> list[dict]:
+    """Cost summaries with ratios taken within each bench run (each run has its own baseline rows);
+    a method measured in several runs is reported from the first."""
+    summary, seen = [], set()
+    for doc in documents:
+        mine = [s for s in summarize(doc["rows"], baseline) if s["method"] not in seen]
+        seen |= {s["method"] for s in mine}
+        summary += mine
+    return summary
+
+
 class Report:
     """Collects the result documents and renders the Markdown."""
 
     def __init__(
         self,
         niah_docs: Sequence[dict[str, Any]],
-        ppl: dict[str, Any] | None,
-        bench: dict[str, Any] | None,
+        ppl_docs: Sequence[dict[str, Any]] = (),
+        bench_docs: Sequence[dict[str, Any]] = (),
         baseline: str = "full",
     ) -> None:
-        if not niah_docs and ppl is None and bench is None:
+        if not niah_docs and not ppl_docs and not bench_docs:
             raise KvsieveError("Nothing to report: give at least one of --niah, --ppl, --bench.")
-        self.niah_docs, self.ppl, self.bench, self.baseline = list(niah_docs), ppl, bench, baseline
-        self.documents = [*self.niah_docs, *([ppl] if ppl else []), *([bench] if bench else [])]
+        probes = dict.fromkeys(d["settings"]["probe"] for d in niah_docs)
+        self.niah_docs = [merge([d for d in niah_docs if d["settings"]["probe"] == p]) for p in probes]
+        self.ppl, self.bench, self.baseline = merge(ppl_docs), merge(bench_docs), baseline
+        self.documents = [*niah_docs, *ppl_docs, *bench_docs]
         rows = [r for d in self.documents for r in d["rows"]]
         if not rows:
             raise KvsieveError("The result files have no rows yet; run the evaluations first.")
         self.methods = _order({r["method"] for r in rows})
-        self.bench_summary = summarize(bench["rows"], baseline) if bench else []
+        self.bench_summary = _bench_summary(bench_docs, baseline)
         lengths = {r.get("requested_length", r.get("length")) for r in rows}
         self.lengths = sorted(lengths)
 
@@ -321,40 +348,40 @@ def kvpress_section(document: dict[str, Any], link: str) -> list[str]:
 def write_report(
     out: Path,
     niah_files: Sequence[Path] = (),
-    ppl_file: Path | None = None,
-    bench_file: Path | None = None,
+    ppl_files: Sequence[Path] = (),
+    bench_files: Sequence[Path] = (),
     notes: Path | None = None,
     baseline: str = "full",
     kvpress_file: Path | None = None,
 ) -> Path:
-    """Write the Markdown report to `out`, with `results/` (copied inputs) and `figures/` beside it."""
+    """Write the Markdown report to `out`, with `results/` (copied inputs) and `figures/` beside it.
+
+    Several files of one kind are merged: each method is reported from the first file that has it
+    (bench ratios are always taken within one run).
+    """
     niah_docs = [records.load(p, "niah") for p in niah_files]
-    if len({d["settings"]["probe"] for d in niah_docs}) != len(niah_docs):
-        raise KvsieveError("Give at most one niah result file per probe (needle, passkey).")
-    ppl = records.load(ppl_file, "ppl") if ppl_file else None
-    bench = records.load(bench_file, "bench") if bench_file else None
+    ppl_docs = [records.load(p, "ppl") for p in ppl_files]
+    bench_docs = [records.load(p, "bench") for p in bench_files]
     kvpress = records.load(kvpress_file, "kvpress") if kvpress_file else None
-    report = Report(niah_docs, ppl, bench, baseline)
+    report = Report(niah_docs, ppl_docs, bench_docs, baseline)
     records.check_writable(out)
     root = out.parent
     results, figures = root / "results", root / "figures"
     results.mkdir(exist_ok=True)
     copied = []
-    for source in [*niah_files, *([ppl_file] if ppl_file else []), *([bench_file] if bench_file else [])]:
+    for source in [*niah_files, *ppl_files, *bench_files]:
         target = results / Path(source).name
         if Path(source).resolve() != target.resolve():
             shutil.copyfile(source, target)
         copied.append(target)
     heatmaps = {
-        d["settings"]["probe"]: niah.plot_heatmaps(d, figures, prefix=d["settings"]["probe"])[-1] for d in niah_docs
+        d["settings"]["probe"]: niah.plot_heatmaps(d, figures, prefix=d["settings"]["probe"])[-1]
+        for d in report.niah_docs
     }
-    scaling = plot_scaling(report.bench_summary, figures / "scaling.png") if bench else None
+    scaling = plot_scaling(report.bench_summary, figures / "scaling.png") if bench_docs else None
     commands = [d["command"] for d in report.documents]
-    inputs = " ".join(
-        [*(f"--niah {p.relative_to(root).as_posix()}" for p in copied[: len(niah_docs)])]
-        + ([f"--ppl {copied[len(niah_docs)].relative_to(root).as_posix()}"] if ppl else [])
-        + ([f"--bench {copied[-1].relative_to(root).as_posix()}"] if bench else [])
-    )
+    kinds = ["niah"] * len(niah_docs) + ["ppl"] * len(ppl_docs) + ["bench"] * len(bench_docs)
+    inputs = " ".join(f"--{kind} {p.relative_to(root).as_posix()}" for kind, p in zip(kinds, copied, strict=True))
     commands += [
         records.command_line(),
         f"# regenerate from the copies: cd {root.as_posix()} && kvsieve report {inputs}",

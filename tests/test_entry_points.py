@@ -1,0 +1,87 @@
+"""Every registered method through every entry point, with its fields set by `--set`.
+
+A tiny random Llama with a word-level tokenizer (and a chat template) is saved to a folder once and
+loaded by path, so `kvsieve generate --method NAME --json`, `niah`, `ppl` and the bench worker run
+every method of the registry in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import build_model, word_level_tokenizer
+
+from kvsieve import REGISTRY, method
+from kvsieve.cli import main
+from kvsieve.eval import bench as bench_module
+
+TEMPLATE = (
+    "{% for m in messages %}<s> question {{ m['content'] }} </s>{% endfor %}"
+    "{% if add_generation_prompt %} answer{% endif %}"
+)
+# --set values that fit a 160-token prompt; each is given only where the method has the field.
+SETTINGS = {
+    "select.k": "48",
+    "select.layer": "1",
+    "feed.chunk": "48",
+    "feed.memory": "40",
+    "attention.segment": "16",
+    "attention.block": "4",
+    "attention.budget": "16",
+    "compress.budget": "40",
+    "evict.budget": "40",
+}
+
+
+def sets(name: str) -> list[str]:
+    spec = method(name)
+    return [arg for path, value in SETTINGS.items() if spec.has(path) for arg in ("--set", f"{path}={value}")]
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    build_model("llama", num_layers=3, max_positions=1024).save_pretrained(folder)
+    tokenizer = word_level_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_generate_json_runs_every_method_with_its_fields_set(name, tiny_folder, tmp_path, capsys, single_thread):
+    context = tmp_path / "context.txt"
+    context.write_text(" ".join(["the pass key is hello world"] * 25))
+    argv = ["generate", "--model", str(tiny_folder), "-c", str(context), "-q", "what is the pass key"]
+    code = main([*argv, "--method", name, *sets(name), "--max-new-tokens", "3", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and len(out["tokens"]) == 3
+    expected = method(name).with_settings([(p, v) for p, v in SETTINGS.items() if method(name).has(p)])
+    assert out["method"] == expected.to_dict()  # the result records the exact spec it ran
+    if name not in ("full", "critiprefill"):
+        assert out["prefill_kv_length"] <= 4 + 48
+
+
+def test_niah_ppl_and_bench_run_every_method(tiny_folder, tmp_path, capsys, monkeypatch, single_thread):
+    names = ",".join(REGISTRY)
+    settings = [arg for path, value in SETTINGS.items() for arg in ("--set", f"{path}={value}")]
+    common = ["--model", str(tiny_folder), "--methods", names, *settings, "--lengths", "160"]
+    niah = tmp_path / "niah.json"
+    argv = ["niah", *common, "--depths", "0.5", "--max-new-tokens", "2", "--out", str(niah)]
+    assert main([*argv, "--plots", str(tmp_path / "plots")]) == 0
+    rows = json.loads(niah.read_text())["rows"]
+    assert [r["method"] for r in rows] == list(REGISTRY)
+    ppl = tmp_path / "ppl.json"
+    assert main(["ppl", *common, "--tokens", "4", "--out", str(ppl)]) == 0
+    saved = json.loads(ppl.read_text())
+    assert [r["method"] for r in saved["rows"]] == list(REGISTRY)
+    assert saved["settings"]["methods"]["tova"]["evict"]["budget"] == 40
+    # The bench worker, in this process (the subprocess around it is tested on the real model).
+    measured = []
+    monkeypatch.setattr(bench_module, "run_in_process", lambda c: measured.append(c) or bench_module.measure(c))
+    bench = tmp_path / "bench.json"
+    assert main(["bench", *common, "--repeats", "1", "--decode-tokens", "2", "--out", str(bench)]) == 0
+    capsys.readouterr()
+    assert [c.spec["name"] for c in measured] == list(REGISTRY)
+    assert {r["method"]: r["prefill_kv_length"] for r in json.loads(bench.read_text())["rows"]}["knorm"] == 40
