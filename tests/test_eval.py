@@ -328,6 +328,7 @@ def test_report_contains_every_configuration_that_was_run(model, chat_tokenizer,
     for name in ("niah", "ppl", "bench"):  # each run's command, as recorded in its file
         assert json.loads((runs / f"{name}.json").read_text())["command"] in text
     assert "2.00 / 2.00 / 2.00" in text  # gemfilter's speedup from the fake costs, min/med/max
+    assert "| 20.0 (2.00) |" in text  # its decode speed against full's, paired within the run
     assert "Fastest to the first token: **gemfilter**, 2.00x" in text
     assert "[S.md](S.md)" in text
     for name in ("needle_all.png", "needle_full.png", "needle_h2o.png", "scaling.png"):
@@ -352,6 +353,18 @@ def test_report_merges_runs_that_add_methods(tmp_path, monkeypatch):
     out = write_report(tmp_path / "docs" / "R.md", bench_files=[first, second])
     text = out.read_text()
     assert "2.00 / 2.00 / 2.00" in text and "4.00 / 4.00 / 4.00" not in text  # the first run that has it
+    assert "**Note**" not in text  # both runs measured full at the same speed
+    slower = {"full": 3.0, "gemfilter": 1.5}
+
+    def slow(config):
+        return {**fake_measure(config), "ttft_s": slower[config.spec["name"]] * config.length / 100}
+
+    monkeypatch.setattr(bench_module, "run_in_process", slow)
+    third = tmp_path / "b3.json"
+    bench_module.bench(small("full", "gemfilter"), [200], 2, third, decode_tokens=4)
+    text = write_report(tmp_path / "docs" / "R.md", bench_files=[first, third]).read_text()
+    assert "**Note**" in text and "full at 200 tokens: 2.00 s in bench run 1, 6.00 s in bench run 2" in text
+    assert "| 200 | gemfilter |" in text
     out = write_report(tmp_path / "docs" / "R.md", bench_files=[second, first])
     assert "4.00 / 4.00 / 4.00" in out.read_text()
 

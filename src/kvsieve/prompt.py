@@ -67,5 +67,5 @@ def build_prompt(
         )
         prefix, suffix = rendered.split(_PLACEHOLDER)
     prefix_ids, context_ids, suffix_ids = (_encode(tokenizer, part) for part in (prefix, context, suffix))
-    ids = torch.tensor([prefix_ids + context_ids + suffix_ids], dtype=torch.long)
+    ids = torch.tensor([prefix_ids + context_ids + suffix_ids], dtype=torch.long, device="cpu")  # moved by the pipeline
     return Prompt(ids=ids, context_start=len(prefix_ids), context_len=len(context_ids))

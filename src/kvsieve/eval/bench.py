@@ -142,7 +142,8 @@ def bench(
 
 
 def summarize(rows: list[dict], baseline: str = "full") -> list[dict]:
-    """Per (length, method): min/median/max of TTFT and peak memory, and same-repeat ratios vs `baseline`."""
+    """Per (length, method): min/median/max of TTFT, decode speed and peak memory, and same-repeat ratios vs
+    `baseline` (speedup, memory_ratio, added_ratio, decode_ratio)."""
     summary = []
     keys = sorted({(r["requested_length"], r["method"]) for r in rows})
     for length, method in keys:
@@ -159,6 +160,15 @@ def summarize(rows: list[dict], baseline: str = "full") -> list[dict]:
                 "added_mb": spread([r["added_mb"] for r in mine.values()]),
                 "speedup": spread([b["ttft_s"] / m["ttft_s"] for b, m in pairs]) if pairs else None,
                 "memory_ratio": spread([m["peak_mb"] / b["peak_mb"] for b, m in pairs]) if pairs else None,
+                "decode_ratio": spread(decode)
+                if (
+                    decode := [
+                        m["decode_tokens_per_s"] / b["decode_tokens_per_s"]
+                        for b, m in pairs
+                        if b["decode_tokens_per_s"]
+                    ]
+                )
+                else None,
                 "added_ratio": spread(added)
                 if (added := [m["added_mb"] / b["added_mb"] for b, m in pairs if b["added_mb"] > 0])
                 else None,

@@ -75,7 +75,7 @@ def essay_ids(tokenizer: PreTrainedTokenizerBase, count: int) -> torch.Tensor:
     ids = tokenizer(haystack_text(), add_special_tokens=False)["input_ids"]
     if len(ids) < count:
         raise KvsieveError(f"The essays have {len(ids)} tokens, fewer than the {count} this run needs.")
-    return torch.tensor([ids[:count]])
+    return torch.tensor([ids[:count]], device="cpu")  # host ids; moved to the model by the pipeline
 
 
 def run_perplexity(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 from collections.abc import Sequence
 from datetime import date
 from pathlib import Path
@@ -85,6 +86,7 @@ class Report:
         probes = dict.fromkeys(d["settings"]["probe"] for d in niah_docs)
         self.niah_docs = [merge([d for d in niah_docs if d["settings"]["probe"] == p]) for p in probes]
         self.ppl, self.bench, self.baseline = merge(ppl_docs), merge(bench_docs), baseline
+        self.bench_docs = list(bench_docs)
         self.documents = [*niah_docs, *ppl_docs, *bench_docs]
         rows = [r for d in self.documents for r in d["rows"]]
         if not rows:
@@ -124,10 +126,9 @@ class Report:
         return next((s for s in self.bench_summary if s["method"] == method and s["length"] == length), None)
 
     def _decode_ratio(self, method: str, length: int) -> float | None:
-        mine, base = self._cost(method, length), self._cost(self.baseline, length)
-        if not mine or not base or not base["decode_tokens_per_s"][1]:
-            return None
-        return mine["decode_tokens_per_s"][1] / base["decode_tokens_per_s"][1]
+        """Median decode tokens/s against the baseline's, paired within one run's repeats."""
+        mine = self._cost(method, length)
+        return mine["decode_ratio"][1] if mine and mine.get("decode_ratio") else None
 
     # ------------------------------------------------------------------ sections
 
@@ -166,6 +167,33 @@ class Report:
             )
         lines += [f"| {m} | {descriptions.get(m, '-')} |" for m in self.methods]
         return lines
+
+    def speed_note(self) -> list[str]:
+        """A warning when merged bench runs ran at different absolute speeds (compare ratios, not seconds)."""
+        if len(self.bench_docs) < 2:
+            return []
+        notes = []
+        for length in self.lengths:
+            medians = []
+            for i, doc in enumerate(self.bench_docs, 1):
+                base = [
+                    r["ttft_s"] for r in doc["rows"] if r["method"] == self.baseline and r["requested_length"] == length
+                ]
+                if base:
+                    medians.append((i, statistics.median(base)))
+            if len(medians) > 1 and max(m for _, m in medians) > 1.2 * min(m for _, m in medians):
+                runs = ", ".join(f"{m:.2f} s in bench run {i}" for i, m in medians)
+                notes.append(f"{self.baseline} at {length} tokens: {runs}")
+        if not notes:
+            return []
+        return [
+            "",
+            "**Note**: the bench runs merged here ran at different absolute speeds (each result file names its "
+            "machine, listed above) ("
+            + "; ".join(notes)
+            + "). Each method's seconds come from its own run; compare methods by their ratios to "
+            f"{self.baseline}, which are always taken within one run.",
+        ]
 
     def side_by_side(self) -> list[str]:
         lines = ["", "## Quality and cost side by side", ""]
@@ -388,6 +416,7 @@ def write_report(
     ]
     lines = [
         *report.header(commands),
+        *report.speed_note(),
         *report.side_by_side(),
         *report.choosing(),
         *report.niah_section(heatmaps, root),

@@ -1,8 +1,9 @@
 """The `select` stage: which prompt tokens are prefilled at all.
 
 A selector looks at the whole prompt and returns the sorted indices of the tokens to keep; the
-pipeline then prefills only those, with fresh positions 0..k-1. To add a method, write a class
-with a `name` and a `select()` method returning a `Selection`, next to `gemfilter.py`.
+pipeline then prefills only those, with fresh positions 0..k-1. To add a selector, write a frozen
+dataclass registered with `@component(tag, "select")` that has a `name` and a `select()` method
+returning a `Selection`, next to `gemfilter.py`, and name a preset in `kvsieve/registry.py`.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def layer_recall(
     """Per layer, the fraction of the needle's tokens inside GemFilter's top-k at that layer."""
     prompt = build_prompt(tokenizer, case.context, case.question)
     needle = needle_token_indices(tokenizer, case, prompt.context_start, model.device)
-    recall = torch.zeros(architecture(model).num_layers)  # filled with Python floats, stays on the CPU
+    recall = torch.zeros(architecture(model).num_layers, device="cpu")  # filled with Python floats
 
     def score(layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
         selected = top_k_with_tail(gemfilter_scores(query[0, :, -1], key[0], kernel), k, prompt.tail_len)
@@ -90,7 +90,7 @@ def calibrate(
     if max(lengths) > limit:
         raise KvsieveError(f"Calibration length {max(lengths)} exceeds what this model can read (<= {limit}).")
     grid = [(n, d) for n in lengths for d in depths]
-    total = torch.zeros(architecture(model).num_layers)
+    total = torch.zeros(architecture(model).num_layers, device="cpu")
     for n, d in tqdm(grid, desc="calibrating", unit="probe"):
         total += layer_recall(model, tokenizer, PROBES[probe](tokenizer, n, d), k)
     recall = (total / len(grid)).tolist()
