@@ -1,8 +1,9 @@
 """The embedded default model (SmolLM2-135M-Instruct): offline loading and passkey answers."""
 
 import pytest
+import torch
 
-from kvsieve import GemFilter, Sampling, generate, load_model
+from kvsieve import GemFilter, Sampling, generate, load_model, method
 from kvsieve.data import passkey_case
 from kvsieve.models import converted_default_dir
 
@@ -57,18 +58,25 @@ def test_needle_answered_with_critiprefill(smollm):
 
 
 def test_passkey_beyond_the_trained_context_with_imdc(smollm):
-    """A 16K-token prompt (twice SmolLM2's 8192 positions) through IMDC with a SnapKV pruner.
+    """A 9K-token prompt (beyond SmolLM2's 8192 positions) through IMDC with a SnapKV pruner.
 
     SmolLM2-135M loses keys that lie before the last chunk with every pruner tried, and with SnapKV's
-    32-token window the scattered memory garbled even a last-chunk key in some of our probes
-    (docs/RESULTS.md). A 1024-token window keeps the recent half of the memory intact; the key sits
-    in the last chunks.
+    32-token window the scattered memory garbles even a last-chunk key (docs/STUDIES.md). A 512-token
+    window keeps the recent half of the memory intact; the key sits in the last chunk.
     """
-    from kvsieve import ChunkedPrefill, SnapKV
-
     model, tokenizer = smollm
-    case = passkey_case(tokenizer, 16384, 0.97, seed=7)
-    feed = ChunkedPrefill(chunk=1024, memory=2048, schedule="linear", decremental=True, pruner=SnapKV(window=1024))
-    result = generate(model, tokenizer, case.context, case.question, feed=feed, sampling=Sampling(16))
-    assert result.prompt_tokens > 16000 and result.stages[0].details["max_position"] < 8192
+    case = passkey_case(tokenizer, 9000, 0.97, seed=7)
+    spec = method("imdc", {"feed.memory": 1024, "feed.pruner.window": 512})
+    result = generate(model, tokenizer, case.context, case.question, method=spec, sampling=Sampling(16))
+    assert result.prompt_tokens > 8192 and result.stages[0].details["max_position"] < 4096
     assert case.answer in result.text
+
+
+def test_bfloat16_default_model_answers_through_gemfilter():
+    """What GPU users run: the model in bfloat16 (scores still float32) keeps the key and answers."""
+    model, tokenizer = load_model(dtype="bfloat16")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    case = passkey_case(tokenizer, 600, 0.3, seed=3)
+    spec = method("gemfilter", {"select.k": 256, "select.layer": 15})
+    result = generate(model, tokenizer, case.context, case.question, method=spec, sampling=Sampling(16))
+    assert case.answer in result.text and case.answer in result.selected_text
