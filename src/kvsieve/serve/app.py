@@ -1,0 +1,420 @@
+"""The HTTP front: OpenAI's endpoints on FastAPI. It validates, queues, streams; the engine computes.
+
+POST /v1/chat/completions and /v1/completions (stream or not), GET /v1/models, /health and
+/metrics. Every failure is OpenAI's error object with a 4xx/5xx status, and the server goes on
+serving. With an API key every endpoint but /health needs `Authorization: Bearer KEY`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from transformers import PreTrainedTokenizerBase
+
+from kvsieve.decode import Sampling
+from kvsieve.errors import KvsieveError
+from kvsieve.registry import method as lookup_method
+from kvsieve.serve.engine import Engine, Event, Failed, Finished, Job, Selected, Text
+from kvsieve.serve.metrics import Metrics
+from kvsieve.serve.openai_types import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    KvsieveOptions,
+    chunk_object,
+    completion_object,
+    finish_reason,
+    new_id,
+    parse_body,
+    sse,
+    usage,
+)
+from kvsieve.serve.prompts import PromptIds, chat_prompt, completion_prompt
+from kvsieve.serve.upstream import Upstream, UpstreamPiece
+from kvsieve.spec import MethodSpec
+
+log = logging.getLogger("kvsieve.serve")
+
+CLIENT_CLOSED = 499  # nginx's status for a request whose client went away
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What the front checks requests against."""
+
+    model_name: str
+    default_spec: MethodSpec
+    max_positions: int  # the model's trained context
+    vocab_size: int
+    api_key: str | None = None
+    max_body_bytes: int = 4_000_000
+    max_prompt_tokens: int = 131_072
+    default_max_tokens: int = 256
+
+
+class _ClientGone(Exception):
+    """The client disconnected while its request was queued or running."""
+
+
+class _Events:
+    """The engine's events for one request, handed from the engine thread to the event loop."""
+
+    def __init__(self, request: Request):
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._request = request
+
+    def emit(self, event: Event) -> None:
+        """Called on the engine thread."""
+        with contextlib.suppress(RuntimeError):  # the loop is gone: the server is shutting down
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+    async def next(self, watch_client: bool = True) -> Event:
+        """The next event; while waiting, notice a client that went away (unless a stream watches it)."""
+        while True:
+            try:
+                return await asyncio.wait_for(self._queue.get(), timeout=0.5)
+            except TimeoutError:
+                if watch_client and await self._request.is_disconnected():
+                    raise _ClientGone from None
+
+
+def create_app(
+    engine: Engine,
+    tokenizer: PreTrainedTokenizerBase,
+    config: ServeConfig,
+    metrics: Metrics,
+    upstream: Upstream | None = None,
+) -> FastAPI:
+    """The ASGI app. The engine thread starts with the app (lifespan) and stops with it."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if not engine.alive:
+            engine.start()
+        yield
+        engine.stop()
+        if upstream is not None:
+            await upstream.close()
+
+    app = FastAPI(title="kvsieve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    def authorize(request: Request) -> None:
+        if config.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
+            raise ApiError(
+                401, "Missing or wrong API key: send the header Authorization: Bearer <key>.", code="invalid_api_key"
+            )
+
+    def count(request: Request, status: int) -> None:
+        """Requests by endpoint and status; unknown paths share one label (no label per scanned URL)."""
+        path = request.url.path
+        metrics.request_done(path if path in ENDPOINTS else "other", status)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError) -> JSONResponse:
+        count(request, error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        message = f"{request.method} {request.url.path}: {error.detail}"
+        return await api_error(request, ApiError(error.status_code, message, code=codes.get(error.status_code)))
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, error: Exception) -> JSONResponse:
+        log.exception("unexpected error")
+        return await api_error(request, ApiError(500, f"Internal error: {error!r}", type="server_error"))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not engine.alive:
+            raise ApiError(503, "The engine thread has stopped.", type="server_error")
+        return JSONResponse({"status": "ok", "model": config.model_name})
+
+    @app.get("/metrics", dependencies=[Depends(authorize)])
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models() -> JSONResponse:
+        card = {
+            "id": config.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "kvsieve",
+            "max_model_len": config.max_positions,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat_completions(request: Request) -> Response:
+        return await serve(request, chat=True)
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(request: Request) -> Response:
+        return await serve(request, chat=False)
+
+    # ------------------------------------------------------------------------- one request
+
+    async def serve(request: Request, chat: bool) -> Response:
+        arrived = time.perf_counter()
+        body = parse_body(await read_body(request), ChatRequest if chat else CompletionRequest)
+        if body.model != config.model_name:
+            raise ApiError(
+                404, f"The model '{body.model}' does not exist; this server has '{config.model_name}'.",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+        spec = method_of(body.kvsieve)
+        if chat:
+            prompt = await run_in_threadpool(chat_prompt, tokenizer, body.messages)
+        else:
+            prompt = await run_in_threadpool(completion_prompt, tokenizer, body.prompt, config.vocab_size)
+        sampling = sampling_of(body, prompt, spec, "messages" if chat else "prompt")
+        events = _Events(request)
+        reply = Reply(chat, new_id("chatcmpl" if chat else "cmpl"), config.model_name, len(prompt.ids))
+        if upstream is not None:
+            return await relay(request, body, spec, prompt, sampling, events, reply, arrived)
+        job = Job(prompt.ids, spec, sampling, events.emit, prompt.boundary, prompt.tail, use_cache=body.kvsieve.cache)
+        engine.submit(job)
+        try:
+            first = await events.next()
+        except _ClientGone:
+            job.cancelled.set()
+            return client_gone(request)
+        if isinstance(first, Failed):
+            job.cancelled.set()
+            raise first.error
+        if body.stream:
+            return StreamingResponse(
+                stream(request, job, events, reply, body.include_usage()), media_type="text/event-stream"
+            )
+        try:
+            text, done = [], None
+            while done is None:
+                event = await events.next()
+                if isinstance(event, Failed):
+                    raise event.error
+                if isinstance(event, Text):
+                    text.append(event.piece)
+                elif isinstance(event, Finished):
+                    done = event
+        except _ClientGone:
+            return client_gone(request)
+        finally:
+            job.cancelled.set()  # frees the slot if the engine still holds it; harmless otherwise
+        count(request, 200)
+        use = usage(reply.prompt_tokens, done.completion_tokens, done.info["cached_tokens"])
+        return JSONResponse(
+            completion_object(chat, reply.id, reply.model, "".join(text), finish_reason(done.reason), use, done.info)
+        )
+
+    async def stream(
+        request: Request, job: Job, events: _Events, reply: Reply, include_usage: bool
+    ) -> AsyncIterator[bytes]:
+        """Server-sent chunks until the answer is finished; a client that leaves cancels the job."""
+        status = CLIENT_CLOSED
+        try:
+            if reply.chat:
+                yield sse(reply.chunk(role=True))
+            while True:
+                event = await events.next(watch_client=False)  # Starlette watches the client while streaming
+                if isinstance(event, Text):
+                    yield sse(reply.chunk(text=event.piece))
+                elif isinstance(event, Finished):
+                    yield sse(reply.chunk(reason=finish_reason(event.reason), extra={"kvsieve": event.info}))
+                    if include_usage:
+                        use = usage(reply.prompt_tokens, event.completion_tokens, event.info["cached_tokens"])
+                        yield sse(reply.chunk(use=use))
+                    yield sse("[DONE]")
+                    status = 200
+                    return
+                elif isinstance(event, Failed):
+                    status = event.error.status
+                    yield sse(event.error.body())
+                    yield sse("[DONE]")
+                    return
+        finally:
+            job.cancelled.set()
+            count(request, status)
+
+    async def relay(
+        request: Request,
+        body: ChatRequest | CompletionRequest,
+        spec: MethodSpec,
+        prompt: PromptIds,
+        sampling: Sampling,
+        events: _Events,
+        reply: Reply,
+        arrived: float,
+    ) -> Response:
+        """--upstream: select locally, send the kept token ids upstream, relay the answer."""
+        local = [stage for stage in ("compress", "evict") if getattr(spec, stage) is not None]
+        if spec.feed is not None and spec.feed.tag != "full":
+            local.insert(0, "feed")
+        if local:
+            raise ApiError(
+                400,
+                f"With --upstream only the select stage (and its attention kernel) runs here; method '{spec.name}' "
+                f"also has {', '.join(local)}, which the upstream engine cannot run. Use gemfilter or full.",
+                param="kvsieve",
+                code="invalid_method",
+            )
+        job = Job(prompt.ids, spec, sampling, events.emit, tail=prompt.tail, select_only=True)
+        engine.submit(job)
+        try:
+            selected = await events.next()
+        except _ClientGone:
+            job.cancelled.set()
+            return client_gone(request)
+        if isinstance(selected, Failed):
+            raise selected.error
+        assert isinstance(selected, Selected)
+        info = {**selected.info, "upstream": upstream.url}
+        if not body.stream:
+            answer = await upstream.complete(selected.ids, sampling)
+            metrics.first_token(time.perf_counter() - arrived)
+            info["upstream_prompt_tokens"] = (answer.usage or {}).get("prompt_tokens")
+            completion_tokens = (answer.usage or {}).get("completion_tokens", 0)
+            count(request, 200)
+            use = usage(reply.prompt_tokens, completion_tokens)
+            reason = answer.finish_reason or "stop"
+            return JSONResponse(completion_object(reply.chat, reply.id, reply.model, answer.text, reason, use, info))
+        pieces = upstream.stream(selected.ids, sampling)
+        first = await anext(pieces, None)  # upstream errors become this request's status, before streaming
+        return StreamingResponse(
+            relay_stream(request, first, pieces, reply, info, body.include_usage(), arrived),
+            media_type="text/event-stream",
+        )
+
+    async def relay_stream(
+        request: Request,
+        first: UpstreamPiece | None,
+        pieces: AsyncGenerator[UpstreamPiece, None],
+        reply: Reply,
+        info: dict[str, Any],
+        include_usage: bool,
+        arrived: float,
+    ) -> AsyncIterator[bytes]:
+        """The upstream's pieces as this request's chunks (chat or completion)."""
+        status, completion_tokens, reason = CLIENT_CLOSED, 0, "stop"
+        try:
+            if reply.chat:
+                yield sse(reply.chunk(role=True))
+            piece, timed = first, False
+            while piece is not None:
+                if piece.text:
+                    if not timed:
+                        metrics.first_token(time.perf_counter() - arrived)
+                        timed = True
+                    yield sse(reply.chunk(text=piece.text))
+                reason = piece.finish_reason or reason
+                if piece.usage:
+                    info["upstream_prompt_tokens"] = piece.usage.get("prompt_tokens")
+                    completion_tokens = piece.usage.get("completion_tokens", 0)
+                try:
+                    piece = await anext(pieces, None)
+                except ApiError as error:
+                    status = error.status
+                    yield sse(error.body())
+                    yield sse("[DONE]")
+                    return
+            yield sse(reply.chunk(reason=reason, extra={"kvsieve": info}))
+            if include_usage:
+                yield sse(reply.chunk(use=usage(reply.prompt_tokens, completion_tokens)))
+            yield sse("[DONE]")
+            status = 200
+        finally:
+            await pieces.aclose()
+            count(request, status)
+
+    # ------------------------------------------------------------------------- helpers
+
+    async def read_body(request: Request) -> bytes:
+        """The raw body, refusing more than --max-body-bytes (413) without reading it all."""
+        limit = config.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        too_large = ApiError(413, f"The request body is larger than {limit} bytes.", code="request_too_large")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        data = bytearray()
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > limit:
+                raise too_large
+        return bytes(data)
+
+    def method_of(options: KvsieveOptions) -> MethodSpec:
+        """The request's method: its `kvsieve.method` (or the server's) with `kvsieve.set` applied."""
+        try:
+            base = lookup_method(options.method) if options.method is not None else config.default_spec
+            return base.with_settings(options.set)
+        except KvsieveError as error:
+            raise ApiError(400, str(error), param="kvsieve", code="invalid_method") from None
+
+    def sampling_of(body: ChatRequest | CompletionRequest, prompt: PromptIds, spec: MethodSpec, param: str) -> Sampling:
+        """Sampling options, after checking the prompt and answer fit what the method can hold."""
+        n = len(prompt.ids)
+        if n > config.max_prompt_tokens:
+            raise ApiError(
+                400, f"The prompt has {n} tokens; this server accepts at most {config.max_prompt_tokens}.",
+                param=param, code="prompt_too_long",
+            )  # fmt: skip
+        limit = body.token_limit()
+        if spec.select is not None:
+            needed = n  # the selection pass places every prompt token; the pipeline checks k + max_tokens
+        elif upstream is None and (spec.feed is None or spec.feed.needs_full_context):
+            needed = n + (limit or 1)
+            limit = limit or min(config.default_max_tokens, config.max_positions - n)
+        else:
+            needed = 0  # chunked feeds re-encode positions; an upstream checks its own context
+        if needed > config.max_positions:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {config.max_positions} tokens; the request needs {needed} "
+                f"({n} in the prompt). Shorten it, lower max_tokens, or use a method that feeds the prompt in chunks "
+                "with a compressed memory (imdc), which takes any length.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return Sampling(
+            max_new_tokens=limit or config.default_max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
+            stop=body.stop_strings(),
+        )
+
+    def client_gone(request: Request) -> Response:
+        count(request, CLIENT_CLOSED)
+        return Response(status_code=CLIENT_CLOSED)
+
+    return app
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One response's identity: chat or completion, id, model, prompt size; builds its chunks."""
+
+    chat: bool
+    id: str
+    model: str
+    prompt_tokens: int
+
+    def chunk(self, **fields: Any) -> dict[str, Any]:
+        return chunk_object(self.chat, self.id, self.model, **fields)

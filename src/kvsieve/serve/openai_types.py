@@ -1,0 +1,256 @@
+"""OpenAI's request bodies (validated strictly) and response objects, plus its error format.
+
+Requests are parsed here rather than by FastAPI's own body validation so that every mistake is
+answered the way OpenAI answers it: a 4xx status with `{"error": {"message", "type", "param",
+"code"}}`. Fields OpenAI documents but kvsieve does not implement (n > 1, logprobs, penalties)
+are refused by name instead of being silently ignored; unknown fields are refused too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_STOP_STRINGS = 4  # as OpenAI documents for `stop`
+_TYPE_TAG = re.compile(r"str|int|float|bool|(list|dict)\[.*\]|[A-Z]\w*")  # union members in pydantic's error paths
+
+
+class ApiError(Exception):
+    """An error answered to the client as OpenAI's error object with an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    """No unknown fields, no type coercion ("5" is not a number, true is not 1)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class KvsieveOptions(_Strict):
+    """The request's `"kvsieve"` field: which method runs, its settings, and whether to reuse states."""
+
+    method: str | None = None  # a registered name; None: the server's --method
+    set: dict[str, Any] = Field(default_factory=dict)  # {"compress.budget": 0.25, ...}
+    cache: bool = True  # look up and store reusable prompt states (False: a fresh prefill, same procedure)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class _Sampling(_Strict):
+    """Fields shared by both endpoints, with OpenAI's defaults (temperature 1 samples)."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool | int | None = None
+    kvsieve: KvsieveOptions = Field(default_factory=KvsieveOptions)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("kvsieve returns one choice per request; n must be 1")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, value: float) -> float:
+        if value != 0:
+            raise ValueError("penalties are not supported by kvsieve; leave them at 0")
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, value: bool | int | None) -> bool | int | None:
+        if value:
+            raise ValueError("logprobs are not supported by kvsieve")
+        return value
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] = Field(min_length=1)
+    echo: bool = False
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported by kvsieve")
+        return value
+
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+
+def parse_body(raw: bytes, model: type[_Strict]) -> Any:
+    """The request body as `model`, or a 400 naming the first problem and its field."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ApiError(400, f"The request body is not valid JSON: {error}.", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "The request body must be a JSON object.", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        first = max(error.errors(), key=lambda e: len(e["loc"]))  # a union's deepest member error says most
+        loc = [str(part) for part in first["loc"] if not _TYPE_TAG.fullmatch(str(part))]
+        where = ".".join(loc)
+        param = loc[0] if loc else None  # the top-level field, as OpenAI names it
+        message = first["msg"].removeprefix("Value error, ")
+        if first["type"] == "extra_forbidden":
+            message = f"Unknown field '{where}'; kvsieve accepts OpenAI's documented fields and 'kvsieve'."
+        elif where:
+            message = f"{where}: {message} (got {_short(first.get('input'))})."
+        raise ApiError(400, message, param=param, code="invalid_value") from None
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def finish_reason(kvsieve_reason: str) -> str:
+    """kvsieve's eos / stop / length as OpenAI's stop / length."""
+    return "length" if kvsieve_reason == "length" else "stop"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def completion_object(
+    chat: bool, rid: str, model: str, text: str, reason: str, use: dict[str, Any], info: dict[str, Any]
+) -> dict[str, Any]:
+    """A whole chat.completion or text_completion response, with kvsieve's record of the stages."""
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+    return {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": use,
+        "kvsieve": info,
+    }
+
+
+def chunk_object(
+    chat: bool,
+    rid: str,
+    model: str,
+    *,
+    text: str | None = None,
+    role: bool = False,
+    reason: str | None = None,
+    extra: dict[str, Any] | None = None,
+    use: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One streamed chunk: a text delta, the opening role delta, the finish reason, or (with no
+    choices) the usage chunk that `stream_options.include_usage` asks for."""
+    if chat:
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+        if text is not None:
+            delta["content"] = text
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason}
+    else:
+        choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+    chunk: dict[str, Any] = {
+        "id": rid,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [] if use is not None else [choice],
+    }
+    if use is not None:
+        chunk["usage"] = use
+    if extra:
+        chunk.update(extra)
+    return chunk
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event line pair: `data: {...}` (or `data: [DONE]`)."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()

@@ -1,0 +1,356 @@
+"""`kvsieve serve` end to end: a real server on a free localhost port, the official `openai` client and plain HTTP.
+
+A tiny random Llama with a word-level tokenizer (every id is a word, so every answer is text) and a
+chat template is saved to a folder and loaded by path, exactly as `kvsieve serve --model FOLDER`
+loads it. Answers are checked against the library run on the same token ids (`kvsieve.run`),
+which the server must reproduce for every method, alone or batched, streamed or not.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+from conftest import build_model
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from kvsieve import Prompt, Sampling, load_model, method, run
+from kvsieve.serve import ServerThread, create_server
+
+TEMPLATE = (
+    "{% for m in messages %}<s> question {{ m['content'] }} </s>{% endfor %}"
+    "{% if add_generation_prompt %} answer{% endif %}"
+)
+WORDS = ["[UNK]", "<s>", "</s>", *"the pass key is what remember it answer question hello world".split()]
+DOC = " ".join(["the pass key is hello world remember it"] * 12)  # 96 words
+SMALL = {"compress.budget": 24, "compress.policy.window": 4}
+
+
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    """One word per id for all 256 ids of the tiny model (w14 ... w255 after the real words)."""
+    vocab = {w: i for i, w in enumerate(WORDS + [f"w{i}" for i in range(len(WORDS), 256)])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny model and tokenizer, loaded from a folder as `--model FOLDER` loads them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models gain nothing from threads on a busy 2-core machine
+    folder = __import__("tempfile").mkdtemp(prefix="kvsieve-serve-")
+    build_model("llama", num_layers=3, max_positions=512).save_pretrained(folder)
+    word_tokenizer().save_pretrained(folder)
+    yield load_model(folder, device="cpu", dtype="float32")
+    torch.set_num_threads(before)
+
+
+def start(tiny, **options) -> ServerThread:
+    model, tokenizer = tiny
+    options.setdefault("max_body_bytes", 100_000)
+    options.setdefault("max_prompt_tokens", 2000)
+    return ServerThread(create_server(model, tokenizer, model_name="tiny", **options)).start()
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    running = start(tiny, cache_bytes=50_000_000)
+    yield running
+    running.stop()
+
+
+def client(server: ServerThread, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def reference(tiny, ids: list[int], name: str = "full", settings=None, tokens: int = 8) -> str:
+    """What the library answers for these token ids: the text the server must return."""
+    model, tokenizer = tiny
+    prompt = Prompt(torch.tensor([ids]), 0, len(ids))
+    return run(model, tokenizer, prompt, method=method(name, settings or {}), sampling=Sampling(tokens)).text
+
+
+def ids_of(tiny, words: str) -> list[int]:
+    return tiny[1](words, add_special_tokens=False)["input_ids"]
+
+
+def metric(server: ServerThread, pattern: str) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    match = re.search(rf"^{re.escape(pattern)} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_chat_streamed_and_whole_give_the_same_answer(server, tiny):
+    messages = [{"role": "user", "content": DOC + " what is the pass key"}]
+    whole = client(server).chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    choice = whole.choices[0]
+    assert whole.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.finish_reason in ("length", "stop") and choice.message.content
+    assert whole.usage.prompt_tokens == 2 + 96 + 5 + 2 and whole.usage.completion_tokens <= 10
+    info = whole.model_extra["kvsieve"]
+    assert info["method"] == "full" and info["kv_entries"] == whole.usage.prompt_tokens
+    chunks = list(
+        client(server).chat.completions.create(
+            model="tiny", messages=messages, max_tokens=10, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+    assert chunks[-2].choices[0].finish_reason == choice.finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-2].model_extra["kvsieve"]["cache"] == "hit"  # the same prompt again: its stored state
+
+
+def test_completions_with_token_ids_and_text_match_the_library(server, tiny):
+    ids = ids_of(tiny, DOC + " what is it")
+    out = client(server).completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0)
+    assert out.choices[0].text == reference(tiny, ids)
+    assert out.usage.prompt_tokens == len(ids)
+    streamed = client(server).completions.create(model="tiny", prompt=DOC, max_tokens=8, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == reference(tiny, ids_of(tiny, DOC))
+
+
+@pytest.mark.parametrize(
+    "name,settings",
+    [("snapkv", SMALL), ("a2sf", {"evict.budget": 20}), ("imdc", {"feed.chunk": 32, "feed.memory": 24})],
+)
+def test_extra_body_chooses_the_method(server, tiny, name, settings):
+    ids = ids_of(tiny, DOC + " remember the key")
+    extra = {"kvsieve": {"method": name, "set": settings, "cache": False}}
+    out = client(server).completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0, extra_body=extra)
+    info = out.model_extra["kvsieve"]
+    assert info["method"] == name and info["cache"] == "bypassed" and info["kv_entries"] <= 28
+    assert [s["stage"] for s in info["stages"]][0] in ("feed", "select")
+    assert out.choices[0].text == reference(tiny, ids, name, settings)
+
+
+def test_metrics_move_with_each_request(server, tiny):
+    done = 'kvsieve_requests_total{endpoint="/v1/completions",status="200"}'
+    before = [metric(server, m) for m in (done, "kvsieve_time_to_first_token_seconds_count")]
+    generated = metric(server, "kvsieve_generation_tokens_total")
+    client(server).completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=5, temperature=0)
+    after = [metric(server, m) for m in (done, "kvsieve_time_to_first_token_seconds_count")]
+    assert after == [b + 1 for b in before]
+    assert metric(server, "kvsieve_generation_tokens_total") >= generated + 1
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("queue_depth", "kv_entries", "prefix_cache_hits_total", "time_per_output_token_seconds_bucket"):
+        assert f"kvsieve_{name}" in text
+
+
+BAD = [
+    (b"{not json", 400, "invalid_json"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, 400, None),  # no model
+    ({"model": "other", "messages": [{"role": "user", "content": "hi"}]}, 404, "model_not_found"),
+    ({"model": "tiny", "messages": []}, 400, None),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "   "}]}, 400, None),
+    ({"model": "tiny", "messages": [{"role": "robot", "content": "hi"}]}, 400, None),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, None),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "5"}, 400, None),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, None),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, None),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "bogus": 1}, 400, None),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "kvsieve": {"method": "nope"}}, 400, None),
+    (
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "kvsieve": {"set": {"compress.x": 1}}},
+        400,
+        "invalid_method",
+    ),
+    (
+        {"model": "tiny", "prompt": [1, 2], "kvsieve": {"method": "snapkv", "set": {"compress.budget": -3}}},
+        400,
+        "invalid_method",
+    ),
+    ({"model": "tiny", "prompt": [1, 999]}, 400, None),  # a token id outside the vocabulary
+    ({"model": "tiny", "prompt": list(range(3, 250)) * 3}, 400, "context_length_exceeded"),  # 741 > 512 positions
+    ({"model": "tiny", "prompt": [5] * 2100, "kvsieve": {"method": "imdc"}}, 400, "prompt_too_long"),
+    ({"model": "tiny", "prompt": "hello " * 30_000}, 413, "request_too_large"),
+]
+
+
+def test_bad_input_gets_4xx_while_a_good_request_completes(server, tiny):
+    ids = ids_of(tiny, DOC)
+    good = {}
+
+    def long_request():
+        out = client(server).completions.create(model="tiny", prompt=ids, max_tokens=150, temperature=0, stream=True)
+        good["text"] = "".join(c.choices[0].text for c in out)
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    for body, status, code in BAD:
+        path = "/v1/completions" if isinstance(body, dict) and "prompt" in body else "/v1/chat/completions"
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        answer = httpx.post(f"{server.url}{path}", content=data, headers={"Content-Type": "application/json"})
+        assert answer.status_code == status, (body if isinstance(body, bytes) else str(body)[:120], answer.text)
+        error = answer.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+        if code:
+            assert error["code"] == code, error
+    assert httpx.get(f"{server.url}/nowhere").status_code == 404
+    worker.join(60)
+    assert good["text"] == reference(tiny, ids, tokens=150)
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+
+
+def test_a_client_that_disconnects_frees_its_slot(server, tiny):
+    gone = 'kvsieve_requests_total{endpoint="/v1/completions",status="499"}'
+    before = metric(server, gone)
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data:")
+    deadline = time.monotonic() + 20
+    while metric(server, gone) < before + 1 or metric(server, "kvsieve_active_requests") > 0:
+        assert time.monotonic() < deadline, "the engine kept decoding for a client that left"
+        time.sleep(0.05)
+    assert metric(server, "kvsieve_kv_entries") == 0
+
+
+def ask(server: ServerThread, doc: str, question: str, name: str, settings: dict, **options):
+    """A chat request with the document and the question as two messages (the document is reusable)."""
+    messages = [{"role": "user", "content": doc}, {"role": "user", "content": question}]
+    extra = {"kvsieve": {"method": name, "set": settings, **options}}
+    return client(server).chat.completions.create(
+        model="tiny", messages=messages, max_tokens=8, temperature=0, extra_body=extra
+    )
+
+
+def test_reuse_extends_the_cached_document_and_answers_as_a_fresh_request(server, tiny):
+    """Second question about a document: only the new tokens are prefilled; the answer equals a fresh
+    request's (same query-agnostic procedure, reuse bypassed). Full attention: equal to the library too."""
+    cases = [("snapkv", SMALL), ("a2sf", {"evict.budget": 24}), ("imdc", {"feed.chunk": 32, "feed.memory": 24})]
+    for i, (name, settings) in enumerate([*cases, ("full", {})]):
+        doc = "world " * (i + 1) + DOC  # a document of its own per method
+        first = ask(server, doc, "what is the pass key", name, settings)
+        assert first.model_extra["kvsieve"]["cache"] == "miss"
+        second = ask(server, doc, "what is it remember", name, settings)
+        info = second.model_extra["kvsieve"]
+        context = len(ids_of(tiny, f"<s> question {doc} </s>"))
+        assert info["cache"] == "hit" and info["cached_tokens"] == context, info
+        assert info["prefill_tokens"] == second.usage.prompt_tokens - context
+        fresh = ask(server, doc, "what is it remember", name, settings, cache=False)
+        assert fresh.model_extra["kvsieve"]["cache"] == "bypassed"
+        assert fresh.model_extra["kvsieve"]["prefill_tokens"] == second.usage.prompt_tokens
+        assert second.choices[0].message.content == fresh.choices[0].message.content, name
+        again = ask(server, doc, "what is it remember", name, settings)  # the stored state is unchanged by its use
+        assert again.model_extra["kvsieve"]["prefill_tokens"] == 0
+        assert again.choices[0].message.content == second.choices[0].message.content
+        if name == "full":
+            text = f"<s> question {doc} </s><s> question what is it remember </s> answer"
+            assert second.choices[0].message.content == reference(tiny, ids_of(tiny, text))
+    gem = client(server).chat.completions.create(
+        model="tiny", max_tokens=4, temperature=0,
+        messages=[{"role": "user", "content": DOC}, {"role": "user", "content": "what is it"}],
+        extra_body={"kvsieve": {"method": "gemfilter", "set": {"select.k": 40}}},
+    )  # fmt: skip
+    assert gem.model_extra["kvsieve"]["cache"] == "recomputed" and "question" in gem.model_extra["kvsieve"]["note"]
+
+
+def test_api_key_guards_every_endpoint_but_health(tiny):
+    with start(tiny, api_key="s3cret", cache_bytes=0) as guarded:
+        for path in ("/v1/models", "/metrics"):
+            assert httpx.get(f"{guarded.url}{path}").status_code == 401
+            assert httpx.get(f"{guarded.url}{path}", headers={"Authorization": "Bearer nope"}).status_code == 401
+        answer = httpx.post(f"{guarded.url}/v1/completions", json={"model": "tiny", "prompt": [1, 2]})
+        assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{guarded.url}/health").status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            client(guarded, "wrong").models.list()
+        assert [m.id for m in client(guarded, "s3cret").models.list()] == ["tiny"]
+        out = client(guarded, "s3cret").completions.create(model="tiny", prompt=[5, 6], max_tokens=2, temperature=0)
+        assert out.usage.completion_tokens >= 1
+
+
+def test_a_full_queue_answers_429(tiny):
+    with start(tiny, max_queue=1, max_batch=1, cache_bytes=0) as small:
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 300, "temperature": 0}
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(httpx.post, f"{small.url}/v1/completions", json=body, timeout=60)
+            while metric(small, "kvsieve_active_requests") < 1:
+                time.sleep(0.01)
+            waiting = pool.submit(httpx.post, f"{small.url}/v1/completions", json=body, timeout=60)
+            while metric(small, "kvsieve_queue_depth") < 1:
+                time.sleep(0.01)
+            refused = httpx.post(f"{small.url}/v1/completions", json=body)
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["code"] == "queue_full"
+            assert running.result().status_code == waiting.result().status_code == 200
+
+
+def test_upstream_relays_the_selected_token_ids(tiny):
+    """GemFilter runs here; the upstream (a second kvsieve server) prefills only the k kept tokens."""
+    gemfilter = method("gemfilter", {"select.k": 30})
+    with start(tiny, cache_bytes=0) as upstream, start(tiny, spec=gemfilter, upstream=upstream.url) as front:
+        ids = ids_of(tiny, DOC + " what is the pass key")
+        out = client(front).completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0)
+        info = out.model_extra["kvsieve"]
+        assert info["selected_tokens"] == info["upstream_prompt_tokens"] == 30 and info["upstream"] == upstream.url
+        assert out.usage.prompt_tokens == len(ids)
+        assert out.choices[0].text == reference(tiny, ids, "gemfilter", {"select.k": 30})
+        messages = [{"role": "user", "content": DOC}, {"role": "user", "content": "what is the pass key"}]
+        whole = client(front).chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+        streamed = client(front).chat.completions.create(
+            model="tiny", messages=messages, max_tokens=8, temperature=0, stream=True
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in streamed) == whole.choices[0].message.content
+        assert whole.model_extra["kvsieve"]["upstream_prompt_tokens"] == 30
+        everything = client(front).completions.create(
+            model="tiny", prompt=ids, max_tokens=8, temperature=0, extra_body={"kvsieve": {"method": "full"}}
+        )  # the baseline: the whole prompt goes upstream
+        assert everything.model_extra["kvsieve"]["upstream_prompt_tokens"] == len(ids)
+        assert everything.choices[0].text == reference(tiny, ids)
+        with pytest.raises(openai.BadRequestError, match="only the select stage"):
+            client(front).completions.create(model="tiny", prompt=ids, extra_body={"kvsieve": {"method": "snapkv"}})
+
+
+def test_load_8_clients_mixed_methods_and_bad_requests(server, tiny):
+    """8 concurrent clients x 5 requests (plus one bad request each): every good answer is its own prompt's."""
+    methods = [("full", {}), ("snapkv", SMALL), ("a2sf", {"evict.budget": 20}), ("streaming", {"evict.budget": 16})]
+    methods += [("imdc", {"feed.chunk": 32, "feed.memory": 24})]
+    plans = []
+    for c in range(8):
+        for r in range(5):
+            generator = torch.Generator().manual_seed(100 * c + r)
+            ids = torch.randint(3, 256, (20 + 7 * ((c + r) % 9),), generator=generator).tolist()
+            name, settings = methods[(c + r) % len(methods)]
+            plans.append((c, ids, name, settings, 4 + (c * r) % 9))
+    expected = {(c, tuple(ids), n): reference(tiny, ids, n, s, t) for c, ids, n, s, t in plans}
+
+    def client_session(c: int) -> list[tuple[tuple, str]]:
+        answers = []
+        for _, ids, name, settings, tokens in [p for p in plans if p[0] == c]:
+            extra = {"kvsieve": {"method": name, "set": settings}}
+            kwargs = dict(model="tiny", prompt=ids, max_tokens=tokens, temperature=0, extra_body=extra)
+            if c % 2:
+                text = "".join(x.choices[0].text for x in client(server).completions.create(stream=True, **kwargs))
+            else:
+                text = client(server).completions.create(**kwargs).choices[0].text
+            answers.append(((c, tuple(ids), name), text))
+        bad = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": [1], "max_tokens": -1})
+        assert bad.status_code == 400
+        return answers
+
+    start_time = time.perf_counter()
+    with ThreadPoolExecutor(8) as pool:
+        results = [a for answers in pool.map(client_session, range(8)) for a in answers]
+    assert len(results) == 40
+    for key, text in results:
+        assert text == expected[key], key
+    assert time.perf_counter() - start_time < 60
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+    deadline = time.monotonic() + 5
+    while metric(server, "kvsieve_active_requests") > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(server, "kvsieve_active_requests") == 0 and metric(server, "kvsieve_queue_depth") == 0
