@@ -91,6 +91,7 @@ def test_grid_rows_have_a_stable_schema_and_consistent_scores(model, chat_tokeni
     specs = small("full", "gemfilter")
     assert saved["settings"]["methods"] == {name: spec.to_dict() for name, spec in specs.items()}
     assert saved["settings"]["probe"] == "needle"
+    assert (saved["settings"]["dtype"], saved["settings"]["device"]) == ("float32", "cpu")  # what ran, recorded
     assert saved["rows"] == document["rows"]
     assert len(saved["rows"]) == 2 * 2 * 2  # methods x lengths x depths
     for row in saved["rows"]:

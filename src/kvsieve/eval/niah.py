@@ -24,13 +24,14 @@ from kvsieve.models import architecture
 from kvsieve.spec import MethodSpec
 
 
-def settings(specs: Mapping[str, MethodSpec], probe: str, max_new_tokens: int, model: str | None) -> dict[str, Any]:
-    """What makes a grid's rows comparable (every method's exact spec); a resumed run must match it."""
+def settings(specs: Mapping[str, MethodSpec], probe: str, max_new_tokens: int, model: dict[str, Any]) -> dict[str, Any]:
+    """What makes a grid's rows comparable (every method's exact spec, the model, its dtype and device);
+    a resumed run must match it."""
     return {
         "methods": {name: spec.to_dict() for name, spec in specs.items()},
         "probe": probe,
         "max_new_tokens": max_new_tokens,
-        "model": model,
+        **model,
     }
 
 
@@ -60,7 +61,9 @@ def run_grid(
         raise KvsieveError(f"Depths must be a non-empty list of fractions in [0, 1], got {list(depths)}.")
     check_lengths(specs, list(lengths), max_new_tokens, architecture(model).max_positions)
     methods = list(specs)
-    document = records.open_results(out, "niah", settings(specs, probe, max_new_tokens, model_name), fresh=fresh)
+    document = records.open_results(
+        out, "niah", settings(specs, probe, max_new_tokens, records.model_settings(model, model_name)), fresh=fresh
+    )
     done = {(r["method"], r["length"], r["depth"]) for r in document["rows"]}
     todo = [(n, d, m) for n in lengths for d in depths for m in methods if (m, n, d) not in done]
     sampling = Sampling(max_new_tokens)

@@ -98,7 +98,7 @@ def run_perplexity(
         "methods": {name: spec.to_dict() for name, spec in specs.items()},
         "tokens": tokens,
         "text_end": max(lengths),
-        "model": model_name,
+        **records.model_settings(model, model_name),
     }
     document = records.open_results(out, "ppl", settings, fresh=fresh)
     end = max(lengths)

@@ -48,6 +48,11 @@ def machine() -> dict[str, Any]:
     }
 
 
+def model_settings(model: Any, name: str | None) -> dict[str, Any]:
+    """The model a run used: its name (None: the embedded default), dtype and device type."""
+    return {"model": name, "dtype": str(model.dtype).removeprefix("torch."), "device": model.device.type}
+
+
 def command_line() -> str:
     """The command as the user typed it (program name shortened to `kvsieve`)."""
     program = Path(sys.argv[0]).name

@@ -134,7 +134,10 @@ class Report:
 
     def header(self, commands: list[str]) -> list[str]:
         machines = {_machine_line(d["machine"]) for d in self.documents}
-        models = {d["settings"].get("model") or "embedded SmolLM2-135M-Instruct (fp32)" for d in self.documents}
+        models = {
+            f"{s.get('model') or 'embedded SmolLM2-135M-Instruct'} ({s.get('dtype') or 'float32'})"
+            for s in (d["settings"] for d in self.documents)
+        }
         lines = [
             "# kvsieve results",
             "",
