@@ -187,7 +187,7 @@ def test_evict_running_score_follows_a2sf_recurrence():
     torch.manual_seed(0)
     evict = Evict(A2SF(alpha=0.5), 100).begin()
     query, key = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
-    evict.observe_prompt(0, query, key)  # prompt of 5 tokens
+    evict.observers()[0](0, query, key)  # prompt of 5 tokens
     s0 = evict.scores[0].clone()
     q1, k1 = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 6, 8)
     evict.observe(0, q1, k1)

@@ -140,7 +140,8 @@ def decode(
 
     Stops at an EOS token (kept in `tokens`, not in `text`), at a stop string (text cut before
     it) or at the token limit. `stream` receives text pieces as they become final. `evict`
-    (the run's eviction state, already started on `cache`) keeps the cache at its budget.
+    (the run's eviction state, already started on `cache`) keeps the cache at its budget; the
+    cache's layers are then moved into preallocated buffers that each step updates in place.
     Sampling draws on the CPU from a CPU generator (seeded runs give the same tokens on any device).
     """
     generator = None
@@ -149,7 +150,9 @@ def decode(
     answer = TextStream(tokenizer, sampling, eos_token_ids(model, tokenizer))
     logits, steps = first_logits, 0
     start = time.perf_counter()
-    with torch.no_grad(), attention_hooks(observers=[evict.observe] if evict else ()):
+    if evict is not None:
+        evict.buffer(cache)
+    with torch.no_grad(), attention_hooks(observers=evict.step_observers() if evict else ()):
         while True:
             piece = answer.add(next_token(logits, sampling, generator))
             if stream is not None and piece:

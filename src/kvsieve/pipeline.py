@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvsieve.attention import ATTENTION_NAME, attention_hooks
 from kvsieve.compress.cache import compose_kept
@@ -181,12 +181,16 @@ def prefill(
         if feed.needs_full_context:
             _check_positions(model, ids.shape[1] + reserve, f"Decoding {reserve} new tokens")
         feed_start = time.perf_counter()
-        observers = [
-            *(state.compress.observers() if state.compress else ()),
-            *(state.evict.observers() if state.evict else ()),
-        ]
-        with attention_hooks(observers=observers):
-            prefilled = feed.prefill(model, ids)
+        runs = [run for run in (state.compress, state.evict) if run is not None]
+        observers = [observer for run in runs for observer in run.observers()]
+        if isinstance(feed, FullPrefill) and runs:
+            # One pass: the first pruning stage cuts each layer right after its attention (lower peak).
+            cache = DynamicCache(config=model.config)
+            with attention_hooks(last_pass=observers, finishers=[runs[0].finisher(cache)]):
+                prefilled = feed.prefill(model, ids, cache=cache)
+        else:
+            with attention_hooks(last_pass=observers):
+                prefilled = feed.prefill(model, ids)
         records.append(
             StageRecord(
                 "feed", feed.name, time.perf_counter() - feed_start, {"tokens": ids.shape[1], **prefilled.details}

@@ -5,7 +5,12 @@ AttentionInterface, no model-class patching). Outside `attention_hooks(...)` the
 plain causal SDPA. Inside, two things can change:
 
 - observers see every layer's post-RoPE query and key (GemFilter's scoring, calibration,
-  attention-based KV scorers); an observer may raise `StopForward` to end the forward pass early;
+  attention-based KV scorers); an observer may raise `StopForward` to end the forward pass early.
+  An `AccumulatedScores` observer (H2O, A2SF) gets its scores out of the dense attention itself
+  (a prefill, or a decoding step's row) instead of computing them in a second pass;
+- last-pass observers and finishers serve stages that only use a feed's last forward pass: a
+  chunked feed marks its earlier passes `intermediate`, and they are skipped there. A finisher
+  runs with the layer index once that layer's attention is done (compression layer by layer);
 - a prefill kernel replaces dense attention for multi-token queries (e.g. CritiPrefill);
 - key starts mark left padding in a batch of ragged caches (the server's batched decoding): row b
   of layer j attends only to keys from column `key_starts[j][b]` on.
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
+from kvsieve.attention.accumulate import AccumulatedScores, accumulating_attention
 from kvsieve.attention.dense import bottom_right_causal_mask, dense_attention, repeat_kv
 
 ATTENTION_NAME = "kvsieve"
@@ -29,6 +35,8 @@ ATTENTION_NAME = "kvsieve"
 Observer = Callable[[int, torch.Tensor, torch.Tensor], None]
 # kernel(layer_idx, query, key, value, scaling) -> (b, h, q, d)
 PrefillKernel = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float | None], torch.Tensor]
+# finisher(layer_idx), called once the layer's attention output is computed
+Finisher = Callable[[int], None]
 
 
 class StopForward(Exception):
@@ -37,9 +45,15 @@ class StopForward(Exception):
 
 @dataclass(frozen=True)
 class _Hooks:
-    observers: tuple[Observer, ...]
-    kernel: PrefillKernel | None
+    observers: tuple[Observer, ...] = ()
+    kernel: PrefillKernel | None = None
     key_starts: Sequence[torch.Tensor] | None = None
+    last_pass: tuple[Observer, ...] = ()
+    finishers: tuple[Finisher, ...] = ()
+    intermediate: bool = False
+
+    def active_observers(self) -> tuple[Observer, ...]:
+        return self.observers if self.intermediate else self.observers + self.last_pass
 
 
 _active: ContextVar[_Hooks | None] = ContextVar("kvsieve_attention_hooks", default=None)
@@ -50,17 +64,31 @@ def attention_hooks(
     observers: Sequence[Observer] = (),
     kernel: PrefillKernel | None = None,
     key_starts: Sequence[torch.Tensor] | None = None,
+    *,
+    last_pass: Sequence[Observer] = (),
+    finishers: Sequence[Finisher] = (),
+    intermediate: bool | None = None,
 ) -> Iterator[None]:
     """Activate observers, a prefill kernel and/or key padding for forward passes inside the block.
 
-    Nested blocks add their observers to the outer ones and keep the outer kernel unless they
-    name their own, so e.g. GemFilter's scoring pass runs under a CritiPrefill kernel.
-    `key_starts[layer]` is a (batch,) tensor: each row's keys before that column are padding
-    (batched decoding of requests whose caches differ in length, left-padded to the longest).
+    Nested blocks add their observers (and last-pass observers, finishers) to the outer ones and
+    keep the outer kernel unless they name their own, so e.g. GemFilter's scoring pass runs
+    under a CritiPrefill kernel. `key_starts[layer]` is a (batch,) tensor: each row's keys before
+    that column are padding (batched decoding of requests whose caches differ in length,
+    left-padded to the longest). `intermediate=True` marks passes that are not a feed's last:
+    last-pass observers and finishers skip them.
     """
-    outer = _active.get() or _Hooks((), None)
-    starts = key_starts if key_starts is not None else outer.key_starts
-    token = _active.set(_Hooks(outer.observers + tuple(observers), kernel or outer.kernel, starts))
+    outer = _active.get() or _Hooks()
+    token = _active.set(
+        _Hooks(
+            observers=outer.observers + tuple(observers),
+            kernel=kernel or outer.kernel,
+            key_starts=key_starts if key_starts is not None else outer.key_starts,
+            last_pass=outer.last_pass + tuple(last_pass),
+            finishers=outer.finishers + tuple(finishers),
+            intermediate=outer.intermediate if intermediate is None else intermediate,
+        )
+    )
     try:
         yield
     finally:
@@ -83,21 +111,30 @@ def kvsieve_attention(
     and computed by the kernel. Batches are unpadded unless `attention_hooks(key_starts=...)`
     marks left padding.
     """
-    hooks = _active.get()
-    kernel, starts = None, None
-    if hooks is not None:
-        for observer in hooks.observers:
-            observer(module.layer_idx, query, key)
-        if query.shape[2] > 1:
-            kernel = hooks.kernel
-        if hooks.key_starts is not None:
-            starts = hooks.key_starts[module.layer_idx]
+    hooks = _active.get() or _Hooks()
+    layer = module.layer_idx
+    kernel = hooks.kernel if query.shape[2] > 1 else None
+    starts = hooks.key_starts[layer] if hooks.key_starts is not None else None
+    observers = hooks.active_observers()
+    fused = [o for o in observers if isinstance(o, AccumulatedScores)]
+    if not fused or kernel is not None or starts is not None or query.shape[0] != 1:
+        fused = []  # no dense prefill pass to take the scores from: they compute their own
+    for observer in observers:
+        if not any(observer is f for f in fused):
+            observer(layer, query, key)
     if starts is not None:
         out = padded_attention(query, key, value, scaling, starts)
+    elif fused:
+        out, scores = accumulating_attention(query, key, value, scaling, [f.alpha for f in fused])
+        for observer, layer_scores in zip(fused, scores, strict=True):
+            observer.receive(layer, layer_scores)
     elif kernel is None:
         out = dense_attention(query, key, value, scaling)
     else:
-        out = kernel(module.layer_idx, query, key, value, scaling)
+        out = kernel(layer, query, key, value, scaling)
+    if not hooks.intermediate:
+        for finish in hooks.finishers:
+            finish(layer)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -127,6 +164,8 @@ AttentionInterface.register(ATTENTION_NAME, kvsieve_attention)
 
 __all__ = [
     "ATTENTION_NAME",
+    "AccumulatedScores",
+    "Finisher",
     "Observer",
     "PrefillKernel",
     "StopForward",

@@ -1,9 +1,10 @@
-"""Physically shrinking a transformers KV cache, per layer and KV head."""
+"""Physically shrinking a transformers KV cache, per layer and KV head, and the buffers eviction decodes in."""
 
 from __future__ import annotations
 
 import torch
 from transformers import Cache
+from transformers.cache_utils import DynamicLayer
 
 from kvsieve.errors import KvsieveError
 
@@ -49,3 +50,75 @@ def compose_kept(first: list[torch.Tensor] | None, then: list[torch.Tensor]) -> 
     if first is None:
         return then
     return [a.gather(1, b) for a, b in zip(first, then, strict=True)]
+
+
+class EvictionBuffer(DynamicLayer):
+    """A transformers cache layer in preallocated buffers, for decoding under eviction.
+
+    The live entries are columns 0 .. length - 1 of (batch, kv_heads, capacity, d) key and value
+    buffers. A decoding step writes its entries in place after them (no copy of the cache per
+    step), and an eviction (`move`, `truncate`) fills the holes below the new length with the
+    surviving entries above it, so at most the evicted count moves per KV head. The entries are
+    then no longer in time order; attention does not care (keys carry their RoPE positions), and
+    `EvictRun` tracks each entry's age itself. The buffers grow (doubling) only if a pass appends
+    more entries than the capacity holds.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int):
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        batch, kv_heads, length, dim = keys.shape
+        self._keys = keys.new_empty(batch, kv_heads, max(capacity, length), dim)
+        self._values = values.new_empty(batch, kv_heads, max(capacity, length), values.shape[-1])
+        self._keys[:, :, :length], self._values[:, :, :length] = keys, values
+        self.truncate(length)
+
+    @property
+    def capacity(self) -> int:
+        return self._keys.shape[2]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        end = self.length + key_states.shape[2]
+        if end > self.capacity:
+            self._grow(max(end, 2 * self.capacity))
+        self._keys[:, :, self.length : end] = key_states
+        self._values[:, :, self.length : end] = value_states
+        self.truncate(end)
+        return self.keys, self.values
+
+    def move(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
+        """Per KV head h, copy entry sources[h, i] to targets[h, i] (both (kv_heads, m)); all read first."""
+        batch, kv_heads, _, dim = self._keys.shape
+        read = sources[None, :, :, None].expand(batch, kv_heads, sources.shape[1], dim)
+        write = targets[None, :, :, None].expand(batch, kv_heads, targets.shape[1], dim)
+        self._keys.scatter_(2, write, self._keys.gather(2, read))
+        self._values.scatter_(2, write, self._values.gather(2, read))
+
+    def truncate(self, length: int) -> None:
+        """Keep entries 0 .. length - 1 live."""
+        self.length = length
+        self.keys, self.values = self._keys[:, :, :length], self._values[:, :, :length]
+
+    def _grow(self, capacity: int) -> None:
+        keys, values = self.keys, self.values
+        self._keys = keys.new_empty(*keys.shape[:2], capacity, keys.shape[-1])
+        self._values = values.new_empty(*values.shape[:2], capacity, values.shape[-1])
+        self._keys[:, :, : self.length], self._values[:, :, : self.length] = keys, values
+        self.truncate(self.length)
+
+
+def compaction(victims: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Moves (sources, targets), each (kv_heads, m), that drop the `victims` (kv_heads, m) of `length` entries.
+
+    Survivors at or above `length - m` move into the victims' places below it, so entries
+    0 .. length - m - 1 are then exactly the survivors. Pairs beyond a head's survivor count copy
+    one dropped entry onto another (harmless: both lie above the new length).
+    """
+    kv_heads, m = victims.shape
+    if m == 1:  # one victim per head: the newest entry takes its place (itself when it is the victim)
+        return victims.new_full((kv_heads, 1), length - 1), victims
+    targets = victims.sort(dim=1).values  # holes below the new length first
+    dropped = torch.zeros(kv_heads, length, dtype=torch.bool, device=victims.device)
+    dropped.scatter_(1, victims, True)
+    order = torch.sort(dropped[:, length - m :].to(torch.uint8), dim=1, stable=True).indices  # survivors first
+    return order + (length - m), targets

@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import torch
 
-from kvsieve.compress.scorers import attention_probs, per_kv_head
+from kvsieve.compress.scorers import accumulated_attention, attention_probs, per_kv_head
 
 
 class Policy:
@@ -26,13 +26,16 @@ class Policy:
     Subclass attributes:
     - `position_only`: keeps tokens by position alone (no scores at all);
     - `step_alpha`: for accumulating policies, the per-step rule score <- alpha * score + row
-      (A2SF eq. 6; H2O alpha = 1; TOVA alpha = 0); None when the policy has no such rule.
+      (A2SF eq. 6; H2O alpha = 1); None when the policy has no such rule;
+    - `accumulates`: the prompt scores are A2SF eq. 5's accumulated attention with that same
+      alpha (H2O, A2SF), which kvsieve's prefill attention computes in its own pass.
     """
 
     tag: ClassVar[str]
     kind: ClassVar[str]
     position_only: ClassVar[bool] = False
     step_alpha: ClassVar[float | None] = None
+    accumulates: ClassVar[bool] = False
 
     @property
     def name(self) -> str:
@@ -45,7 +48,9 @@ class Policy:
 
     def prompt_scores(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor | None:
         """(kv_heads, n) scores of the keys (kv_heads, n, d) from queries (h, q, d), the last q of n
-        positions; None for position-only policies."""
+        positions; None for position-only policies. Accumulating policies: A2SF eq. 5 with step_alpha."""
+        if self.accumulates:
+            return accumulated_attention(query, key, scaling, alpha=float(self.step_alpha))
         return None
 
     def step_scores(
@@ -58,12 +63,16 @@ class Policy:
         """
         if self.position_only or self.step_alpha is None:
             return None
-        row = per_kv_head(attention_probs(query, key, scaling)[:, 0], key.shape[0])  # (g, n)
-        if previous is None:
-            return row
-        grown = torch.zeros_like(row)
-        grown[:, : previous.shape[1]] = previous
-        return grown.mul_(self.step_alpha).add_(row)
+        return self.accumulate(previous, per_kv_head(attention_probs(query, key, scaling)[:, 0], key.shape[0]))
+
+    def accumulate(self, previous: torch.Tensor | None, row: torch.Tensor) -> torch.Tensor:
+        """A2SF eq. 6 in place on the new step's attention `row` (kv_heads, n): row + step_alpha * previous.
+
+        `previous` scores the older entries (the first previous.shape[1]); the newest have none yet.
+        """
+        if previous is not None:
+            row[:, : previous.shape[1]].add_(previous, alpha=self.step_alpha)
+        return row
 
     def protected(self, budget: int) -> tuple[int, int]:
         """(sinks, recent): the first and last positions kept regardless of score, within `budget`."""

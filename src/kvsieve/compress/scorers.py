@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvsieve.attention.accumulate import accumulation_weights
 from kvsieve.attention.dense import bottom_right_causal_mask
 from kvsieve.errors import KvsieveError
 
@@ -22,11 +23,11 @@ def attention_probs(query: torch.Tensor, key: torch.Tensor, scaling: float) -> t
     """
     heads, q_len, dim = query.shape
     kv_heads, n, _ = key.shape
-    grouped = query.float().view(kv_heads, heads // kv_heads, q_len, dim)
-    logits = torch.einsum("grqd,gnd->grqn", grouped, key.float()) * scaling
+    grouped = query.float().reshape(kv_heads, heads // kv_heads * q_len, dim)  # rows (n_rep, q) per KV head
+    logits = torch.bmm(grouped, key.float().transpose(1, 2)).view(heads, q_len, n) * scaling
     if q_len > 1:
         logits = logits.masked_fill(~bottom_right_causal_mask(q_len, n, query.device), float("-inf"))
-    return logits.softmax(-1).view(heads, q_len, n)
+    return logits.softmax(-1)
 
 
 def per_kv_head(scores: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -65,20 +66,16 @@ def accumulated_attention(
 
     alpha = 1 is H2O's accumulated attention; alpha = 0 keeps only the last query's attention.
     query (h, q, d) are the last q of n key positions; key (kv_heads, n, d). Returns (kv_heads, n).
-    This is the hot path of H2O and A2SF prompt scoring, so each chunk's logits are masked,
-    exponentiated and weighted in place: softmax normalisation is folded into the query weights
-    (w_q / row sum), which halves the passes over the (chunk x n) block.
+    This second pass is the reference: inside kvsieve's dense prefill the same scores come out of
+    the attention itself (`kvsieve.attention.accumulate`), and where they cannot (another prefill
+    kernel, a decoding step) this computes them. Softmax normalisation is folded into the query
+    weights (w_q / row sum), which halves the passes over each (chunk x n) block.
     """
     heads, q_len, dim = query.shape
     kv_heads, n, _ = key.shape
     n_rep = heads // kv_heads
     total = torch.zeros(kv_heads, n_rep, n, dtype=torch.float32, device=query.device)
-    # The weights depend on alpha and q_len only: computed on the CPU, so counting them needs no
-    # device synchronisation. alpha^k underflows to exactly 0 in fp32 after a few dozen steps for
-    # small alpha (0.2^64 == 0): those queries add nothing, so only the trailing ones are computed.
-    exponents = torch.arange(q_len - 1, -1, -1, dtype=torch.float32, device="cpu")
-    weights = torch.pow(torch.tensor(float(alpha), device="cpu"), exponents)  # 0**0 == 1
-    first = q_len - int(torch.count_nonzero(weights))
+    weights, first = accumulation_weights(alpha, q_len)  # queries before `first` weigh exactly 0
     weights = weights.to(query.device)
     grouped = query.float().view(kv_heads, n_rep, q_len, dim)
     keys_t = key.float().transpose(1, 2)[:, None]  # (g, 1, d, n)
@@ -100,7 +97,9 @@ def keep_indices(scores: torch.Tensor, budget: int, sinks: int = 0, recent: int 
     """Per KV head, the `budget` best positions of (kv_heads, n) scores, sorted ascending.
 
     The first `sinks` and last `recent` positions are always kept (StreamingLLM's sinks, H2O's
-    recent half, SnapKV's window); they count against the budget.
+    recent half, SnapKV's window); they count against the budget. Among equal scores the newest
+    positions are kept (KNorm's scores tie for repeated tokens in the first layer, where RoPE
+    leaves key norms unchanged), so the choice never depends on how topk orders ties.
     """
     kv_heads, n = scores.shape
     if budget >= n:
@@ -111,4 +110,15 @@ def keep_indices(scores: torch.Tensor, budget: int, sinks: int = 0, recent: int 
     if recent > 0:
         protected[max(n - recent, 0) :] = True
     ranked[:, protected] = float("inf")
-    return torch.topk(ranked, budget, dim=1).indices.sort(dim=1).values
+    age = torch.arange(n, device=scores.device).expand(kv_heads, n)
+    return torch.topk(newest_first(ranked, age, budget), budget, dim=1).indices.sort(dim=1).values
+
+
+def newest_first(scores: torch.Tensor, age: torch.Tensor, count: int) -> torch.Tensor:
+    """Integer ranks (kv_heads, n) whose top `count` are the best `count` scores, ties won by larger `age`.
+
+    Better than the `count`-th best score: above every age (always in); tied with it: the age;
+    worse: below every age. Bounds are tensors, so no value is read back to the host.
+    """
+    threshold = torch.topk(scores, count, dim=1).values[:, -1:]
+    return torch.where(scores > threshold, age.amax() + 1, torch.where(scores == threshold, age, age.amin() - 1))

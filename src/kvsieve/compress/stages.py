@@ -1,11 +1,19 @@
 """`Compress` prunes the cache once after prefill; `Evict` keeps it at a budget while decoding.
 
 Both are frozen configuration. `begin()` returns a per-run object (`CompressRun`, `EvictRun`)
-that holds what one request learns: the scores observed during the feed (post-RoPE queries and
-keys), the resolved budget, the positions kept. So one configuration serves any number of
-concurrent requests. Decoding continues from the logical position (the pipeline passes explicit
-position ids), as SnapKV and H2O do. The attention scale is head_dim ** -0.5, as in every
-supported architecture.
+that holds what one request learns: the scores observed during the feed's last pass (post-RoPE
+queries and keys), the resolved budget, the positions kept. So one configuration serves any
+number of concurrent requests. Decoding continues from the logical position (the pipeline passes
+explicit position ids), as SnapKV and H2O do. The attention scale is head_dim ** -0.5, as in
+every supported architecture.
+
+Layer by layer: after a one-pass prefill, a layer's cache is used by nobody but that layer's own
+attention, so the pipeline hands each run a `finisher` that prunes layer j as soon as its
+attention is done (as kvpress's forward hooks do). The uncompressed cache of all layers then
+never exists at once, and the prefill's peak falls by the bytes the pruning removes.
+
+While decoding, `EvictRun` keeps the cache in preallocated buffers (`EvictionBuffer`): new
+entries are written in place and an eviction moves at most `interval` entries per KV head.
 """
 
 from __future__ import annotations
@@ -16,12 +24,12 @@ from typing import Any
 import torch
 from transformers import Cache
 
-from kvsieve.attention import Observer
-from kvsieve.compress.cache import prune_layer, resolve_budget
+from kvsieve.attention import AccumulatedScores, Finisher, Observer
+from kvsieve.compress.cache import EvictionBuffer, compaction, prune_layer, resolve_budget
 from kvsieve.compress.policies.a2sf import A2SF
 from kvsieve.compress.policies.snapkv import SnapKV
 from kvsieve.compress.policy import Policy
-from kvsieve.compress.scorers import keep_indices
+from kvsieve.compress.scorers import keep_indices, newest_first
 from kvsieve.errors import KvsieveError
 from kvsieve.spec import component, option
 
@@ -63,6 +71,22 @@ def _layer_scores(scores: dict[int, torch.Tensor], layer: int, keys: torch.Tenso
     return torch.zeros(keys.shape[1], keys.shape[2], device=keys.device)
 
 
+def _score_observers(policy: Policy, into: dict[int, torch.Tensor]) -> list[Observer]:
+    """Observers storing `policy`'s scores of every layer's keys in `into`; none for position-only policies.
+
+    Accumulating policies (H2O, A2SF) take theirs from the prefill attention itself.
+    """
+    if policy.position_only:
+        return []
+    if policy.accumulates:
+        return [AccumulatedScores(float(policy.step_alpha), into.__setitem__, policy.prompt_scores)]
+
+    def score(layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
+        into[layer] = policy.prompt_scores(query[0], key[0], _scaling(query))
+
+    return [score]
+
+
 @component("compress", "compress")
 @dataclass(frozen=True)
 class Compress:
@@ -91,35 +115,46 @@ class CompressRun:
     config: Compress
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
     kept_positions: list[torch.Tensor] = field(default_factory=list)
+    total: int = 0  # entries per layer before pruning (0: not resolved yet)
+    pruned: dict[int, torch.Tensor] = field(default_factory=dict)  # layers pruned during the prefill
 
     def observers(self) -> list[Observer]:
-        if self.config.policy.position_only:
-            return []
+        """Score observers for the feed's last pass (a prompt, or a chunked feed's last chunk)."""
+        return _score_observers(self.config.policy, self.scores)
 
-        def score(layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
-            # Every feed pass (a prompt, or one chunk, even of one token) rescores the keys it attended.
-            self.scores[layer] = self.config.policy.prompt_scores(query[0], key[0], _scaling(query))
+    def finisher(self, cache: Cache) -> Finisher:
+        """Prune each layer of `cache` (a one-pass prefill's) right after that layer's attention."""
 
-        return [score]
+        def finish(layer: int) -> None:
+            self.pruned[layer] = self._prune(cache, layer, self.scores)
+
+        return finish
 
     def compress(self, cache: Cache, kept_positions: list[torch.Tensor] | None = None) -> dict[str, Any]:
         """Prune `cache` in place to the budget by the scores observed during the feed.
 
         `kept_positions` (per layer, (kv_heads, n)) map the cache entries to the keys of the feed's
         last forward pass when the feed pruned them itself (chunked prefill); None when the cache
-        holds exactly those keys. Afterwards `self.kept_positions` say which entries survived.
+        holds exactly those keys. Layers the finisher already pruned are kept as they are.
+        Afterwards `self.kept_positions` say which entries survived.
         """
         scores = _align(self.scores, kept_positions)
-        n = cache.get_seq_length()
-        budget, note = resolve_budget(self.config.budget, n)
+        self.kept_positions = [
+            self.pruned[layer] if layer in self.pruned else self._prune(cache, layer, scores)
+            for layer in range(len(cache.layers))
+        ]
+        budget, note = resolve_budget(self.config.budget, self.total)
+        details = {"budget": budget, "from": self.total, "layer_by_layer": bool(self.pruned)}
+        return {**details, **({"note": note} if note else {})}
+
+    def _prune(self, cache: Cache, layer: int, scores: dict[int, torch.Tensor]) -> torch.Tensor:
+        keys = cache.layers[layer].keys
+        self.total = self.total or keys.shape[2]
+        budget, _ = resolve_budget(self.config.budget, self.total)
         sinks, recent = self.config.policy.protected(budget)
-        self.kept_positions = []
-        for layer in range(len(cache.layers)):
-            keys = cache.layers[layer].keys
-            indices = keep_indices(_layer_scores(scores, layer, keys, self.config.policy), budget, sinks, recent)
-            prune_layer(cache, layer, indices)
-            self.kept_positions.append(indices)
-        return {"budget": budget, "from": n, **({"note": note} if note else {})}
+        indices = keep_indices(_layer_scores(scores, layer, keys, self.config.policy), budget, sinks, recent)
+        prune_layer(cache, layer, indices)
+        return indices
 
 
 @component("evict", "evict")
@@ -158,20 +193,47 @@ class Evict:
 
 @dataclass
 class EvictRun:
-    """One request's eviction: running scores per layer, the resolved budget, steps since start."""
+    """One request's eviction: running scores per layer, the resolved budget, steps since start.
+
+    `buffer(cache)` moves a cache into preallocated `EvictionBuffer` layers for decoding; steps
+    then write and evict in place, and `stamps` (per layer, (kv_heads, n)) keep each entry's age
+    since the entries are no longer in time order. On any other cache (the server's batched
+    views) eviction gathers the kept entries into new tensors, in time order.
+    """
 
     config: Evict
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
     budget: int = 0
+    total: int = 0  # entries per layer when the budget was resolved (0: not yet)
     steps: int = 0
+    stamps: dict[int, torch.Tensor] = field(default_factory=dict)
+    clock: int = 0  # the stamp the next new entry gets
 
     def observers(self) -> list[Observer]:
-        """Observers for the feed: they (re)start the running scores from the prompt (or last chunk)."""
-        return [] if self.config.policy.position_only else [self.observe_prompt]
+        """Observers for the feed's last pass: they start the running scores from the prompt (or last chunk)."""
+        return _score_observers(self.config.policy, self.scores)
 
-    def observe_prompt(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
-        """Feed pass: the initial scores of the keys it attended over, by the policy's prompt scorer."""
-        self.scores[layer] = self.config.policy.prompt_scores(query[0], key[0], _scaling(query))
+    def finisher(self, cache: Cache) -> Finisher:
+        """Prune each layer of `cache` (a one-pass prefill's) to the budget right after that layer's attention."""
+
+        def finish(layer: int) -> None:
+            self._resolve(cache.layers[layer].keys.shape[2])
+            self._prune_layer(cache, layer)
+
+        return finish
+
+    def step_observers(self) -> list[Observer]:
+        """Observers for decoding steps. An accumulating policy's new attention row comes out of the
+        step's own attention (`AccumulatedScores`), the others score the step themselves (`observe`)."""
+        policy = self.config.policy
+        if policy.position_only:
+            return []
+        if policy.accumulates:
+            return [AccumulatedScores(1.0, self._accumulate, policy.prompt_scores)]
+        return [self.observe]
+
+    def _accumulate(self, layer: int, row: torch.Tensor) -> None:
+        self.scores[layer] = self.config.policy.accumulate(self.scores.get(layer), row)
 
     def observe(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
         """Decoding step: the policy's per-step rule updates the running scores."""
@@ -183,29 +245,73 @@ class EvictRun:
         """Align scores with a cache the feed or a compress stage already pruned, then prune to the budget.
 
         `kept_positions` (per layer, (kv_heads, n)) map the cache entries to the keys of the
-        feed's last forward pass; None when the cache holds exactly those keys.
+        feed's last forward pass; None when the cache holds exactly those keys. Layers the
+        finisher already pruned are within the budget and stay as they are.
         """
         self.scores = _align(self.scores, kept_positions)
-        length = cache.get_seq_length()
-        self.budget, note = resolve_budget(self.config.budget, max(length, 1))
+        self._resolve(max(cache.get_seq_length(), 1))
         self.steps = 0
-        self._prune(cache)
-        details = {"evict": self.config.name, "budget": self.budget, "from": length, "interval": self.config.interval}
+        for layer in range(len(cache.layers)):
+            self._prune_layer(cache, layer)
+        _, note = resolve_budget(self.config.budget, self.total)
+        details = {
+            "evict": self.config.name,
+            "budget": self.budget,
+            "from": self.total,
+            "interval": self.config.interval,
+        }
         return {**details, **({"note": note} if note else {})}
+
+    def buffer(self, cache: Cache) -> None:
+        """Move `cache` (started) into buffers with room for `interval` new entries, for in-place decoding."""
+        for layer, entry in enumerate(cache.layers):
+            length = entry.keys.shape[2]
+            capacity = max(length, self.budget) + self.config.interval
+            cache.layers[layer] = EvictionBuffer(entry.keys, entry.values, capacity)
+            self.stamps[layer] = torch.arange(length, device=entry.keys.device).expand(entry.keys.shape[1], -1)
+        self.clock = cache.get_seq_length()
 
     def after_step(self, cache: Cache) -> None:
         self.steps += 1
+        if self.stamps:
+            added = cache.get_seq_length() - self.stamps[0].shape[1]
+            new = torch.arange(self.clock, self.clock + added, device=self.stamps[0].device)
+            self.stamps = {j: torch.cat([s, new.expand(s.shape[0], -1)], 1) for j, s in self.stamps.items()}
+            self.clock += added
         if self.steps % self.config.interval == 0:
-            self._prune(cache)
+            for layer in range(len(cache.layers)):
+                self._prune_layer(cache, layer)
 
-    def _prune(self, cache: Cache) -> None:
+    def _resolve(self, total: int) -> None:
+        if not self.total:
+            self.total = total
+            self.budget, _ = resolve_budget(self.config.budget, total)
+
+    def _prune_layer(self, cache: Cache, layer: int) -> None:
+        entry = cache.layers[layer]
+        n = entry.keys.shape[2]
+        if n <= self.budget:
+            return
+        scores = _layer_scores(self.scores, layer, entry.keys, self.config.policy)
         sinks, recent = self.config.policy.protected(self.budget)
-        for layer in range(len(cache.layers)):
-            keys = cache.layers[layer].keys
-            if keys.shape[2] <= self.budget:
-                continue
-            scores = _layer_scores(self.scores, layer, keys, self.config.policy)
+        if not isinstance(entry, EvictionBuffer):
             indices = keep_indices(scores, self.budget, sinks, recent)
             prune_layer(cache, layer, indices)
             if layer in self.scores:
                 self.scores[layer] = scores.gather(1, indices)
+            return
+        # In place: drop the n - budget lowest-scored unprotected entries, the oldest among equal
+        # scores (exactly keep_indices' complement).
+        stamps = self.stamps[layer]
+        evictable = scores.float()
+        if sinks or recent:
+            evictable = evictable.masked_fill((stamps < sinks) | (stamps >= self.clock - recent), float("inf"))
+        victims = torch.topk(newest_first(-evictable, -stamps, n - self.budget), n - self.budget, dim=1).indices
+        sources, targets = compaction(victims, n)
+        entry.move(sources, targets)
+        entry.truncate(self.budget)
+        for tracked in (self.scores, self.stamps):
+            if layer in tracked:
+                moved = tracked[layer].contiguous()  # this run's own tensor (made by the step's scoring)
+                moved.scatter_(1, targets, moved.gather(1, sources))
+                tracked[layer] = moved[:, : self.budget]

@@ -54,7 +54,7 @@ def continuation_nll(model: PreTrainedModel, ids: torch.Tensor, context_len: int
         if tokens > 1 and evict is None:
             logits.append(extend(model, cache, targets[None, :-1], position, logits_to_keep=tokens - 1))
         elif tokens > 1:
-            with attention_hooks(observers=[evict.observe]):
+            with attention_hooks(observers=evict.step_observers()):
                 for step in range(tokens - 1):
                     logits.append(extend(model, cache, targets[None, step : step + 1], position + step))
                     evict.after_step(cache)

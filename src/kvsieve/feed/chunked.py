@@ -262,21 +262,26 @@ class ChunkedPrefill:
                 chunk_ids = ids[:, start : start + size]
                 chunk_positions = torch.arange(position, position + size, device=device)
                 scores.clear()
-                if last or chunk_logits is not None:
-                    out = model(
-                        input_ids=chunk_ids,
-                        position_ids=chunk_positions[None],
-                        past_key_values=cache,
-                        use_cache=True,
-                        logits_to_keep=0 if chunk_logits is not None else 1,
-                    )
-                    if chunk_logits is not None:
-                        chunk_logits(out.logits[0], start)
-                    logits = out.logits[0, -1]
-                else:  # no LM head at all before the last chunk
-                    model.model(
-                        input_ids=chunk_ids, position_ids=chunk_positions[None], past_key_values=cache, use_cache=True
-                    )
+                # Stages that score only the feed's final cache (compress, evict) skip earlier passes.
+                with attention_hooks(intermediate=not last):
+                    if last or chunk_logits is not None:
+                        out = model(
+                            input_ids=chunk_ids,
+                            position_ids=chunk_positions[None],
+                            past_key_values=cache,
+                            use_cache=True,
+                            logits_to_keep=0 if chunk_logits is not None else 1,
+                        )
+                        if chunk_logits is not None:
+                            chunk_logits(out.logits[0], start)
+                        logits = out.logits[0, -1]
+                    else:  # no LM head at all before the last chunk
+                        model.model(
+                            input_ids=chunk_ids,
+                            position_ids=chunk_positions[None],
+                            past_key_values=cache,
+                            use_cache=True,
+                        )
                 # Layer j's keys are now [sinks | memory_j | chunk], at these positions and prompt indices.
                 key_positions = [
                     torch.cat([_frame(sinks, memory[j], position, device), chunk_positions]) for j in range(layers)

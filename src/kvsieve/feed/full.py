@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from transformers import PreTrainedModel
+from transformers import Cache, PreTrainedModel
 
 from kvsieve.feed import Prefilled
 from kvsieve.spec import component
@@ -23,7 +23,8 @@ class FullPrefill:
     def name(self) -> str:
         return self.tag
 
-    def prefill(self, model: PreTrainedModel, ids: torch.Tensor) -> Prefilled:
+    def prefill(self, model: PreTrainedModel, ids: torch.Tensor, cache: Cache | None = None) -> Prefilled:
+        """Prefill `ids` (1, L) into `cache` (an empty one the caller may already watch, or a new one)."""
         with torch.no_grad():
-            out = model(input_ids=ids.to(model.device), use_cache=True, logits_to_keep=1)
+            out = model(input_ids=ids.to(model.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
         return Prefilled(cache=out.past_key_values, last_logits=out.logits[0, -1], next_position=ids.shape[1])

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import ClassVar
 
 from kvsieve.compress.policy import Policy
-from kvsieve.compress.scorers import accumulated_attention
 from kvsieve.errors import KvsieveError
 from kvsieve.spec import component, option
 
@@ -23,6 +21,7 @@ class A2SF(Policy):
 
     alpha: float = option(0.2, "forgetting factor in [0, 1] (1 = H2O's accumulation, 0 = last row only)")
     recent: int = option(0, "newest tokens always kept, outside the score (paper: 0)")
+    accumulates: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or not 0 <= self.alpha <= 1:
@@ -33,9 +32,6 @@ class A2SF(Policy):
     @property
     def step_alpha(self) -> float:
         return float(self.alpha)
-
-    def prompt_scores(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
-        return accumulated_attention(query, key, scaling, alpha=float(self.alpha))
 
     def protected(self, budget: int) -> tuple[int, int]:
         if self.recent > budget:

@@ -5,10 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
 from kvsieve.compress.policy import Policy
-from kvsieve.compress.scorers import accumulated_attention
 from kvsieve.spec import component
 
 
@@ -18,9 +15,7 @@ class H2O(Policy):
     """Attention accumulated over all queries (alpha = 1); the newest half of the budget always kept."""
 
     step_alpha: ClassVar[float] = 1.0
-
-    def prompt_scores(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
-        return accumulated_attention(query, key, scaling, alpha=1.0)
+    accumulates: ClassVar[bool] = True
 
     def protected(self, budget: int) -> tuple[int, int]:
         return 0, budget // 2

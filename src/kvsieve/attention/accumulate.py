@@ -1,0 +1,110 @@
+"""Accumulated attention (A2SF eq. 5; H2O's column sums at alpha = 1), computed inside the attention.
+
+H2O and A2SF score each prompt key by the attention the prompt's queries pay it,
+A_k = sum_q alpha^(last - q) S_{q,k}. Computed after the prefill this is a second pass over the
+prompt (QK^T, softmax, column sums) that costs more than the attention itself. Here it is a
+by-product of the attention: the queries are processed in blocks of rows, each block's softmax
+rows give both the attention output (P V) and the key scores (w^T P), and only the causal part of
+each block (keys up to the block's last query) is computed. Memory: one (heads x rows x keys)
+block at a time, never an n x n matrix.
+
+A decoding step is the one-row case: its attention row is the step's new scores (eq. 6).
+
+Queries whose weight alpha^(last - q) underflows to 0 in float32 (A2SF's small alpha: 0.2^64 == 0)
+add nothing to the scores; their rows go through plain SDPA, and only the trailing rows are
+blocked. `accumulated_attention` in `kvsieve.compress.scorers` is the plain reference these
+scores are tested against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvsieve.attention.dense import dense_attention
+
+BLOCK_ELEMENTS = 1 << 23  # softmax entries per row block (32 MB in float32): bounds the scoring memory
+MAX_ROWS = 256  # query rows per block; more only adds memory traffic on a CPU
+
+
+def accumulation_weights(alpha: float, q_len: int) -> tuple[torch.Tensor, int]:
+    """(alpha^(q_len - 1 - q) for q < q_len, first q whose weight is not 0), on the CPU.
+
+    The weights depend on alpha and q_len only, so they are computed on the host and counting
+    them never synchronises a device. alpha^k underflows to exactly 0 in float32 after a few
+    dozen steps for small alpha; those queries contribute nothing.
+    """
+    if q_len == 1:  # a decoding step
+        return torch.ones(1, device="cpu"), 0
+    exponents = torch.arange(q_len - 1, -1, -1, dtype=torch.float32, device="cpu")
+    weights = torch.pow(torch.tensor(float(alpha), device="cpu"), exponents)  # 0 ** 0 == 1
+    return weights, q_len - int(torch.count_nonzero(weights))
+
+
+@dataclass(frozen=True)
+class AccumulatedScores:
+    """An observer asking for every layer's accumulated attention (kv_heads, n) of its keys.
+
+    Passed among the observers of `attention_hooks`. Where kvsieve's attention computes a dense
+    multi-token pass it delivers the scores from that pass (`receive`); anywhere else (another
+    prefill kernel, batched padding) it is called like any observer and computes them itself with
+    `reference(query, key, scaling)` (the second pass).
+    """
+
+    alpha: float
+    receive: Callable[[int, torch.Tensor], None]
+    reference: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+    def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
+        self.receive(layer, self.reference(query[0], key[0], query.shape[-1] ** -0.5))
+
+
+def accumulating_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    alphas: Sequence[float],
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Causal attention (1, h, q, d) of the last q of n positions, and A2SF eq. 5's scores per alpha.
+
+    query (1, h, q, d), key/value (1, kv_heads, n, d), bottom-right causal. Scores are float32
+    (kv_heads, n), summed over each KV head's query heads (h // n_rep). Softmax in float32 or
+    wider (float64 stays float64), the output in the value dtype.
+    """
+    _, heads, q_len, dim = query.shape
+    kv_heads, n = key.shape[1], key.shape[2]
+    n_rep = heads // kv_heads
+    scale = dim**-0.5 if scaling is None else scaling
+    device = query.device
+    plans = [accumulation_weights(alpha, q_len) for alpha in alphas]
+    first = min(start for _, start in plans)
+    compute = torch.promote_types(query.dtype, torch.float32)
+    totals = [torch.zeros(kv_heads, n, dtype=compute, device=device) for _ in alphas]
+    out = torch.empty_like(query)
+    if first > 0:  # rows that no score needs: plain SDPA over the keys they see
+        seen = n - q_len + first
+        out[:, :, :first] = dense_attention(query[:, :, :first], key[:, :, :seen], value[:, :, :seen], scaling)
+    weights = [w.to(device, compute) for w, _ in plans]
+    grouped = query[0].reshape(kv_heads, n_rep, q_len, dim)
+    keys_t = key[0].transpose(1, 2).to(compute)  # (g, d, n)
+    values = value[0].to(compute)  # (g, n, d)
+    rows = max(1, min(MAX_ROWS, BLOCK_ELEMENTS // max(1, heads * n)))
+    for start in range(first, q_len, rows):
+        stop = min(start + rows, q_len)
+        block = stop - start
+        visible = n - q_len + stop  # keys beyond the block's last query are masked anyway
+        rows_q = grouped[:, :, start:stop].reshape(kv_heads, n_rep * block, dim).to(compute) * scale
+        logits = torch.bmm(rows_q, keys_t[..., :visible]).view(kv_heads, n_rep, block, visible)
+        if block > 1:  # causal: the diagonal block only
+            future = torch.ones(block, block, dtype=torch.bool, device=device).triu_(1)
+            logits[..., visible - block :].masked_fill_(future, float("-inf"))
+        probs = logits.softmax(-1).view(kv_heads, n_rep * block, visible)
+        rows_out = torch.bmm(probs, values[:, :visible]).view(kv_heads, n_rep, block, dim)
+        out[0, :, start:stop] = rows_out.reshape(heads, block, dim).to(out.dtype)
+        for total, w in zip(totals, weights, strict=True):
+            row_weights = w[start:stop].repeat(n_rep).expand(kv_heads, 1, n_rep * block)
+            total[:, :visible] += torch.bmm(row_weights, probs)[:, 0]
+    return out, [total.float() for total in totals]

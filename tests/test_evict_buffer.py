@@ -1,0 +1,95 @@
+"""Decoding under eviction in preallocated buffers, in place.
+
+`EvictRun.buffer` moves the cache into `EvictionBuffer` layers; each step writes its entry in
+place and an eviction moves at most `interval` entries per KV head. The result must be exactly
+the eviction of the plain path (gathering the kept entries into new tensors, in time order):
+the same tokens and the same set of cached entries, for every policy with a per-step rule
+(their protected sinks and recent windows included) and several intervals, without ever
+reallocating the buffers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import FakeTokenizer, make_prompt
+
+from kvsieve import Sampling, run
+from kvsieve.attention import attention_hooks
+from kvsieve.compress.cache import EvictionBuffer, compaction
+from kvsieve.compress.policies.a2sf import A2SF
+from kvsieve.compress.policies.h2o import H2O
+from kvsieve.compress.policies.knorm import KNorm
+from kvsieve.compress.policies.local import LocalWindow
+from kvsieve.compress.policies.streaming import StreamingLLM
+from kvsieve.compress.policies.tova import TOVA
+from kvsieve.compress.stages import Evict
+from kvsieve.decode import extend, next_token
+from kvsieve.pipeline import prefill
+
+POLICIES = [H2O(), A2SF(alpha=0.5), A2SF(alpha=0.2, recent=4), StreamingLLM(), LocalWindow(), TOVA(), KNorm()]
+
+
+def test_compaction_keeps_exactly_the_survivors():
+    generator = torch.Generator().manual_seed(0)
+    for m in (1, 2, 5):
+        length = 12
+        victims = torch.stack([torch.randperm(length, generator=generator)[:m] for _ in range(3)])
+        entries = torch.arange(length).expand(3, -1).clone()
+        sources, targets = compaction(victims, length)
+        entries.scatter_(1, targets, entries.gather(1, sources))
+        for head in range(3):
+            survivors = sorted(set(range(length)) - set(victims[head].tolist()))
+            assert sorted(entries[head, : length - m].tolist()) == survivors
+
+
+def _plain_decode(model, prompt, evict, steps):
+    """The reference: eviction on an ordinary cache (new tensors per step, time order)."""
+    done = prefill(model, prompt, evict=evict, reserve=steps)
+    cache, run_state = done.prefilled.cache, done.state.evict
+    tokens = [next_token(done.prefilled.last_logits, Sampling(), None)]
+    position = done.prefilled.next_position
+    with torch.no_grad(), attention_hooks(observers=[run_state.observe]):
+        for _ in range(steps - 1):
+            logits = extend(model, cache, torch.tensor([[tokens[-1]]]), position)[-1]
+            position += 1
+            run_state.after_step(cache)
+            tokens.append(next_token(logits, Sampling(), None))
+    return tokens, cache
+
+
+def _same_entries(ours, theirs) -> bool:
+    """Whether each KV head caches the same keys (the buffered cache is not in time order). The step's
+    attention differs from SDPA's in the last float bits, so later layers' keys match to 1e-4."""
+    if ours.keys.shape != theirs.keys.shape:
+        return False
+    distances = [torch.cdist(a, b) for a, b in zip(ours.keys[0], theirs.keys[0], strict=True)]
+    return all(d.min(0).values.max() < 1e-4 and d.min(1).values.max() < 1e-4 for d in distances)
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: f"{p.name}-{getattr(p, 'recent', '')}")
+def test_buffered_eviction_equals_the_plain_path(make_model, policy, interval):
+    model = make_model("llama", num_layers=2)
+    prompt = make_prompt(40)
+    evict = Evict(policy, 16, interval=interval)
+    tokens, cache = _plain_decode(model, prompt, evict, 12)
+    buffered = run(model, FakeTokenizer(), prompt, evict=evict, sampling=Sampling(12))
+    assert buffered.tokens == tokens
+    assert buffered.kv_cache_length == cache.get_seq_length()
+    for ours, theirs in zip(buffered.state.prefilled.cache.layers, cache.layers, strict=True):
+        assert isinstance(ours, EvictionBuffer)
+        assert _same_entries(ours, theirs)
+
+
+def test_steps_never_reallocate_the_buffers(make_model):
+    model = make_model("qwen2", num_layers=2)
+    addresses = set()
+
+    def watch(layer, query, key):
+        if query.shape[2] == 1:
+            addresses.add(key.untyped_storage().data_ptr())
+
+    with attention_hooks(observers=[watch]):
+        result = run(model, FakeTokenizer(), make_prompt(40), evict=Evict(H2O(), 16, 4), sampling=Sampling(20))
+    assert len(addresses) == 2 and result.kv_cache_length <= 16 + 3  # one buffer per layer, whatever the step

@@ -1,0 +1,123 @@
+"""H2O's and A2SF's scores taken from the attention itself equal the plain second-pass reference.
+
+`accumulating_attention` computes causal attention in row blocks and, from the same softmax rows,
+A2SF eq. 5's accumulated scores. Its output must equal SDPA's and its scores
+`accumulated_attention`'s (the reference kept as the oracle), for any block size, GQA, queries
+that are the last q of n keys (a chunk after a memory), alphas whose weights underflow, and every
+dtype. Through the model, a prefill with an H2O / A2SF stage takes this path (no second pass)
+and stores exactly the reference scores; decoding steps take their new row from it too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import FakeTokenizer, make_prompt
+
+import kvsieve.attention.accumulate as accumulate
+from kvsieve import Sampling, run
+from kvsieve.attention import attention_hooks
+from kvsieve.attention.accumulate import accumulating_attention
+from kvsieve.attention.dense import dense_attention
+from kvsieve.compress.policies.a2sf import A2SF
+from kvsieve.compress.policies.h2o import H2O
+from kvsieve.compress.scorers import accumulated_attention
+from kvsieve.compress.stages import Compress, Evict
+from kvsieve.pipeline import prefill
+
+
+def _qkv(q_len: int, n: int, dtype=torch.float32, heads: int = 6, kv_heads: int = 2, dim: int = 8):
+    generator = torch.Generator().manual_seed(q_len * 1000 + n)
+    query = torch.randn(1, heads, q_len, dim, generator=generator).to(dtype)
+    key = torch.randn(1, kv_heads, n, dim, generator=generator).to(dtype)
+    value = torch.randn(1, kv_heads, n, dim, generator=generator).to(dtype)
+    return query, key, value
+
+
+@pytest.mark.parametrize("rows", [1, 3, 256])
+@pytest.mark.parametrize(("q_len", "n"), [(40, 40), (17, 50), (1, 30)])
+def test_output_and_scores_equal_sdpa_and_the_reference(monkeypatch, rows, q_len, n):
+    monkeypatch.setattr(accumulate, "MAX_ROWS", rows)  # blocks of 1, 3 or all rows
+    query, key, value = _qkv(q_len, n)
+    alphas = [1.0, 0.5, 0.2, 0.0]
+    out, scores = accumulating_attention(query, key, value, 0.3, alphas)
+    torch.testing.assert_close(out, dense_attention(query, key, value, 0.3), atol=1e-5, rtol=1e-5)
+    for alpha, got in zip(alphas, scores, strict=True):
+        expected = accumulated_attention(query[0], key[0], 0.3, alpha)
+        assert got.shape == (2, n) and got.dtype == torch.float32
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_rows_whose_weights_underflow_go_through_sdpa_and_still_match(monkeypatch):
+    """alpha = 0.01: only the last ~20 rows carry weight; the 480 before them are plain SDPA."""
+    calls = []
+    monkeypatch.setattr(accumulate, "dense_attention", lambda q, *a: calls.append(q.shape[2]) or dense_attention(q, *a))
+    query, key, value = _qkv(500, 500)
+    out, (scores,) = accumulating_attention(query, key, value, None, [0.01])
+    assert len(calls) == 1 and 450 < calls[0] < 500
+    torch.testing.assert_close(out, dense_attention(query, key, value, None), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(scores, accumulated_attention(query[0], key[0], 8**-0.5, 0.01), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-10), (torch.bfloat16, 2e-2)])
+def test_other_dtypes(dtype, tol):
+    query, key, value = _qkv(24, 30, dtype)
+    out, (scores,) = accumulating_attention(query, key, value, None, [1.0])
+    assert out.dtype == dtype
+    reference = F.scaled_dot_product_attention(
+        query.double(), key.double().repeat_interleave(3, 1), value.double().repeat_interleave(3, 1),
+        attn_mask=torch.ones(24, 30, dtype=torch.bool).tril(6),
+    )
+    torch.testing.assert_close(out.double(), reference, atol=tol, rtol=tol)
+    # Scores are float32 in both (the reference scores in float32 whatever the model's dtype).
+    score_tol = max(tol, 1e-5)
+    expected = accumulated_attention(query[0], key[0], 8**-0.5, 1.0)
+    torch.testing.assert_close(scores, expected, atol=score_tol, rtol=score_tol)
+
+
+def test_block_memory_is_bounded(monkeypatch):
+    """Rows per block shrink as the keys grow: heads x rows x keys stays within BLOCK_ELEMENTS."""
+    monkeypatch.setattr(accumulate, "BLOCK_ELEMENTS", 6 * 200 * 10)
+    shapes = []
+    real_softmax = torch.Tensor.softmax
+    monkeypatch.setattr(torch.Tensor, "softmax", lambda t, dim: shapes.append(t.shape) or real_softmax(t, dim))
+    query, key, value = _qkv(200, 200)
+    accumulating_attention(query, key, value, None, [1.0])
+    assert max(s.numel() for s in shapes) <= 6 * 200 * 10 and len(shapes) == 20
+
+
+@pytest.mark.parametrize("policy", [H2O(), A2SF(alpha=0.5)], ids=["h2o", "a2sf"])
+@pytest.mark.parametrize("stage", ["compress", "evict"])
+def test_prefill_takes_scores_from_its_own_attention(make_model, monkeypatch, policy, stage):
+    """No second pass over the prompt, and the stored scores are the reference's."""
+    model = make_model("qwen2", num_layers=3)
+    prompt = make_prompt(60)
+    seen = {}
+    with torch.no_grad(), attention_hooks(observers=[lambda j, q, k: seen.setdefault(j, (q[0], k[0]))]):
+        model(input_ids=prompt.ids)
+    second_passes = []
+    real = accumulated_attention
+    monkeypatch.setattr(policy.__class__, "prompt_scores", lambda self, *a: second_passes.append(a))
+    budget = 1000  # covers the prompt: the scores stay aligned with the prompt's keys
+    done = prefill(model, prompt, **{stage: (Compress if stage == "compress" else Evict)(policy, budget)})
+    assert second_passes == []
+    scores = getattr(done.state, stage).scores
+    for layer, (query, key) in seen.items():
+        expected = real(query, key, query.shape[-1] ** -0.5, policy.step_alpha)
+        torch.testing.assert_close(scores[layer], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_decoding_rows_come_from_the_step_attention(make_model, monkeypatch):
+    """The per-step rule (eq. 6) gets the step's attention row from the step itself; the tokens and
+    scores equal the reference observer's (which computes the row in a second pass)."""
+    model = make_model("llama", num_layers=2)
+    prompt = make_prompt(40)
+    fused = run(model, FakeTokenizer(), prompt, evict=Evict(A2SF(alpha=0.5), 24), sampling=Sampling(8))
+    monkeypatch.setattr(
+        "kvsieve.compress.stages.EvictRun.step_observers", lambda self: [self.observe]
+    )  # the plain observer: a second QK^T per step
+    plain = run(model, FakeTokenizer(), prompt, evict=Evict(A2SF(alpha=0.5), 24), sampling=Sampling(8))
+    assert fused.tokens == plain.tokens
+    for layer in range(2):
+        torch.testing.assert_close(fused.state.evict.scores[layer], plain.state.evict.scores[layer])
