@@ -7,13 +7,14 @@ import json
 import pytest
 
 from kvsieve import REGISTRY, TOVA, CritiPrefill, Evict, KvsieveError, MethodSpec, SnapKV, method
+from kvsieve.select.gemfilter import GemFilter
 from kvsieve.spec import component, components, parse_settings
 
 EXPECTED = ["full", "gemfilter", "critiprefill", "fm", "im", "imdc", "snapkv", "h2o", "a2sf"]
-EXPECTED += ["streaming", "local", "tova", "knorm"]
+EXPECTED += ["streaming", "local", "tova", "knorm", "gemfilter-critiprefill", "gemfilter-snapkv"]
 
 
-def test_registry_holds_the_thirteen_methods_with_their_stages():
+def test_registry_holds_the_fifteen_methods_with_their_stages():
     assert list(REGISTRY) == EXPECTED
     assert method("gemfilter").select.k == 1024 and method("critiprefill").attention == CritiPrefill()
     assert method("imdc").feed.decremental and method("imdc").feed.schedule == "linear"
@@ -21,6 +22,9 @@ def test_registry_holds_the_thirteen_methods_with_their_stages():
     assert method("snapkv").compress.policy == SnapKV() and method("snapkv").evict is None
     assert method("h2o").evict.policy.name == "h2o" and method("h2o").compress is None
     assert method("tova").evict.policy == TOVA()
+    both = method("gemfilter-critiprefill")
+    assert both.select == GemFilter() and both.attention == CritiPrefill()
+    assert method("gemfilter-snapkv").select.k == 2048 and method("gemfilter-snapkv").compress.budget == 1024
 
 
 @pytest.mark.parametrize("name", EXPECTED)

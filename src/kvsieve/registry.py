@@ -70,3 +70,20 @@ register(MethodSpec("streaming", "StreamingLLM: sinks + recent window, every ste
 register(MethodSpec("local", "local window: the newest tokens, every step", evict=Evict(LocalWindow())))
 register(MethodSpec("tova", "TOVA: the newest query's attention, every step", evict=Evict(TOVA())))
 register(MethodSpec("knorm", "KNorm: lowest key norms, compressed once after prefill", compress=Compress(KNorm())))
+# Combined methods: a cheaper first pass for GemFilter, or a smaller cache after its short prefill.
+register(
+    MethodSpec(
+        "gemfilter-critiprefill",
+        "GemFilter whose early-layer pass (and short prefill) runs CritiPrefill's block-sparse attention",
+        select=GemFilter(),
+        attention=CritiPrefill(),
+    )
+)
+register(
+    MethodSpec(
+        "gemfilter-snapkv",
+        "GemFilter keeps 2048 tokens, SnapKV compresses their cache to 1024",
+        select=GemFilter(k=2048),
+        compress=Compress(SnapKV()),
+    )
+)
