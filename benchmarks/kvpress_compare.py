@@ -16,7 +16,10 @@ from two copies of the default model (kvpress hooks the stock SDPA attention; kv
 attention through its own function). Reported per press and length:
 - selection agreement: |kept by both| / |kept| averaged over layers and KV heads (1.0 = identical);
 - the greedy answers of both compressed caches (decoded with explicit positions) and whether they match;
-- prefill + compression time of each, repeats interleaved, ratio kvpress / kvsieve (> 1: kvsieve faster).
+- prefill + compression time of each, repeats interleaved, ratio kvpress / kvsieve (> 1: kvsieve faster);
+- peak memory of each: every (library, press, length) once more in its own process, which loads the
+  model, warms up, resets the peak resident set size and then prefills and compresses (VmHWM, MB,
+  weights included; `added_mb` is the peak above the resident size just before the call).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import time
 from importlib.metadata import version
 from pathlib import Path
@@ -90,6 +95,64 @@ def agreement(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return sum(fractions) / len(fractions)
 
 
+def peak_worker(library: str, press: str, length: int, ratio: float, window: int) -> dict:
+    """In this (fresh) process: one prefill + compression by `library`, and its peak memory."""
+    from kvsieve import SnapKV, StreamingLLM
+    from kvsieve.data import prompt_case
+    from kvsieve.eval.bench import memory_status, reset_peak_rss
+    from kvsieve.models import converted_default_dir, load_model
+
+    model, tokenizer = load_model()
+    _, prompt = prompt_case(tokenizer, "needle", length, 0.5)
+    _, warm = prompt_case(tokenizer, "needle", min(1024, length), 0.5)
+    budget = int(prompt.length * (1 - ratio))
+    if library == "kvpress":
+        from kvpress import SnapKVPress, StreamingLLMPress
+        from transformers import AutoModelForCausalLM
+
+        del model
+        model = AutoModelForCausalLM.from_pretrained(
+            converted_default_dir(), dtype=torch.float32, attn_implementation="sdpa"
+        )
+        model.eval()
+
+        def make():
+            if press == "snapkv":
+                return SnapKVPress(compression_ratio=ratio, window_size=window)
+            return StreamingLLMPress(compression_ratio=ratio, n_sink=4)
+
+        def once(p):
+            return kvpress_run(model, p.ids, make())
+    else:
+        method = SnapKV(window=window) if press == "snapkv" else StreamingLLM(sinks=4)
+
+        def once(p):
+            return kvsieve_run(model, p, method, int(p.length * (1 - ratio)))
+
+    once(warm)
+    reset_peak_rss()
+    before = memory_status("VmRSS")
+    seconds, _, _ = once(prompt)
+    peak = memory_status("VmHWM")
+    return {
+        "library": library,
+        "press": press,
+        "length": prompt.length,
+        "kept": budget,
+        "seconds": seconds,
+        "peak_mb": peak,
+        "added_mb": peak - before,
+    }
+
+
+def measure_peak(library: str, press: str, length: int, args: argparse.Namespace) -> dict:
+    command = [sys.executable, __file__, "--peak-worker", json.dumps([library, press, length, args.ratio, args.window])]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"peak worker {library} {press} {length} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="2048,4096,8000", help="prompt lengths in tokens")
@@ -98,7 +161,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--answer-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path, default=Path("runs/kvpress.json"))
+    parser.add_argument("--peak-worker", help=argparse.SUPPRESS)  # internal: one peak-memory measurement
     args = parser.parse_args()
+    if args.peak_worker:
+        print(json.dumps(peak_worker(*json.loads(args.peak_worker))))
+        return
     try:
         from kvpress import SnapKVPress, StreamingLLMPress
     except ImportError:
@@ -139,6 +206,11 @@ def main() -> None:
                 "kvsieve": greedy(ours, tokenizer, cache_o, logits_o, prompt.length, args.answer_tokens),
             }
             ratios = [p / o for p, o in zip(times["kvpress"], times["kvsieve"], strict=True)]
+            peaks = {library: [] for library in times}
+            for _ in range(args.repeats):
+                for library in peaks:
+                    peaks[library].append(measure_peak(library, name, length, args))
+            peak_ratios = [o["peak_mb"] / p["peak_mb"] for p, o in zip(peaks["kvpress"], peaks["kvsieve"], strict=True)]
             row = {
                 "press": name,
                 "length": prompt.length,
@@ -149,12 +221,17 @@ def main() -> None:
                 "needle_in_answer": {k: case.answer.lower() in v.lower() for k, v in answers.items()},
                 "seconds": {k: sorted(v) for k, v in times.items()},
                 "kvpress_over_kvsieve": [min(ratios), statistics.median(ratios), max(ratios)],
+                "peak_mb": {k: sorted(r["peak_mb"] for r in v) for k, v in peaks.items()},
+                "added_mb": {k: sorted(r["added_mb"] for r in v) for k, v in peaks.items()},
+                "peak_kvsieve_over_kvpress": [min(peak_ratios), statistics.median(peak_ratios), max(peak_ratios)],
             }
             rows.append(row)
             print(
                 f"{name:<9} {prompt.length:>5} tokens keep {budget:>5}: agreement {row['agreement']:.4f}, "
                 f"same answer {row['same_answer']}, time kvpress/kvsieve (min/med/max) "
-                + "/".join(f"{r:.2f}" for r in row["kvpress_over_kvsieve"]),
+                + "/".join(f"{r:.2f}" for r in row["kvpress_over_kvsieve"])
+                + ", peak kvsieve/kvpress "
+                + "/".join(f"{r:.3f}" for r in row["peak_kvsieve_over_kvpress"]),
                 flush=True,
             )
             args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -66,7 +66,9 @@ def test_other_dtypes(dtype, tol):
     out, (scores,) = accumulating_attention(query, key, value, None, [1.0])
     assert out.dtype == dtype
     reference = F.scaled_dot_product_attention(
-        query.double(), key.double().repeat_interleave(3, 1), value.double().repeat_interleave(3, 1),
+        query.double(),
+        key.double().repeat_interleave(3, 1),
+        value.double().repeat_interleave(3, 1),
         attn_mask=torch.ones(24, 30, dtype=torch.bool).tril(6),
     )
     torch.testing.assert_close(out.double(), reference, atol=tol, rtol=tol)

@@ -44,7 +44,7 @@ class BenchConfig:
         return json.dumps(asdict(self))
 
 
-def _memory_status(field: str) -> float:
+def memory_status(field: str) -> float:
     """A VmRSS / VmHWM value of this process in MB (Linux)."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -52,7 +52,7 @@ def _memory_status(field: str) -> float:
     raise KvsieveError(f"/proc/self/status has no {field}; peak memory needs Linux.")
 
 
-def _reset_peak_rss() -> None:
+def reset_peak_rss() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
@@ -74,10 +74,10 @@ def measure(config: BenchConfig) -> dict:
     cuda = model.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    _reset_peak_rss()
-    before = _memory_status("VmRSS")
+    reset_peak_rss()
+    before = memory_status("VmRSS")
     result = run(model, tokenizer, prompt, method=spec, sampling=sampling)
-    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else _memory_status("VmHWM")
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else memory_status("VmHWM")
     return {
         "method": spec.name,
         "length": prompt.length,
