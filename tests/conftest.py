@@ -16,6 +16,8 @@ so generation always runs to `max_new_tokens` unless a test asks otherwise.
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable, Iterable
 
 import pytest
@@ -33,7 +35,29 @@ from transformers import (
 )
 
 import kvsieve
+import kvsieve.data
+import kvsieve.models
 from kvsieve.prompt import Prompt
+
+
+def _threads_per_process() -> int:
+    """Intra-op threads for each test process: the cores shared out among pytest-xdist's workers.
+
+    With `-n 2` on two cores every worker runs on one thread: two workers each running two OpenMP
+    threads fight over the cores, and a busy core makes OpenMP's hand-offs many times slower than
+    one thread. Run serially (`-n 0`), a process gets every core. KVSIEVE_TEST_THREADS overrides.
+    """
+    if os.environ.get("KVSIEVE_TEST_THREADS"):
+        return max(1, int(os.environ["KVSIEVE_TEST_THREADS"]))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
+# This process, and through the environment every subprocess a test starts (the bench worker, the
+# offline-hub checks), uses the same number of threads.
+THREADS = _threads_per_process()
+torch.set_num_threads(THREADS)
+os.environ["OMP_NUM_THREADS"] = str(THREADS)
 
 VOCAB = 256
 HIDDEN = 64
@@ -158,3 +182,89 @@ def isolated_cache(tmp_path, monkeypatch):
     folder = tmp_path / "kvsieve-cache"
     monkeypatch.setenv("KVSIEVE_CACHE_DIR", str(folder))
     return folder
+
+
+# The essays haystack cut at the paragraph break before this many characters: about 20K words of
+# the word-level tokenizer and 23K SmolLM2 tokens, far more than any in-process case uses (needle
+# cases up to 3K tokens, perplexity text up to 8K), and far less than the whole 640K characters.
+HAYSTACK_CHARS = 100_000
+
+
+@pytest.fixture(scope="session", autouse=True)
+def haystack_prefix():
+    """Serve `kvsieve.data.haystack_text` as the haystack's first HAYSTACK_CHARS characters.
+
+    Every consumer reads a prefix of the haystack's tokens (`needle_case` the first `length`, the
+    perplexity text and `simulate` the first `count`), and a paragraph break splits no token, so
+    those prefixes and every case built from them are identical to the whole haystack's; only the
+    unused rest is no longer tokenized (0.3 s to 0.7 s per case: nearly half of test_eval's and
+    test_entry_points' time). Subprocesses (the bench worker) read the whole haystack as before.
+    """
+    real = kvsieve.data.haystack_text
+
+    @functools.cache
+    def prefix() -> str:
+        text = real()
+        return text[: text.rfind("\n\n", 0, HAYSTACK_CHARS)]
+
+    prefix.whole = real  # for the test that checks the claim above
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kvsieve.data, "haystack_text", prefix)
+        yield prefix
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The embedded default model (SmolLM2-135M-Instruct) and its tokenizer, loaded offline once per process.
+
+    Shared by the real-model tests (test_real_model, test_serve_real, test_cli); generation leaves a
+    model as it found it (`kvsieve serve` shares one across requests the same way).
+    """
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        return kvsieve.load_model()
+
+
+# A scheduling hint for pytest-xdist: these tests (the slowest, longest first; CPU seconds on one
+# thread) start before the rest, so no worker is left running one of them alone at the end of the
+# run. Only the order changes; a name that no longer exists is ignored.
+SLOW_FIRST = (
+    "test_real_model.py::test_passkey_beyond_the_trained_context_with_imdc",  # 77 s
+    "test_entry_points.py::test_bench_runs_each_configuration_in_its_own_process",  # 32 s
+    "test_real_model.py::test_needle_answered_with_critiprefill",  # 23 s
+    "test_cli.py::test_niah_ppl_and_report_on_the_real_model",  # 20 s
+    "test_real_model.py::test_bfloat16_default_model_answers_through_gemfilter",  # 17 s
+    "test_serve_real.py::test_passkey_document_is_reused_for_the_next_question",  # 14 s
+    "test_entry_points.py::test_niah_ppl_and_bench_run_every_method",  # 12 s
+    "test_cli.py::test_demo_runs_side_by_side",  # 10 s
+    "test_hub_load.py::test_model_id_loads_from_the_offline_hf_cache",  # 9 s (the module's subprocess)
+    "test_hub_load.py::test_model_id_missing_from_the_offline_cache_is_explained",
+    "test_cli.py::test_generate_full_and_gemfilter",  # 9 s
+    "test_cli.py::test_generate_with_compression_and_eviction",  # 9 s
+    "test_real_model.py::test_short_passkey_is_answered",  # 6 s each
+    "test_serve.py::test_load_8_clients_mixed_methods_and_bad_requests",  # 6 s
+    "test_cli.py::test_generate_with_critiprefill_and_its_bad_input",  # 4 s
+    "test_cli.py::test_budget_above_prompt_keeps_everything_and_says_so",  # 4 s
+    "test_cli.py::test_generate_reads_stdin",  # 4 s
+    "test_cli.py::test_generate_with_chunked_feeds_beyond_the_context",  # 4 s
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(f"{item.path.name}::{item.originalname}", len(rank)))  # stable
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, convert the default model (once per machine) before the workers start.
+
+    `load_model` converts the shipped GGUF on first use; on a fresh machine several workers would do
+    it at once, into the same folder. The controller does it first, so the workers only read it.
+    """
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        return  # a worker, or no workers: the first test that needs the model converts it
+    if not (kvsieve.models.converted_default_dir() / "config.json").is_file():
+        try:
+            kvsieve.load_model()
+        except kvsieve.KvsieveError:
+            pass  # the model's wheel is missing: the real-model tests say so themselves

@@ -4,16 +4,33 @@ import json
 
 import pytest
 
+import kvsieve.models
 from kvsieve.cli import main
 from kvsieve.data import passkey_case
-from kvsieve.models import load_model
 
 pytestmark = pytest.mark.real_model
 
 
+@pytest.fixture(autouse=True)
+def default_model_loaded_once(smollm, monkeypatch):
+    """Commands that load the default model (no --model, --device or --dtype) get the process's `smollm`.
+
+    Each command would load it again (half a second, some 25 times); loading itself, offline from the
+    converted cache, is tested in test_real_model. Any other model, device or dtype loads as usual.
+    """
+    load = kvsieve.models.load_model
+
+    def load_model(name_or_path=None, *, device=None, dtype=None):
+        if name_or_path is None and device is None and dtype is None:
+            return smollm
+        return load(name_or_path, device=device, dtype=dtype)
+
+    monkeypatch.setattr(kvsieve.models, "load_model", load_model)
+
+
 @pytest.fixture(scope="module")
-def passkey_file(tmp_path_factory):
-    _, tokenizer = load_model()
+def passkey_file(tmp_path_factory, smollm):
+    _, tokenizer = smollm
     case = passkey_case(tokenizer, 700, 0.5, seed=5)
     path = tmp_path_factory.mktemp("ctx") / "context.txt"
     path.write_text(case.context)
@@ -136,10 +153,10 @@ def test_prompt_beyond_context_window(capsys, tmp_path):
     assert code == 2 and "trained for 8192" in err
 
 
-def test_unsupported_model_is_refused(capsys, tmp_path):
+def test_unsupported_model_is_refused(capsys, tmp_path, smollm):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    _, tokenizer = load_model()
+    _, tokenizer = smollm
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=49152)).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     context = tmp_path / "c.txt"
@@ -223,10 +240,10 @@ def test_generate_with_critiprefill_and_its_bad_input(capsys, passkey_file):
     assert code == 2 and "at least one block" in err
 
 
-def test_generate_with_chunked_feeds_beyond_the_context(capsys, tmp_path, passkey_file):
+def test_generate_with_chunked_feeds_beyond_the_context(capsys, tmp_path, passkey_file, smollm):
     """A prompt longer than the 8192 trained positions is refused for full prefill with a message that names the
     chunked feed; the chunked feed re-encodes positions (its largest stays within the chunk + memory frame)."""
-    _, tokenizer = load_model()
+    _, tokenizer = smollm
     case = passkey_case(tokenizer, 9000, 0.3, seed=11)
     path = tmp_path / "long.txt"
     path.write_text(case.context)

@@ -2,24 +2,13 @@
 
 import pytest
 import torch
+from conftest import word_level_tokenizer
 
 from kvsieve import GemFilter, Sampling, generate, load_model, method
 from kvsieve.data import passkey_case
 from kvsieve.models import converted_default_dir
 
-pytestmark = pytest.mark.real_model
-
-
-@pytest.fixture(scope="module")
-def smollm(monkeypatch_module):
-    monkeypatch_module.setenv("HF_HUB_OFFLINE", "1")
-    return load_model()
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as patch:
-        yield patch
+pytestmark = pytest.mark.real_model  # `smollm` (conftest): the default model, loaded offline once
 
 
 def test_default_model_loads_offline_from_cache(smollm):
@@ -80,3 +69,16 @@ def test_bfloat16_default_model_answers_through_gemfilter():
     spec = method("gemfilter", {"select.k": 256, "select.layer": 15})
     result = generate(model, tokenizer, case.context, case.question, method=spec, sampling=Sampling(16))
     assert case.answer in result.text and case.answer in result.selected_text
+
+
+def test_the_tests_haystack_prefix_tokenizes_as_the_whole_haystack_begins(smollm, haystack_prefix):
+    """conftest serves the tests a prefix of the haystack: every case built from it must be the whole haystack's.
+
+    Cases, perplexity texts and `simulate` read the first tokens of the haystack; these are the same tokens
+    when the prefix tokenizes as the start of the whole text does, with more tokens than any test reads.
+    """
+    whole, prefix = haystack_prefix.whole(), haystack_prefix()
+    assert len(prefix) < len(whole)
+    for tokenizer in (smollm[1], word_level_tokenizer()):
+        short = tokenizer(prefix, add_special_tokens=False)["input_ids"]
+        assert len(short) > 2 * 8192 and short == tokenizer(whole, add_special_tokens=False)["input_ids"][: len(short)]

@@ -5,19 +5,11 @@ from __future__ import annotations
 import openai
 import pytest
 
-from kvsieve import load_model
 from kvsieve.data import passkey_case
 from kvsieve.models import DEFAULT_MODEL
 from kvsieve.serve import ServerThread, create_server
 
-pytestmark = pytest.mark.real_model
-
-
-@pytest.fixture(scope="module")
-def smollm():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("HF_HUB_OFFLINE", "1")
-        yield load_model()
+pytestmark = pytest.mark.real_model  # `smollm` (conftest): the default model, loaded offline once
 
 
 def test_passkey_document_is_reused_for_the_next_question(smollm):
