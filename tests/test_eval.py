@@ -400,7 +400,18 @@ def test_report_shows_the_optional_kvpress_comparison(tmp_path):
                 "same_answer": False,
                 "needle_in_answer": {"kvsieve": True, "kvpress": False},
                 "kvpress_over_kvsieve": [0.9, 1.1, 1.3],
-            }
+            },
+            {  # with the peak memory measured in separate processes
+                "press": "snapkv",
+                "length": 8000,
+                "kept": 2000,
+                "agreement": 1.0,
+                "same_answer": True,
+                "needle_in_answer": {"kvsieve": False, "kvpress": False},
+                "kvpress_over_kvsieve": [1.0, 1.05, 1.1],
+                "peak_mb": {"kvsieve": [1200.0, 1210.0, 1220.0], "kvpress": [1500.0, 1510.0, 1530.0]},
+                "peak_kvsieve_over_kvpress": [0.79, 0.8, 0.81],
+            },
         ],
     }
     (tmp_path / "n.json").write_text(json.dumps(niah_doc))
@@ -408,7 +419,9 @@ def test_report_shows_the_optional_kvpress_comparison(tmp_path):
     out = write_report(tmp_path / "docs" / "R.md", [tmp_path / "n.json"], kvpress_file=tmp_path / "k.json")
     text = out.read_text()
     assert "kvpress 0.5.5 with transformers 5.2.0" in text
-    assert "| snapkv | 2048 | 512 | 0.9877 | no | yes / no | 0.90 / 1.10 / 1.30 |" in text
+    assert "| snapkv | 2048 | 512 | 0.9877 | no | yes / no | 0.90 / 1.10 / 1.30 | - | - |" in text
+    peaks = "| 1210 / 1510 | 0.790 / 0.800 / 0.810 |"
+    assert "| snapkv | 8000 | 2000 | 1.0000 | yes | no / no | 1.00 / 1.05 / 1.10 " + peaks in text
     assert (out.parent / "results" / "k.json").is_file()
 
 

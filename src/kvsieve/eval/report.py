@@ -359,19 +359,27 @@ def kvpress_section(document: dict[str, Any], link: str) -> list[str]:
         f"in a separate environment, on {_machine_line(document['machine'])}. Both libraries compress the "
         "prefilled cache of the same needle prompt (depth 0.5) to the same number of entries per layer and KV head. "
         "Agreement: share of kvpress's kept positions that kvsieve keeps too, over layers and KV heads. Time: "
-        "prefill + compression, kvpress / kvsieve within a repeat (above 1: kvsieve is faster).",
+        "prefill + compression, kvpress / kvsieve within a repeat (above 1: kvsieve is faster). Peak: each "
+        "library's prefill + compression in its own process, peak resident set (weights included) kvsieve / "
+        "kvpress, pairs of repeats (below 1: kvsieve's peak is lower; files from before this column show -).",
         "",
         "| press | prompt tokens | kept | selection agreement | same greedy answer | needle in answer "
-        "(kvsieve / kvpress) | time kvpress / kvsieve (min/med/max) |",
-        "|---|---|---|---|---|---|---|",
+        "(kvsieve / kvpress) | time kvpress / kvsieve (min/med/max) | peak MB kvsieve / kvpress (median) "
+        "| peak kvsieve / kvpress (min/med/max) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in document["rows"]:
         yes = {True: "yes", False: "no"}
         needle = r["needle_in_answer"]
+        peaks = r.get("peak_mb")
+        peak_mb = "-"
+        if peaks:
+            peak_mb = f"{statistics.median(peaks['kvsieve']):.0f} / {statistics.median(peaks['kvpress']):.0f}"
+        peak_ratio = _spread(r["peak_kvsieve_over_kvpress"], 3) if peaks else "-"
         lines.append(
             f"| {r['press']} | {r['length']} | {r['kept']} | {r['agreement']:.4f} | {yes[r['same_answer']]} "
             f"| {yes[needle['kvsieve']]} / {yes[needle['kvpress']]} "
-            f"| {_spread(r['kvpress_over_kvsieve'])} |"
+            f"| {_spread(r['kvpress_over_kvsieve'])} | {peak_mb} | {peak_ratio} |"
         )
     return [*lines, "", f"Rows: [{Path(link).name}]({link})."]
 
