@@ -71,7 +71,7 @@ def _layer_scores(scores: dict[int, torch.Tensor], layer: int, keys: torch.Tenso
     return torch.zeros(keys.shape[1], keys.shape[2], device=keys.device)
 
 
-def _score_observers(policy: Policy, into: dict[int, torch.Tensor]) -> list[Observer]:
+def score_observers(policy: Policy, into: dict[int, torch.Tensor]) -> list[Observer]:
     """Observers storing `policy`'s scores of every layer's keys in `into`; none for position-only policies.
 
     Accumulating policies (H2O, A2SF) take theirs from the prefill attention itself.
@@ -120,7 +120,7 @@ class CompressRun:
 
     def observers(self) -> list[Observer]:
         """Score observers for the feed's last pass (a prompt, or a chunked feed's last chunk)."""
-        return _score_observers(self.config.policy, self.scores)
+        return score_observers(self.config.policy, self.scores)
 
     def finisher(self, cache: Cache) -> Finisher:
         """Prune each layer of `cache` (a one-pass prefill's) right after that layer's attention."""
@@ -211,7 +211,7 @@ class EvictRun:
 
     def observers(self) -> list[Observer]:
         """Observers for the feed's last pass: they start the running scores from the prompt (or last chunk)."""
-        return _score_observers(self.config.policy, self.scores)
+        return score_observers(self.config.policy, self.scores)
 
     def finisher(self, cache: Cache) -> Finisher:
         """Prune each layer of `cache` (a one-pass prefill's) to the budget right after that layer's attention."""

@@ -35,11 +35,11 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from kvsieve.attention import Observer, attention_hooks
+from kvsieve.attention import attention_hooks
 from kvsieve.compress.cache import compose_kept, prune_layer, resolve_budget
 from kvsieve.compress.policy import Policy
 from kvsieve.compress.scorers import keep_indices
-from kvsieve.compress.stages import EvictRun
+from kvsieve.compress.stages import EvictRun, score_observers
 from kvsieve.decode import extend
 from kvsieve.errors import KvsieveError
 from kvsieve.feed.chunked import ChunkedPrefill
@@ -170,17 +170,6 @@ def _with_count(stage: Any, total: int) -> Any:
     return dataclasses.replace(stage, budget=resolve_budget(stage.budget, total)[0])
 
 
-def _scorer(policy: Policy, into: dict[int, torch.Tensor]) -> list[Observer]:
-    """An observer storing `policy`'s scores of every layer's keys from the pass's queries."""
-    if policy.position_only:
-        return []
-
-    def observe(layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
-        into[layer] = policy.prompt_scores(query[0], key[0], query.shape[-1] ** -0.5)
-
-    return [observe]
-
-
 def _extend(model: PreTrainedModel, spec: MethodSpec, state: PromptState, ids: list[int]) -> EvictRun | None:
     """Run `ids` on top of `state` (changed in place) and cut the cache back to the method's budget.
 
@@ -195,8 +184,8 @@ def _extend(model: PreTrainedModel, spec: MethodSpec, state: PromptState, ids: l
     if ids:
         observers = [
             *(compress_run.observers() if compress_run is not None else ()),
-            *(_scorer(evict.policy, evict_scores) if evict is not None else ()),
-            *(_scorer(feed.pruner, feed_scores) if feed is not None else ()),
+            *(score_observers(evict.policy, evict_scores) if evict is not None else ()),
+            *(score_observers(feed.pruner, feed_scores) if feed is not None else ()),
         ]
         kernel = spec.attention.begin() if spec.attention is not None else None
         with torch.no_grad(), attention_hooks(observers=observers, kernel=kernel):
