@@ -350,6 +350,23 @@ def test_sparse_segment_plan_for_paper_sizes():
     assert sparse_segments(8192, 8192, 512, 32, 1024) == range(3, 15)
     assert len(sparse_segments(2048, 2048, 512, 32, 1024)) == 0
     assert len(sparse_segments(1000, 1000, 512, 32, 1024)) == 0
+    # The reference code's setting (budget 2048, threshold_len 4096): segments 8..14, 7 of 16.
+    assert sparse_segments(8192, 8192, 512, 32, 2048, dense_prefix=4096) == range(8, 15)
+    # A chunk after 4096 cached keys: positions count from the first key, so all but the last are past it.
+    assert sparse_segments(2048, 6144, 512, 32, 1024, dense_prefix=4096) == range(0, 3)
+
+
+def test_dense_prefix_rows_are_exactly_dense_and_later_rows_sparse():
+    query, key, value = _qkv(128, 128)
+    dense = dense_attention(query, key, value, None)
+    plain = CritiPrefill(segment=16, block=4, budget=8, dense_layers=0).begin()
+    prefixed = CritiPrefill(segment=16, block=4, budget=8, dense_layers=0, dense_prefix=64).begin()
+    out_plain, out_prefixed = plain(0, query, key, value, None), prefixed(0, query, key, value, None)
+    assert not torch.allclose(out_plain[:, :, :64], dense[:, :, :64], atol=1e-4)
+    assert torch.equal(out_prefixed[:, :, :64], dense[:, :, :64])
+    # From position 64 on both kernels select from the same (unfused, layer 0) scores.
+    torch.testing.assert_close(out_prefixed[:, :, 64:], out_plain[:, :, 64:])
+    assert not torch.allclose(out_prefixed[:, :, 64:112], dense[:, :, 64:112], atol=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -358,6 +375,7 @@ def test_sparse_segment_plan_for_paper_sizes():
         (dict(segment=500, block=32), "multiple of block"),
         (dict(budget=16, block=32), "at least one block"),
         (dict(segment=0), "segment must be a positive"),
+        (dict(dense_prefix=-1), "dense_prefix must be a position"),
         (dict(block=-4), "block must be a positive"),
         (dict(budget=0), "budget must be a positive"),
         (dict(segment=512.0), "segment must be a positive"),

@@ -120,12 +120,14 @@ def candidate_blocks(q_len: int, k_len: int, segment: int, block: int) -> list[i
     return [(offset + s * segment) // block for s in range(n_segments)]
 
 
-def sparse_segments(q_len: int, k_len: int, segment: int, block: int, budget: int) -> range:
-    """Segments worth computing sparsely: not the last, and more candidate blocks than the budget."""
+def sparse_segments(q_len: int, k_len: int, segment: int, block: int, budget: int, dense_prefix: int = 0) -> range:
+    """Segments computed sparsely: not the last, more candidate blocks than the budget, and starting
+    at or after position `dense_prefix` (the reference code's `threshold_len`)."""
     top = budget // block
     counts = candidate_blocks(q_len, k_len, segment, block)
+    offset = k_len - q_len
     last = len(counts) - 1
-    first = next((s for s in range(last) if counts[s] > top), last)
+    first = next((s for s in range(last) if counts[s] > top and offset + s * segment >= dense_prefix), last)
     return range(first, max(first, last))
 
 
@@ -254,6 +256,7 @@ class CritiPrefill:
     budget: int = option(1024, "earlier KV tokens each segment attends besides its own (paper 1024, code 2048)")
     alpha: float = option(0.25, "layer fusion: weight of the current layer's scores (paper 0.25, code 0.75)")
     dense_layers: int = option(1, "first layers computed densely (paper code: 1)")
+    dense_prefix: int = option(0, "query segments starting before this position stay dense (code: 4096)")
 
     def __post_init__(self) -> None:
         _check_size("segment", self.segment)
@@ -275,6 +278,10 @@ class CritiPrefill:
             )
         if isinstance(self.dense_layers, bool) or not isinstance(self.dense_layers, int) or self.dense_layers < 0:
             raise KvsieveError(f"CritiPrefill dense_layers must be a whole number >= 0; got {self.dense_layers!r}.")
+        if isinstance(self.dense_prefix, bool) or not isinstance(self.dense_prefix, int) or self.dense_prefix < 0:
+            raise KvsieveError(
+                f"CritiPrefill dense_prefix must be a position >= 0 (reference code 4096); got {self.dense_prefix!r}."
+            )
 
     @property
     def name(self) -> str:
@@ -307,7 +314,7 @@ class CritiPrefillRun:
                 f"CritiPrefill needs query (b, h, q, d) and key (b, kv_heads, k, d) with h a multiple of "
                 f"kv_heads and q <= k; got {tuple(query.shape)} and {tuple(key.shape)}."
             )
-        segments = sparse_segments(q_len, k_len, c.segment, c.block, c.budget)
+        segments = sparse_segments(q_len, k_len, c.segment, c.block, c.budget, c.dense_prefix)
         if layer < c.dense_layers or len(segments) == 0:
             self.reset()
             return None
