@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from kvsieve.attention.critiprefill import CritiPrefill
 from kvsieve.compress.policies.a2sf import A2SF
+from kvsieve.compress.policies.collie import Collie  # noqa: F401  (registers the 'collie' policy)
 from kvsieve.compress.policies.h2o import H2O
 from kvsieve.compress.policies.knorm import KNorm
 from kvsieve.compress.policies.local import LocalWindow

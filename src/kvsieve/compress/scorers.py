@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvsieve.attention.accumulate import accumulation_weights
+from kvsieve.attention.accumulate import BLOCK_ELEMENTS, MAX_ROWS, accumulation_weights
 from kvsieve.attention.dense import bottom_right_causal_mask
 from kvsieve.errors import KvsieveError
 
@@ -91,6 +91,41 @@ def accumulated_attention(
         row_weights = weights[start:stop] / logits.sum(-1)  # (g, r, c): alpha^k / softmax denominator
         total[..., :visible] += torch.einsum("grcn,grc->grn", logits, row_weights)
     return total.sum(1)
+
+
+def visible_counts(q_len: int, n: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """How many of the last `q_len` of `n` positions see each key (causal), as float32 (n,).
+
+    Keys before the queries are seen by all q_len; the query block's own key at offset j by
+    q_len - j (itself and the queries after it).
+    """
+    counts = torch.full((n,), float(q_len), dtype=torch.float32, device=device)
+    counts[n - q_len :] -= torch.arange(q_len, dtype=torch.float32, device=device)
+    return counts
+
+
+def normalized_attention(
+    query: torch.Tensor, key: torch.Tensor, scaling: float, kernel: int = 5, sinks: int = 0
+) -> torch.Tensor:
+    """The IMDC authors' ConvPruner score (ZhiYuanZeng/Collie, `collie/models/mem_perceiver/pruner.py`).
+
+    Every query votes: the softmax attention (over all visible keys) of all q queries is summed per
+    key (A2SF eq. 5 with alpha = 1, i.e. H2O's column sums), average-pooled over positions >= `sinks`
+    (kernel, stride 1, zero padding; the first `sinks` keys are left out, so their scores never mix
+    with their neighbours'), then divided by the number of queries that can see the key
+    (`visible_counts`): pooling before the division, in the authors' order.
+    query (h, q, d) are the last q of n key positions; key (kv_heads, n, d). Returns (kv_heads, n),
+    float32; memory one (h x rows x n) block at a time.
+    """
+    heads, q_len, _ = query.shape
+    n = key.shape[1]
+    rows = max(1, min(MAX_ROWS, BLOCK_ELEMENTS // max(1, heads * n)))
+    sums = accumulated_attention(query, key, scaling, alpha=1.0, chunk=rows)  # (g, n)
+    first = min(sinks, n)
+    if kernel > 1 and n > first:
+        pooled = F.avg_pool1d(sums[:, None, first:], kernel_size=kernel, stride=1, padding=kernel // 2)[:, 0]
+        sums = torch.cat([sums[:, :first], pooled], dim=1)
+    return sums / visible_counts(q_len, n, sums.device)
 
 
 def keep_indices(scores: torch.Tensor, budget: int, sinks: int = 0, recent: int = 0) -> torch.Tensor:

@@ -1,0 +1,57 @@
+"""The IMDC authors' pruner ("ConvPruner" in ZhiYuanZeng/Collie, `collie/models/mem_perceiver/pruner.py`).
+
+IMDC (papers/imdc.md) prunes [sinks | memory | chunk] after every chunk. The paper names SnapKV and
+StreamingLLM as its pruners; the authors' code runs this attention-plus-pooling rule:
+
+- every query of the chunk votes: its softmax attention over all the keys it sees is summed per
+  key (per KV head; query head h votes for KV head h // n_rep, where the reference code's
+  grouping maps h mod n_kv);
+- the sums are average-pooled (kernel 5, stride 1, zero padding) over the keys after the sinks:
+  the reference strips the sink tokens before it pools, so sink scores never leak into the first
+  memory tokens;
+- each pooled sum is divided by the number of queries that can see the key: all q for sinks and
+  memory, q - j for the chunk's key at offset j (causal). The reference pools before it divides,
+  and so does this;
+- nothing is protected: no observation window or recent tail is kept regardless of its score.
+
+Differences from the reference, all at the edges: the visible count uses the actual number of
+queries (the reference uses its configured chunk size, wrong for a shorter last chunk or for
+IMDC's decremental chunks), and the first chunk's sink queries vote too (the reference drops
+their rows along with the sink columns). One-shot: it has no per-step rule, so it compresses a
+prompt (`--set compress.policy=collie`) or prunes a chunked feed's memory
+(`--set feed.pruner=collie`), but cannot evict while decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvsieve.compress.policy import Policy
+from kvsieve.compress.scorers import check_kernel, normalized_attention
+from kvsieve.errors import KvsieveError
+from kvsieve.spec import component, option
+
+
+@component("collie", "policy")
+@dataclass(frozen=True)
+class Collie(Policy):
+    """All queries' attention per key, pooled after the sinks, divided by how many queries see it. One-shot."""
+
+    kernel: int = option(5, "average-pooling kernel over the scores, odd (authors' code: 5)")
+    sinks: int = option(4, "first positions left out of the pooling (set it to the feed's sinks, 4)")
+
+    def __post_init__(self) -> None:
+        check_kernel(self.kernel)
+        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
+            raise KvsieveError(
+                f"Collie's sinks (first positions left out of the pooling) must be a whole number >= 0, "
+                f"got {self.sinks!r}; use the feed's sink count (feed.sinks, 4 by default)."
+            )
+
+    def prompt_scores(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+        return normalized_attention(query, key, scaling, self.kernel, self.sinks)
+
+    def protected(self, budget: int) -> tuple[int, int]:
+        return 0, 0
