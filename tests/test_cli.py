@@ -322,6 +322,7 @@ def test_methods_lists_the_registry_with_every_field(capsys):
         "budget": 1024,
         "alpha": 0.25,
         "dense_layers": 1,
+        "dense_prefix": 0,
     }
     code, out, _ = run_cli(capsys, "methods")
     assert code == 0 and "compress.policy.window = 32" in out and "evict.policy.alpha = 0.2" in out

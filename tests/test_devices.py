@@ -98,6 +98,7 @@ def test_gemfilter_selection_equals_a_float64_reference_in_every_dtype(dtype, si
     spec = method("gemfilter", {"select.k": 40, "select.layer": 1})
     selected = spec.select.select(model, prompt).indices
     query, keys = filter_layer_qk(model, prompt.ids, 1)  # the model's own post-RoPE q/k in its dtype
+    query = query[:, -1]
     n_rep = query.shape[0] // keys.shape[0]
     raw = sum(keys[h // n_rep].double() @ query[h].double() for h in range(query.shape[0]))
     pooled = F.avg_pool1d(raw[None, None], kernel_size=5, stride=1, padding=2)[0, 0]

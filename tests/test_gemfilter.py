@@ -113,7 +113,8 @@ def test_selection_is_sorted_unique_top_k_with_tail(arch_name, keep_tail, make_m
     if keep_tail:
         assert set(tail) <= set(indices)
     # The selection is exactly the reference top-k (plus tail) of the reference scores.
-    query_last, keys = filter_layer_qk(model, prompt.ids, 2)
+    queries, keys = filter_layer_qk(model, prompt.ids, 2)
+    query_last = queries[:, -1]  # (h, 1, d): the last query alone by default
     expected = reference_selection(reference_scores(query_last, keys), 16, prompt.tail_len if keep_tail else 0)
     assert indices == expected
     assert selection.details["k"] == 16
@@ -173,7 +174,7 @@ def test_first_pass_runs_layers_up_to_r_attention_only(arch_name, layer, make_mo
     finally:
         for handle in handles:
             handle.remove()
-    assert query_last.shape == (HEADS, HEAD_DIM)
+    assert query_last.shape == (HEADS, 1, HEAD_DIM)  # the last query alone by default
     assert keys.shape == (KV_HEADS, prompt.length, HEAD_DIM)
 
 
@@ -231,7 +232,9 @@ def test_gemfilter_scores_zero_padding_at_the_edges():
 def test_captured_query_and_keys_match_manual_projection(arch_name, layer, make_model):
     model = make_model(arch_name, num_layers=3)
     ids = make_prompt(25).ids
-    query_last, keys = filter_layer_qk(model, ids, layer)
+    queries, keys = filter_layer_qk(model, ids, layer)
+    assert queries.shape[1] == 1
+    query_last = queries[:, -1]
     expected_q, expected_k = manual_qk(model, ids, layer)
     torch.testing.assert_close(query_last, expected_q, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(keys, expected_k, atol=1e-5, rtol=1e-5)
@@ -307,3 +310,76 @@ def test_default_layer_is_the_middle_and_calibration_is_asked_for(make_model, is
     assert GemFilter.calibrated(model, k=8).layer == 1
     assert GemFilter(k=8, layer="calibrated").select(model, make_prompt(20)).details["layer"] == 1
     assert GemFilter(k=8, layer=3).filter_layer(model) == 3
+
+
+# --- options beyond the paper: several voting queries, softmax per query, whole blocks ----------
+
+
+def reference_window_scores(queries: torch.Tensor, keys: torch.Tensor, softmax: bool, kernel: int) -> torch.Tensor:
+    """Loop reference: each head and query votes q . k_j (raw) or softmax(q . k / sqrt(d)) over j <= its position."""
+    heads, w, dim = queries.shape
+    n, n_rep = keys.shape[1], heads // keys.shape[0]
+    raw = torch.zeros(n, dtype=torch.float64)
+    for h in range(heads):
+        for i in range(w):
+            position = n - w + i
+            logits = torch.stack([torch.dot(queries[h, i].double(), keys[h // n_rep, j].double()) for j in range(n)])
+            if softmax:
+                logits[position + 1 :] = float("-inf")
+                logits = (logits / dim**0.5).softmax(0)
+            raw += logits
+    half = kernel // 2
+    return F.pad(raw, (half, half)).unfold(0, kernel, 1).mean(-1).float()
+
+
+@pytest.mark.parametrize("softmax", [False, True])
+@pytest.mark.parametrize("w", [1, 4])
+def test_window_and_softmax_scores_match_the_loop_reference(w, softmax):
+    torch.manual_seed(w)
+    queries, keys = torch.randn(HEADS, w, HEAD_DIM), torch.randn(KV_HEADS, 20, HEAD_DIM)
+    expected = reference_window_scores(queries, keys, softmax, kernel=3)
+    torch.testing.assert_close(gemfilter_scores(queries, keys, 3, softmax), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_one_query_without_softmax_is_the_paper_score():
+    torch.manual_seed(0)
+    query, keys = torch.randn(HEADS, HEAD_DIM), torch.randn(KV_HEADS, 30, HEAD_DIM)
+    torch.testing.assert_close(gemfilter_scores(query, keys, 5), reference_scores(query, keys, 5))
+
+
+def test_block_selection_keeps_whole_blocks_then_fills_with_single_tokens():
+    scores = torch.tensor([0.0, 9.0, 0.0, 0.0, 5.0, 5.0, 5.0, 5.0, 0.0, 0.0, 1.0, 2.0])
+    # k 7, tail 2 (positions 10, 11): one whole block of 4 (the best mean: 4..7), then the best single token (1).
+    assert top_k_with_tail(scores, 7, 2, block=4).tolist() == [1, 4, 5, 6, 7, 10, 11]
+    # Block 1 is the paper's token top-k: the block's lone zero-scored neighbours lose to token 1.
+    assert top_k_with_tail(scores, 5, 0).tolist() == [1, 4, 5, 6, 7]
+    # Room for more than the whole blocks of the body (8 of its 11 tokens): both blocks of the best
+    # means, then the best single token of the partial block 8..10, no position twice.
+    assert top_k_with_tail(scores, 10, 1, block=4).tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 10, 11]
+
+
+def test_gemfilter_options_select_the_reference_top_k(make_model):
+    model = make_model("llama", num_layers=3)
+    prompt = make_prompt(60, tail_len=5, seed=4)
+    selector = GemFilter(k=24, layer=2, queries=6, softmax=True, block=4)
+    indices = selector.select(model, prompt).indices
+    queries, keys = filter_layer_qk(model, prompt.ids, 2, queries=6)
+    scores = reference_window_scores(queries, keys, softmax=True, kernel=5)
+    means = scores[:52].view(13, 4).mean(1)  # body of 55 tokens: 13 whole blocks of 4
+    blocks = sorted(int(b) for b in means.topk(4).indices)  # (24 - 5) // 4 = 4 blocks, then 3 single tokens
+    chosen = [4 * b + i for b in blocks for i in range(4)]
+    rest = [j for j in sorted(range(55), key=lambda j: -float(scores[j])) if j not in chosen][:3]
+    assert indices.tolist() == sorted(chosen + rest + list(range(55, 60)))
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(queries=0), "queries must be a whole number"),
+        (dict(block=2.5), "block must be a whole number"),
+        (dict(softmax="yes"), "softmax must be true or false"),
+    ],
+)
+def test_bad_scoring_options_raise(options, message):
+    with pytest.raises(KvsieveError, match=message):
+        GemFilter(**options)

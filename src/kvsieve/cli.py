@@ -226,10 +226,19 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
     from kvsieve.select.calibrate import calibrate, plot_recall
+    from kvsieve.select.gemfilter import GemFilter
     from kvsieve.select.layers import calibration_file
 
+    selector = _spec(args).select
+    if not isinstance(selector, GemFilter):
+        raise KvsieveError(
+            f"Method '{args.method}' has no GemFilter select stage to calibrate; use --method gemfilter "
+            "(its --set select.* options change how each layer scores)."
+        )
     model, tokenizer = _load(args)
-    result = calibrate(model, tokenizer, args.lengths, args.depths, args.k, args.probe, save=not args.no_save)
+    result = calibrate(
+        model, tokenizer, args.lengths, args.depths, args.k, args.probe, save=not args.no_save, selector=selector
+    )
     print(f"{'layer':>5}  {'needle tokens in top-k':>22}")
     for layer, recall in enumerate(result.recall):
         mark = "  <- recommended" if layer == result.layer else ""
@@ -530,6 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe", choices=["passkey", "needle"], default="passkey", help="probe kind (default passkey)")
     p.add_argument("--plot", type=Path, default=Path("calibration.png"), help="PNG of the curve")
     p.add_argument("--no-save", action="store_true", help="do not remember the recommended layer")
+    _add_method(p, multi=False, default="gemfilter")
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("niah", help="needle-in-a-haystack or passkey grid with heatmaps, any methods")

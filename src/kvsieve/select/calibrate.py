@@ -24,7 +24,7 @@ from kvsieve.errors import KvsieveError
 from kvsieve.models import architecture
 from kvsieve.prompt import build_prompt
 from kvsieve.select import layers
-from kvsieve.select.scoring import gemfilter_scores, top_k_with_tail
+from kvsieve.select.gemfilter import GemFilter
 
 
 @dataclass
@@ -48,15 +48,21 @@ def needle_token_indices(
 
 
 def layer_recall(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, case: Case, k: int, kernel: int = 5
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, case: Case, k: int, selector: GemFilter | None = None
 ) -> torch.Tensor:
-    """Per layer, the fraction of the needle's tokens inside GemFilter's top-k at that layer."""
+    """Per layer, the fraction of the needle's tokens inside GemFilter's top-k at that layer.
+
+    `selector` gives the scoring options (queries, softmax, pooling kernel, blocks; default the
+    paper's); its layer and k are ignored, every layer is scored at `k`.
+    """
+    selector = selector or GemFilter()
     prompt = build_prompt(tokenizer, case.context, case.question)
     needle = needle_token_indices(tokenizer, case, prompt.context_start, model.device)
     recall = torch.zeros(architecture(model).num_layers, device="cpu")  # filled with Python floats
 
     def score(layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
-        selected = top_k_with_tail(gemfilter_scores(query[0, :, -1], key[0], kernel), k, prompt.tail_len)
+        tail_len = prompt.tail_len if selector.keep_tail else 0
+        selected = selector.choose(query[0, :, -selector.queries :], key[0], k, tail_len)
         recall[layer] = float(torch.isin(needle, selected).float().mean())
 
     with torch.no_grad(), attention_hooks(observers=[score]):
@@ -78,8 +84,12 @@ def calibrate(
     k: int = 256,
     probe: str = "passkey",
     save: bool = True,
+    selector: GemFilter | None = None,
 ) -> Calibration:
-    """Measure needle recall per layer over lengths x depths and recommend (and remember) a layer."""
+    """Measure needle recall per layer over lengths x depths and recommend (and remember) a layer.
+
+    `selector`'s scoring options (default: the paper's) decide what each layer would keep.
+    """
     if probe not in PROBES:
         raise KvsieveError(f"Unknown probe '{probe}'; choose one of: {', '.join(PROBES)}.")
     if not lengths or not depths:
@@ -92,7 +102,7 @@ def calibrate(
     grid = [(n, d) for n in lengths for d in depths]
     total = torch.zeros(architecture(model).num_layers, device="cpu")
     for n, d in tqdm(grid, desc="calibrating", unit="probe"):
-        total += layer_recall(model, tokenizer, PROBES[probe](tokenizer, n, d), k)
+        total += layer_recall(model, tokenizer, PROBES[probe](tokenizer, n, d), k, selector)
     recall = (total / len(grid)).tolist()
     result = Calibration(recall, recommend_layer(recall), k, probe, list(lengths), list(depths))
     if save:

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
 from transformers import PreTrainedModel
 
 from kvsieve.compress.scorers import check_kernel
@@ -35,6 +36,9 @@ class GemFilter:
         machine; "calibrated" reads the layer `kvsieve calibrate` recorded for this model.
     kernel: average-pooling kernel (odd, paper: 5).
     keep_tail: always keep the question and chat-template suffix (not in the reference code).
+    queries, softmax, block: beyond the paper (`kvsieve.select.scoring`): how many last prompt
+        queries vote (paper 1), a softmax per query before summing (paper: raw q.k), and keeping
+        whole blocks of `block` tokens (paper: single tokens, 1).
     """
 
     k: int | float = option(1024, "tokens to keep: a count (1024) or a fraction of the prompt (0.25)")
@@ -43,6 +47,9 @@ class GemFilter:
     )
     kernel: int = option(5, "average-pooling kernel over the scores, odd (paper 5)")
     keep_tail: bool = option(True, "always keep the question and chat-template suffix (reference code: false)")
+    queries: int = option(1, "the last prompt queries that vote (paper: 1, the last token)")
+    softmax: bool = option(False, "softmax per query head before summing the votes (paper: raw q.k)")
+    block: int = option(1, "keep whole blocks of this many tokens (paper: 1, single tokens)")
 
     def __post_init__(self) -> None:
         if isinstance(self.k, bool) or not isinstance(self.k, int | float) or self.k <= 0:
@@ -55,6 +62,12 @@ class GemFilter:
                     f"GemFilter layer must be a 0-based layer index, none or 'calibrated'; got {self.layer!r}."
                 )
         check_kernel(self.kernel)
+        for name in ("queries", "block"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise KvsieveError(f"GemFilter {name} must be a whole number >= 1 (paper: 1); got {value!r}.")
+        if not isinstance(self.softmax, bool):
+            raise KvsieveError(f"GemFilter softmax must be true or false; got {self.softmax!r}.")
 
     @property
     def name(self) -> str:
@@ -90,13 +103,17 @@ class GemFilter:
                 "chat-template suffix). Raise k, or turn keep_tail off."
             )
         start = time.perf_counter()
-        query_last, keys = filter_layer_qk(model, prompt.ids, layer)
-        scores = gemfilter_scores(query_last, keys, self.kernel)
-        indices = top_k_with_tail(scores, k, tail_len)
+        queries, keys = filter_layer_qk(model, prompt.ids, layer, min(self.queries, n))
+        indices = self.choose(queries, keys, k, tail_len)
         return Selection(
             indices=indices,
             details={"layer": layer, "k": k, "kept_tail": tail_len, "first_pass_seconds": time.perf_counter() - start},
         )
+
+    def choose(self, queries: torch.Tensor, keys: torch.Tensor, k: int, tail_len: int) -> torch.Tensor:
+        """The k kept positions, ascending, from the filter layer's last queries (h, w, d) and keys."""
+        scores = gemfilter_scores(queries[:, -self.queries :], keys, self.kernel, self.softmax)
+        return top_k_with_tail(scores, k, tail_len, self.block)
 
 
 def _recorded_layer(model: PreTrainedModel) -> int:

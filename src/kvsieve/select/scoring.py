@@ -4,6 +4,11 @@ First pass: run layers 0..r-1 on the whole prompt and layer r only up to its pos
 and key (no later layer, no LM head, no KV cache). The score of token j is the last prompt
 token's query times key j, unscaled, summed over all query heads, then average-pooled
 (kernel 5, stride 1, zero padding), computed in float32 whatever the model's dtype.
+
+Beyond the paper (GemFilter options, all off by default): the last `queries` prompt tokens vote
+instead of the last one alone (the question's tokens, as SnapKV's observation window does), each
+query's scores can be a softmax (scaled, causal) so every query and head carries the same weight,
+and whole blocks of `block` tokens can be kept so a needle is not cut into pieces.
 """
 
 from __future__ import annotations
@@ -32,8 +37,10 @@ def resolve_count(value: int | float, total: int, what: str) -> int:
     return value
 
 
-def filter_layer_qk(model: PreTrainedModel, ids: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run layers 0..layer and return layer `layer`'s last query (h, d) and keys (kv_heads, n, d).
+def filter_layer_qk(
+    model: PreTrainedModel, ids: torch.Tensor, layer: int, queries: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run layers 0..layer and return layer `layer`'s last `queries` queries (h, w, d) and keys (kv_heads, n, d).
 
     The forward pass stops inside layer `layer`'s attention (StopForward), so its MLP and all
     later layers never run, and no KV cache is built.
@@ -42,7 +49,7 @@ def filter_layer_qk(model: PreTrainedModel, ids: torch.Tensor, layer: int) -> tu
 
     def capture(layer_idx: int, query: torch.Tensor, key: torch.Tensor) -> None:
         if layer_idx == layer:
-            captured["query"], captured["key"] = query[0, :, -1], key[0]
+            captured["query"], captured["key"] = query[0, :, -queries:], key[0]
             raise StopForward
 
     with torch.no_grad(), attention_hooks(observers=[capture]):
@@ -58,21 +65,45 @@ def filter_layer_qk(model: PreTrainedModel, ids: torch.Tensor, layer: int) -> tu
     return captured["query"], captured["key"]
 
 
-def gemfilter_scores(query_last: torch.Tensor, keys: torch.Tensor, kernel: int = 5) -> torch.Tensor:
-    """Token scores (n,) in fp32: sum over query heads of q_last . k_j, then average-pooled.
+def gemfilter_scores(queries: torch.Tensor, keys: torch.Tensor, kernel: int = 5, softmax: bool = False) -> torch.Tensor:
+    """Token scores (n,) in fp32: sum over query heads (and queries) of q . k_j, then average-pooled.
 
-    query_last (h, d); keys (kv_heads, n, d), query head h reads KV head h // n_rep.
+    queries (h, d) for the last query alone (the paper), or (h, w, d) for the last w prompt
+    queries; keys (kv_heads, n, d), query head h reads KV head h // n_rep. With `softmax`, each
+    query head's row becomes softmax(q . k / sqrt(d)) over the keys it can see (causal) before the
+    sum, so no query or head dominates by the scale of its logits.
     """
-    heads, dim = query_last.shape
-    kv_heads = keys.shape[0]
-    grouped = query_last.float().view(kv_heads, heads // kv_heads, dim)  # (g, r, d)
-    scores = torch.einsum("grd,gnd->n", grouped, keys.float())
+    if queries.dim() == 2:
+        queries = queries[:, None]
+    heads, w, dim = queries.shape
+    kv_heads, n, _ = keys.shape
+    grouped = queries.float().reshape(kv_heads, heads // kv_heads * w, dim)  # rows (r, w) per KV head
+    logits = torch.bmm(grouped, keys.float().transpose(1, 2))  # (g, r * w, n)
+    if softmax:
+        visible = torch.arange(n, device=keys.device) <= torch.arange(n - w, n, device=keys.device)[:, None]
+        logits = (logits.view(kv_heads, -1, w, n) * dim**-0.5).masked_fill(~visible, float("-inf")).softmax(-1)
+    scores = logits.reshape(-1, n).sum(0)
     return F.avg_pool1d(scores[None, None], kernel_size=kernel, stride=1, padding=kernel // 2)[0, 0]
 
 
-def top_k_with_tail(scores: torch.Tensor, k: int, tail_len: int) -> torch.Tensor:
-    """The `tail_len` last positions plus the best `k - tail_len` others, sorted ascending."""
+def top_k_with_tail(scores: torch.Tensor, k: int, tail_len: int, block: int = 1) -> torch.Tensor:
+    """The `tail_len` last positions plus the best `k - tail_len` others, sorted ascending.
+
+    block > 1 keeps whole blocks of `block` consecutive tokens (counted from token 0, ranked by
+    their mean score) as long as they fit, then fills the rest with the best single tokens.
+    """
     n = scores.shape[0]
-    body = torch.topk(scores[: n - tail_len], k - tail_len).indices
-    tail = torch.arange(n - tail_len, n, device=scores.device)
-    return torch.cat([body, tail]).sort().values
+    body_len, need = n - tail_len, k - tail_len
+    body = scores[:body_len]
+    chosen = torch.empty(0, dtype=torch.long, device=scores.device)
+    whole = min(need // block, body_len // block) if block > 1 else 0
+    if whole:
+        means = body[: body_len // block * block].view(-1, block).mean(1)
+        starts = torch.topk(means, whole).indices * block
+        chosen = (starts[:, None] + torch.arange(block, device=scores.device)).flatten()
+    if need > chosen.numel():
+        rest = body.clone()
+        rest[chosen] = float("-inf")
+        chosen = torch.cat([chosen, torch.topk(rest, need - chosen.numel()).indices])
+    tail = torch.arange(body_len, n, device=scores.device)
+    return torch.cat([chosen, tail]).sort().values
