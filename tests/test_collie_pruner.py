@@ -230,3 +230,33 @@ def test_normalized_attention_is_the_policys_scorer(qk):
     torch.testing.assert_close(
         Collie(kernel=3, sinks=1).prompt_scores(query, key, 0.5), normalized_attention(query, key, 0.5, 3, 1)
     )
+
+
+def test_scores_from_column_sums_are_the_same(qk):
+    query, key = qk
+    sums = accumulated_attention(query, key, 0.5, alpha=1.0)
+    torch.testing.assert_close(
+        Collie(kernel=3).from_column_sums(sums, 9), Collie(kernel=3).prompt_scores(query, key, 0.5)
+    )
+
+
+def test_chunked_feed_takes_the_column_sums_from_its_attention_pass(monkeypatch, single_thread):
+    """No second pass over the chunk's queries under the dense attention; under another prefill kernel
+    (no dense pass to take them from) the second pass gives the same pruning."""
+    import kvsieve.feed.chunked as chunked
+    from kvsieve.attention.dense import dense_attention
+
+    model = build_model("mistral", num_layers=3)
+    ids = make_prompt(80).ids
+    feed = ChunkedPrefill(chunk=16, memory=20, schedule="linear", decremental=True, pruner=Collie(), trace=True)
+    calls = []
+    second_pass = chunked._column_sums
+    monkeypatch.setattr(chunked, "_column_sums", lambda *args: calls.append(1) or second_pass(*args))
+    fused = feed.prefill(model, ids)
+    assert calls == []
+    with attention_hooks(kernel=lambda layer, q, k, v, scaling: dense_attention(q, k, v, scaling)):
+        separate = feed.prefill(model, ids)
+    assert len(calls) == 3 * len(separate.history)
+    for a, b in zip(fused.history, separate.history, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a["kept"], b["kept"], strict=True))
+    torch.testing.assert_close(fused.last_logits, separate.last_logits, atol=1e-4, rtol=1e-4)

@@ -110,17 +110,26 @@ def normalized_attention(
     """The IMDC authors' ConvPruner score (ZhiYuanZeng/Collie, `collie/models/mem_perceiver/pruner.py`).
 
     Every query votes: the softmax attention (over all visible keys) of all q queries is summed per
-    key (A2SF eq. 5 with alpha = 1, i.e. H2O's column sums), average-pooled over positions >= `sinks`
-    (kernel, stride 1, zero padding; the first `sinks` keys are left out, so their scores never mix
-    with their neighbours'), then divided by the number of queries that can see the key
-    (`visible_counts`): pooling before the division, in the authors' order.
+    key (A2SF eq. 5 with alpha = 1, i.e. H2O's column sums), then `visible_mean` pools and divides.
     query (h, q, d) are the last q of n key positions; key (kv_heads, n, d). Returns (kv_heads, n),
     float32; memory one (h x rows x n) block at a time.
     """
     heads, q_len, _ = query.shape
     n = key.shape[1]
     rows = max(1, min(MAX_ROWS, BLOCK_ELEMENTS // max(1, heads * n)))
-    sums = accumulated_attention(query, key, scaling, alpha=1.0, chunk=rows)  # (g, n)
+    return visible_mean(accumulated_attention(query, key, scaling, alpha=1.0, chunk=rows), q_len, kernel, sinks)
+
+
+def visible_mean(sums: torch.Tensor, q_len: int, kernel: int = 5, sinks: int = 0) -> torch.Tensor:
+    """ConvPruner's score from column sums (kv_heads, n) of the attention of the last `q_len` queries.
+
+    The sums are average-pooled over positions >= `sinks` (kernel, stride 1, zero padding; the
+    first `sinks` keys are left out, so their scores never mix with their neighbours'), then divided
+    by the number of queries that can see each key (`visible_counts`): pooling before the division,
+    in the authors' order. Float32.
+    """
+    sums = sums.float()
+    n = sums.shape[1]
     first = min(sinks, n)
     if kernel > 1 and n > first:
         pooled = F.avg_pool1d(sums[:, None, first:], kernel_size=kernel, stride=1, padding=kernel // 2)[:, 0]

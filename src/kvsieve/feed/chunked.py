@@ -48,11 +48,12 @@ from typing import Any, ClassVar, Literal
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 
-from kvsieve.attention import attention_hooks
+from kvsieve.attention import AccumulatedScores, Observer, attention_hooks
 from kvsieve.compress.cache import prune_layer
+from kvsieve.compress.policies.collie import Collie
 from kvsieve.compress.policies.snapkv import SnapKV
 from kvsieve.compress.policy import Policy
-from kvsieve.compress.scorers import keep_indices
+from kvsieve.compress.scorers import accumulated_attention, keep_indices
 from kvsieve.errors import KvsieveError
 from kvsieve.feed import Prefilled
 from kvsieve.feed.schedules import (
@@ -137,6 +138,11 @@ def _score(pruner: Policy, query: torch.Tensor, key: torch.Tensor) -> torch.Tens
         return None
     scores = pruner.prompt_scores(query[0], key[0], query.shape[-1] ** -0.5)
     return None if scores is None else _rank_ties(scores.float())
+
+
+def _column_sums(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    """(kv_heads, n) attention column sums of all the chunk's queries, where the attention pass cannot give them."""
+    return accumulated_attention(query, key, scaling, alpha=1.0, chunk=64)
 
 
 @component("chunked", "feed")
@@ -247,6 +253,15 @@ class ChunkedPrefill:
             if result is not None:
                 scores[layer] = result
 
+        queries = [0]  # the current chunk's size: how many queries voted
+
+        def receive(layer: int, sums: torch.Tensor) -> None:
+            scores[layer] = self.pruner.from_column_sums(sums, queries[0])
+
+        observer: Observer = observe
+        if isinstance(self.pruner, Collie):  # column sums out of the chunk's own attention pass
+            observer = AccumulatedScores(1.0, receive, _column_sums)
+
         memory = [0] * layers  # memory entries per layer, sinks excluded
         origin = [torch.empty(arch.num_kv_heads, 0, dtype=torch.long, device=device) for _ in range(layers)]
         sinks, start = 0, 0  # sink entries in the cache; prompt index of the chunk's first token
@@ -255,13 +270,14 @@ class ChunkedPrefill:
         step_memory: list[list[int]] = []
         attention_kv: list[int] = []
         logits, next_position, max_position = None, length, 0
-        with torch.no_grad(), attention_hooks(observers=[observe]):
+        with torch.no_grad(), attention_hooks(observers=[observer]):
             for step, size in enumerate(sizes):
                 last = step == len(sizes) - 1
                 position = sinks + max(memory)  # P: the chunk starts right after the longest memory
                 chunk_ids = ids[:, start : start + size]
                 chunk_positions = torch.arange(position, position + size, device=device)
                 scores.clear()
+                queries[0] = size
                 # Stages that score only the feed's final cache (compress, evict) skip earlier passes.
                 with attention_hooks(intermediate=not last):
                     if last or chunk_logits is not None:

@@ -20,6 +20,11 @@ IMDC's decremental chunks), and the first chunk's sink queries vote too (the ref
 their rows along with the sink columns). One-shot: it has no per-step rule, so it compresses a
 prompt (`--set compress.policy=collie`) or prunes a chunked feed's memory
 (`--set feed.pruner=collie`), but cannot evict while decoding.
+
+Cost: the column sums need every query's attention row. In a chunked feed they come out of the
+chunk's own attention pass (`kvsieve.attention.accumulate`, as H2O's do after a one-pass prefill),
+so pruning adds only the pooling; elsewhere (the compress stage, CritiPrefill's kernel) a second
+pass over the queries computes them in blocks of rows.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from kvsieve.compress.policy import Policy
-from kvsieve.compress.scorers import check_kernel, normalized_attention
+from kvsieve.compress.scorers import check_kernel, normalized_attention, visible_mean
 from kvsieve.errors import KvsieveError
 from kvsieve.spec import component, option
 
@@ -52,6 +57,11 @@ class Collie(Policy):
 
     def prompt_scores(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
         return normalized_attention(query, key, scaling, self.kernel, self.sinks)
+
+    def from_column_sums(self, sums: torch.Tensor, q_len: int) -> torch.Tensor:
+        """The same scores from the column sums (kv_heads, n) of `q_len` queries' attention, e.g. the
+        ones kvsieve's dense attention computes in its own pass (the chunked feeds use that)."""
+        return visible_mean(sums, q_len, self.kernel, self.sinks)
 
     def protected(self, budget: int) -> tuple[int, int]:
         return 0, 0
