@@ -99,9 +99,25 @@ def test_calibrate_writes_plot_and_recommends(capsys, tmp_path):
 
 
 def test_demo_runs_side_by_side(capsys):
-    code, out, _ = run_cli(capsys, "demo", "--length", "700", "--set", "select.k=256")
+    code, out, _ = run_cli(
+        capsys,
+        "demo",
+        "--length",
+        "700",
+        "--methods",
+        "full,gemfilter,snapkv",
+        "--set",
+        "select.k=256",
+        "--set",
+        "compress.budget=256",
+    )
     assert code == 0 and "--- full" in out and "--- gemfilter (select=gemfilter(k=256" in out
-    assert "x full's speed to the first token" in out
+    table = out[out.index("answer has the needle") :].splitlines()
+    rows = {line.split()[0]: line.split() for line in table[1:4]}
+    assert set(rows) == {"full", "gemfilter", "snapkv"}
+    assert rows["full"][-2:] == ["1.00x", rows["full"][-1]] and int(rows["full"][-1]) > 600
+    assert int(rows["gemfilter"][-1]) == 256 and int(rows["snapkv"][-1]) == 256
+    assert all(row[1] in ("yes", "no") for row in rows.values())
 
 
 @pytest.mark.parametrize(

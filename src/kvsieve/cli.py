@@ -428,10 +428,13 @@ def cmd_methods(args: argparse.Namespace) -> None:
     print("Change any field with --set PATH=VALUE on generate, inspect, niah, ppl, bench and demo.")
 
 
+DEMO_METHODS = "full,gemfilter,critiprefill,snapkv,a2sf,imdc"
+
+
 def cmd_demo(args: argparse.Namespace) -> None:
     from kvsieve.data import needle_case
     from kvsieve.decode import Sampling
-    from kvsieve.eval.scoring import rouge1_recall
+    from kvsieve.eval.scoring import contains, rouge1_recall
     from kvsieve.pipeline import generate
 
     specs = _specs(args)
@@ -441,6 +444,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
         f"Haystack: {args.length} tokens of Paul Graham essays; needle at {args.depth:.0%} depth:\n  {case.needle}\n"
         f"Question: {case.question}\n"
     )
+    # One short warm-up answer first, so the first method timed does not pay for one-time setup.
+    generate(model, tokenizer, case.context[:2000], case.question, sampling=Sampling(max_new_tokens=2))
     sampling = Sampling(max_new_tokens=48)
     results = {}
     for name, spec in specs.items():
@@ -455,15 +460,23 @@ def cmd_demo(args: argparse.Namespace) -> None:
             stream=lambda p: print(p, end="", flush=True),
         )
         results[name] = result
-        score = rouge1_recall(result.text, case.answer)
+        print("\n")
+    first = next(iter(specs))
+    print(
+        f"{'method':<16} {'answer has the needle':>21} {'ROUGE-1':>8} {'TTFT s':>7} {'vs ' + first:>9} {'KV kept':>8}"
+    )
+    for name, result in results.items():
+        speed = results[first].prefill_seconds / result.prefill_seconds
         print(
-            f"\n    time to first token {result.prefill_seconds:.2f} s, KV cache {result.prefill_kv_length} entries "
-            f"after prefill, ROUGE-1 recall {score:.2f}\n"
+            f"{name:<16} {'yes' if contains(result.text, case.answer) else 'no':>21} "
+            f"{rouge1_recall(result.text, case.answer):>8.2f} {result.prefill_seconds:>7.2f} {speed:>8.2f}x "
+            f"{result.prefill_kv_length:>8}"
         )
-    first, *others = specs
-    for name in others:
-        ratio = results[first].prefill_seconds / results[name].prefill_seconds
-        print(f"{name}: {ratio:.2f}x {first}'s speed to the first token (one run each, not a benchmark).")
+    print(
+        f"\nOne document, one run each: times are indicative, not a benchmark (kvsieve bench repeats and "
+        f"interleaves). 'KV kept' is the cache entries per layer and KV head after prefill, of "
+        f"{results[first].prompt_tokens} prompt tokens. docs/RESULTS.md has every method over whole grids."
+    )
     print("See what GemFilter kept: kvsieve inspect --context FILE --question ...; every method: kvsieve methods")
 
 
@@ -643,7 +656,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(p)
     p.add_argument("--length", type=int, default=4000, help="haystack length in tokens (default 4000)")
     p.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1] (default 0.5)")
-    _add_method(p, multi=True, default="full,gemfilter")
+    _add_method(p, multi=True, default=DEMO_METHODS)
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("serve", help="an OpenAI-compatible server: batching, compressed-context reuse, --upstream")

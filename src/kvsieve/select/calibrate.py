@@ -48,22 +48,27 @@ def needle_token_indices(
 
 
 def layer_recall(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, case: Case, k: int, selector: GemFilter | None = None
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    case: Case,
+    k: int,
+    selectors: Sequence[GemFilter] = (GemFilter(),),
 ) -> torch.Tensor:
-    """Per layer, the fraction of the needle's tokens inside GemFilter's top-k at that layer.
+    """(selectors, layers): per selector and layer, the fraction of the needle's tokens in its top-k there.
 
-    `selector` gives the scoring options (queries, softmax, pooling kernel, blocks; default the
-    paper's); its layer and k are ignored, every layer is scored at `k`.
+    Each selector gives scoring options (queries, softmax, pooling kernel, blocks; default the
+    paper's); its layer and k are ignored, every layer is scored at `k`. One forward pass serves
+    all selectors.
     """
-    selector = selector or GemFilter()
     prompt = build_prompt(tokenizer, case.context, case.question)
     needle = needle_token_indices(tokenizer, case, prompt.context_start, model.device)
-    recall = torch.zeros(architecture(model).num_layers, device="cpu")  # filled with Python floats
+    recall = torch.zeros(len(selectors), architecture(model).num_layers, device="cpu")  # filled with Python floats
 
     def score(layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
-        tail_len = prompt.tail_len if selector.keep_tail else 0
-        selected = selector.choose(query[0, :, -selector.queries :], key[0], k, tail_len)
-        recall[layer] = float(torch.isin(needle, selected).float().mean())
+        for i, selector in enumerate(selectors):
+            tail_len = prompt.tail_len if selector.keep_tail else 0
+            selected = selector.choose(query[0, :, -selector.queries :], key[0], k, tail_len)
+            recall[i, layer] = float(torch.isin(needle, selected).float().mean())
 
     with torch.no_grad(), attention_hooks(observers=[score]):
         model.model(input_ids=prompt.ids.to(model.device), use_cache=False)
@@ -102,7 +107,7 @@ def calibrate(
     grid = [(n, d) for n in lengths for d in depths]
     total = torch.zeros(architecture(model).num_layers, device="cpu")
     for n, d in tqdm(grid, desc="calibrating", unit="probe"):
-        total += layer_recall(model, tokenizer, PROBES[probe](tokenizer, n, d), k, selector)
+        total += layer_recall(model, tokenizer, PROBES[probe](tokenizer, n, d), k, [selector or GemFilter()])[0]
     recall = (total / len(grid)).tolist()
     result = Calibration(recall, recommend_layer(recall), k, probe, list(lengths), list(depths))
     if save:
