@@ -1,4 +1,5 @@
-"""Physically shrinking a transformers KV cache, per layer and KV head, and the buffers eviction decodes in."""
+"""Physically shrinking a transformers KV cache, per layer and KV head, the buffers eviction decodes in,
+and moving cached post-RoPE keys to other positions (chunked feeds, StreamingLLM's re-encoding)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,45 @@ def prune_layer(cache: Cache, layer: int, indices: torch.Tensor) -> None:
     gather = indices[None, :, :, None].expand(1, kv_heads, indices.shape[1], dim)
     entry.keys = entry.keys.gather(2, gather)
     entry.values = entry.values.gather(2, gather)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """The RoPE helper of the Llama layout: (x1, x2) -> (-x2, x1) over the last dimension."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotation(delta: torch.Tensor, rotary_emb: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (1, kv_heads, k, rot) in float32 that move keys by `delta` (kv_heads, k) positions.
+
+    They come from the model's rotary embedding called with the deltas as position ids, divided by
+    its `attention_scaling` (YaRN-style scaling is already in the keys).
+    """
+    probe = torch.empty(0, dtype=torch.float32, device=delta.device)
+    cos, sin = rotary_emb(probe, delta)  # (kv_heads, k, rot)
+    scale = float(getattr(rotary_emb, "attention_scaling", 1.0) or 1.0)
+    return cos[None].float() / scale, sin[None].float() / scale
+
+
+def rerotate_keys(
+    keys: torch.Tensor,
+    delta: torch.Tensor,
+    rotary_emb: torch.nn.Module,
+    turn: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Move post-RoPE keys (1, kv_heads, k, d) by `delta` (kv_heads, k) positions: R(p + delta) = R(delta) R(p).
+
+    `turn` is `rotation(delta, rotary_emb)` when the caller already has it (several layers moved
+    by the same deltas). Computed in at least float32. Partial rotary embeddings (cos narrower
+    than d) rotate only the leading dimensions.
+    """
+    cos, sin = turn if turn is not None else rotation(delta, rotary_emb)
+    compute = torch.promote_types(keys.dtype, torch.float32)  # at least float32; float64 stays float64
+    cos, sin = cos.to(compute), sin.to(compute)
+    rot = cos.shape[-1]
+    k = keys.to(compute)
+    turned = k[..., :rot] * cos + rotate_half(k[..., :rot]) * sin
+    return torch.cat([turned, k[..., rot:]], dim=-1).to(keys.dtype)
 
 
 def compose_kept(first: list[torch.Tensor] | None, then: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -49,7 +49,7 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 
 from kvsieve.attention import AccumulatedScores, Observer, attention_hooks
-from kvsieve.compress.cache import prune_layer
+from kvsieve.compress.cache import prune_layer, rerotate_keys, rotate_half
 from kvsieve.compress.policies.collie import Collie
 from kvsieve.compress.policies.snapkv import SnapKV
 from kvsieve.compress.policy import Policy
@@ -70,30 +70,6 @@ from kvsieve.spec import component, option
 
 # chunk_logits(logits (c_i, vocab) of the chunk's tokens, index of the chunk's first token)
 ChunkLogits = Callable[[torch.Tensor, int], None]
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """The RoPE helper of the Llama layout: (x1, x2) -> (-x2, x1) over the last dimension."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def rerotate_keys(keys: torch.Tensor, delta: torch.Tensor, rotary_emb: torch.nn.Module) -> torch.Tensor:
-    """Move post-RoPE keys (1, kv_heads, k, d) by `delta` (kv_heads, k) positions: R(p + delta) = R(delta) R(p).
-
-    cos/sin come from the model's rotary embedding called with the deltas as position ids, in
-    float32, divided by its `attention_scaling` (YaRN-style scaling is already in the keys).
-    Partial rotary embeddings (cos narrower than d) rotate only the leading dimensions.
-    """
-    probe = torch.empty(0, dtype=torch.float32, device=keys.device)
-    cos, sin = rotary_emb(probe, delta)  # (kv_heads, k, rot)
-    scale = float(getattr(rotary_emb, "attention_scaling", 1.0) or 1.0)
-    compute = torch.promote_types(keys.dtype, torch.float32)  # at least float32; float64 stays float64
-    cos, sin = cos[None].to(compute) / scale, sin[None].to(compute) / scale
-    rot = cos.shape[-1]
-    k = keys.to(compute)
-    turned = k[..., :rot] * cos + rotate_half(k[..., :rot]) * sin
-    return torch.cat([turned, k[..., rot:]], dim=-1).to(keys.dtype)
 
 
 def _frame(sinks: int, memory: int, chunk_start: int, device: torch.device) -> torch.Tensor:
