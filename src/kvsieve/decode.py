@@ -1,7 +1,9 @@
 """The `decode` stage: greedy or nucleus sampling from a prefilled cache, one token at a time.
 
 Positions continue from the feed's logical position, which can differ from the cache length
-(after GemFilter or compression), so position ids are always passed explicitly.
+(after GemFilter or compression), so position ids are always passed explicitly. Under an
+eviction that re-encodes positions (StreamingLLM's `reencode`) a token goes at the cache's
+length instead (`step`).
 """
 
 from __future__ import annotations
@@ -126,6 +128,20 @@ def extend(
     return out.logits[0]
 
 
+def step(
+    model: PreTrainedModel, cache: Cache, token: torch.Tensor, position: int, evict: EvictRun | None = None
+) -> torch.Tensor:
+    """One decoding step: feed `token` (1, 1) on `cache`, then let `evict` prune it; (vocab,) logits.
+
+    The token goes at logical `position`, or at the cache's length when `evict` re-encodes
+    positions. Observers of the eviction (`evict.step_observers()`) must be active around it.
+    """
+    logits = extend(model, cache, token, evict.position(cache, position) if evict is not None else position)[-1]
+    if evict is not None:
+        evict.after_step(cache)
+    return logits
+
+
 def decode(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -160,8 +176,6 @@ def decode(
             if answer.finish is not None:
                 break
             token = torch.tensor([[answer.tokens[-1]]], device=model.device)
-            logits = extend(model, cache, token, position)[-1]
+            logits = step(model, cache, token, position, evict)
             position, steps = position + 1, steps + 1
-            if evict is not None:
-                evict.after_step(cache)
     return Decoded(answer.tokens, answer.text, answer.finish, time.perf_counter() - start, steps)

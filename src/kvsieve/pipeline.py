@@ -18,7 +18,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvsieve.attention import ATTENTION_NAME, attention_hooks
-from kvsieve.compress.cache import compose_kept
+from kvsieve.compress.cache import compose_kept, resolve_budget
 from kvsieve.compress.stages import Compress, CompressRun, Evict, EvictRun
 from kvsieve.decode import Sampling, decode
 from kvsieve.errors import KvsieveError
@@ -71,6 +71,18 @@ def _check_positions(model: PreTrainedModel, positions: int, what: str) -> None:
             "Shorten the context or lower max_new_tokens, or feed the prompt in chunks with a compressed memory "
             "(--method imdc, or feed=ChunkedPrefill(...)), which re-encodes positions and accepts any length."
         )
+
+
+def _decode_positions(prompt: int, reserve: int, evict: Evict | None) -> int:
+    """Positions a one-pass prefill of `prompt` tokens and `reserve` decoding steps use.
+
+    Re-encoding eviction feeds every token at the cache's length, which stays within the
+    budget (plus the interval's growth), so a stream can outlast the model's positions.
+    """
+    if evict is None or not evict.reencodes:
+        return prompt + reserve
+    budget, _ = resolve_budget(evict.budget, max(prompt, 1))
+    return max(prompt, min(prompt + reserve, budget + evict.interval))
 
 
 def check_prepared(model: PreTrainedModel) -> None:
@@ -154,6 +166,12 @@ def prefill(
     )
     select, attention, compress, evict = (stages.get(k) for k in ("select", "attention", "compress", "evict"))
     feed = stages.get("feed") or FullPrefill()
+    if evict is not None and evict.reencodes and not feed.needs_full_context:
+        raise KvsieveError(
+            f"{evict.name}'s reencode starts from a one-pass prefill, whose keys sit at positions 0 .. n-1; the "
+            f"{feed.name} feed leaves its cache in its own position frame. Drop evict.policy.reencode, or use the "
+            "full feed (a chunked feed already re-encodes positions while it prefills)."
+        )
     check_prepared(model)
     if prompt.ids.ndim != 2 or prompt.ids.shape[0] != 1:
         raise KvsieveError(f"kvsieve runs batch size 1; got prompt ids of shape {tuple(prompt.ids.shape)}.")
@@ -179,7 +197,7 @@ def prefill(
                 )
             )
         if feed.needs_full_context:
-            _check_positions(model, ids.shape[1] + reserve, f"Decoding {reserve} new tokens")
+            _check_positions(model, _decode_positions(ids.shape[1], reserve, evict), f"Decoding {reserve} new tokens")
         feed_start = time.perf_counter()
         runs = [run for run in (state.compress, state.evict) if run is not None]
         observers = [observer for run in runs for observer in run.observers()]
@@ -203,7 +221,7 @@ def prefill(
         details = state.compress.compress(prefilled.cache, kept)
         kept = compose_kept(kept, state.compress.kept_positions)
         records.append(StageRecord("compress", compress.name, time.perf_counter() - compress_start, details))
-    evict_details = state.evict.start(prefilled.cache, kept) if state.evict is not None else {}
+    evict_details = state.evict.start(prefilled.cache, kept, model) if state.evict is not None else {}
     return Prefill(
         prefilled=prefilled,
         stages=records,

@@ -4,8 +4,11 @@ Both are frozen configuration. `begin()` returns a per-run object (`CompressRun`
 that holds what one request learns: the scores observed during the feed's last pass (post-RoPE
 queries and keys), the resolved budget, the positions kept. So one configuration serves any
 number of concurrent requests. Decoding continues from the logical position (the pipeline passes
-explicit position ids), as SnapKV and H2O do. The attention scale is head_dim ** -0.5, as in
-every supported architecture.
+explicit position ids), as SnapKV and H2O do, unless the eviction policy re-encodes positions
+(StreamingLLM's `reencode`, as in its paper): then `EvictRun` keeps every entry at its place in
+the cache in time order (0 .. n-1, by its age stamp), re-rotating the kept keys after each
+eviction, and the next token goes at position n (`EvictRun.position`). The attention scale is
+head_dim ** -0.5, as in every supported architecture.
 
 Layer by layer: after a one-pass prefill, a layer's cache is used by nobody but that layer's own
 attention, so the pipeline hands each run a `finisher` that prunes layer j as soon as its
@@ -25,12 +28,13 @@ import torch
 from transformers import Cache
 
 from kvsieve.attention import AccumulatedScores, Finisher, Observer
-from kvsieve.compress.cache import EvictionBuffer, compaction, prune_layer, resolve_budget
+from kvsieve.compress.cache import EvictionBuffer, compaction, prune_layer, rerotate_keys, resolve_budget, rotation
 from kvsieve.compress.policies.a2sf import A2SF
 from kvsieve.compress.policies.snapkv import SnapKV
 from kvsieve.compress.policy import Policy
 from kvsieve.compress.scorers import keep_indices, newest_first
 from kvsieve.errors import KvsieveError
+from kvsieve.models import architecture
 from kvsieve.spec import component, option
 
 BUDGET_HELP = "KV entries kept per layer and KV head: a count (1024) or a fraction of the prompt (0.25)"
@@ -38,6 +42,11 @@ BUDGET_HELP = "KV entries kept per layer and KV head: a count (1024) or a fracti
 
 def _scaling(query: torch.Tensor) -> float:
     return query.shape[-1] ** -0.5
+
+
+def _reencodes(policy: Policy) -> bool:
+    """Whether `policy` assigns positions by place in the cache (StreamingLLM's `reencode`)."""
+    return bool(getattr(policy, "reencode", False))
 
 
 def _check_budget(budget: int | float) -> None:
@@ -98,6 +107,12 @@ class Compress:
     def __post_init__(self) -> None:
         _check_policy(self.policy)
         _check_budget(self.budget)
+        if _reencodes(self.policy):
+            raise KvsieveError(
+                f"{self.policy.name}'s reencode places tokens by their place in the cache while decoding; it needs "
+                "the evict stage (--set evict=streaming --set evict.policy.reencode=true), not compress, which "
+                "keeps every token's position."
+            )
 
     @property
     def name(self) -> str:
@@ -186,6 +201,11 @@ class Evict:
     def name(self) -> str:
         return self.policy.name
 
+    @property
+    def reencodes(self) -> bool:
+        """Whether positions are re-encoded by place in the cache (decoding feeds at the cache length)."""
+        return _reencodes(self.policy)
+
     def begin(self) -> EvictRun:
         """A fresh per-run state for one request."""
         return EvictRun(self)
@@ -199,6 +219,10 @@ class EvictRun:
     then write and evict in place, and `stamps` (per layer, (kv_heads, n)) keep each entry's age
     since the entries are no longer in time order. On any other cache (the server's batched
     views) eviction gathers the kept entries into new tensors, in time order.
+
+    With a re-encoding policy, `positions` (per layer, (kv_heads, n)) hold each entry's RoPE
+    position, which is always its rank in time order among the live entries: after an eviction
+    the kept keys are rotated by (new rank - old position) with the model's rotary embedding.
     """
 
     config: Evict
@@ -208,6 +232,9 @@ class EvictRun:
     steps: int = 0
     stamps: dict[int, torch.Tensor] = field(default_factory=dict)
     clock: int = 0  # the stamp the next new entry gets
+    positions: dict[int, torch.Tensor] = field(default_factory=dict)  # re-encoding only
+    rotary: torch.nn.Module | None = None  # the model's rotary embedding, once re-encoding has started
+    turn: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's rotation, shared by the layers
 
     def observers(self) -> list[Observer]:
         """Observers for the feed's last pass: they start the running scores from the prompt (or last chunk)."""
@@ -217,7 +244,10 @@ class EvictRun:
         """Prune each layer of `cache` (a one-pass prefill's) to the budget right after that layer's attention."""
 
         def finish(layer: int) -> None:
-            self._resolve(cache.layers[layer].keys.shape[2])
+            keys = cache.layers[layer].keys
+            self._resolve(keys.shape[2])
+            if self.config.reencodes:  # a one-pass prefill's keys sit at positions 0 .. n-1
+                self.positions[layer] = torch.arange(keys.shape[2], device=keys.device).expand(keys.shape[1], -1)
             self._prune_layer(cache, layer)
 
         return finish
@@ -241,18 +271,39 @@ class EvictRun:
         if updated is not None:
             self.scores[layer] = updated
 
-    def start(self, cache: Cache, kept_positions: list[torch.Tensor] | None) -> dict[str, Any]:
+    def start(
+        self, cache: Cache, kept_positions: list[torch.Tensor] | None, model: torch.nn.Module | None = None
+    ) -> dict[str, Any]:
         """Align scores with a cache the feed or a compress stage already pruned, then prune to the budget.
 
         `kept_positions` (per layer, (kv_heads, n)) map the cache entries to the keys of the
         feed's last forward pass; None when the cache holds exactly those keys. Layers the
         finisher already pruned are within the budget and stay as they are.
+
+        A re-encoding policy needs `model` (its rotary embedding) and a one-pass feed, whose last
+        pass placed key i at position i (so `kept_positions` are the entries' positions): the kept
+        keys are then rotated to positions 0 .. n-1 and decoding continues at `position(cache)`.
         """
         self.scores = _align(self.scores, kept_positions)
         self._resolve(max(cache.get_seq_length(), 1))
         self.steps = 0
+        if self.config.reencodes:
+            if model is None:
+                raise KvsieveError(
+                    f"{self.config.name} with reencode rotates the cached keys with the model's rotary embedding; "
+                    "pass the model to EvictRun.start (kvsieve.prefill and kvsieve.run do)."
+                )
+            for layer, entry in enumerate(cache.layers):
+                if layer not in self.positions:  # the finisher's layers have theirs
+                    heads, n = entry.keys.shape[1], entry.keys.shape[2]
+                    everything = torch.arange(n, device=entry.keys.device).expand(heads, n)
+                    self.positions[layer] = everything if kept_positions is None else kept_positions[layer]
         for layer in range(len(cache.layers)):
             self._prune_layer(cache, layer)
+        if self.config.reencodes:
+            self.rotary = architecture(model).rotary_emb
+            for layer in range(len(cache.layers)):
+                self._reencode(cache, layer)
         _, note = resolve_budget(self.config.budget, self.total)
         details = {
             "evict": self.config.name,
@@ -271,8 +322,17 @@ class EvictRun:
             self.stamps[layer] = torch.arange(length, device=entry.keys.device).expand(entry.keys.shape[1], -1)
         self.clock = cache.get_seq_length()
 
+    def position(self, cache: Cache, logical: int) -> int:
+        """The position of the next token fed on `cache`: its length when re-encoding, else `logical`."""
+        return cache.get_seq_length() if self.config.reencodes else logical
+
     def after_step(self, cache: Cache) -> None:
         self.steps += 1
+        self.turn = None
+        for layer, placed in self.positions.items():  # the new entries sit at the old length, ...
+            n = cache.layers[layer].keys.shape[2]
+            new = torch.arange(placed.shape[1], n, device=placed.device)
+            self.positions[layer] = torch.cat([placed, new.expand(placed.shape[0], -1)], 1)
         if self.stamps:
             added = cache.get_seq_length() - self.stamps[0].shape[1]
             new = torch.arange(self.clock, self.clock + added, device=self.stamps[0].device)
@@ -297,8 +357,11 @@ class EvictRun:
         if not isinstance(entry, EvictionBuffer):
             indices = keep_indices(scores, self.budget, sinks, recent)
             prune_layer(cache, layer, indices)
-            if layer in self.scores:
-                self.scores[layer] = scores.gather(1, indices)
+            for tracked in (self.scores, self.positions):
+                if layer in tracked:
+                    tracked[layer] = tracked[layer].gather(1, indices)
+            if self.rotary is not None:
+                self._reencode(cache, layer)
             return
         # In place: drop the n - budget lowest-scored unprotected entries, the oldest among equal
         # scores (exactly keep_indices' complement).
@@ -310,8 +373,35 @@ class EvictRun:
         sources, targets = compaction(victims, n)
         entry.move(sources, targets)
         entry.truncate(self.budget)
-        for tracked in (self.scores, self.stamps):
+        for tracked in (self.scores, self.stamps, self.positions):
             if layer in tracked:
                 moved = tracked[layer].contiguous()  # this run's own tensor (made by the step's scoring)
                 moved.scatter_(1, targets, moved.gather(1, sources))
                 tracked[layer] = moved[:, : self.budget]
+        if self.rotary is not None:
+            self._reencode(cache, layer)
+
+    def _reencode(self, cache: Cache, layer: int) -> None:
+        """Rotate `layer`'s keys to their places in time order, 0 .. n-1 per KV head (StreamingLLM's positions).
+
+        In a buffer the time order is the order of the entries' stamps; elsewhere the entries are in it.
+        """
+        entry = cache.layers[layer]
+        heads, n = entry.keys.shape[1], entry.keys.shape[2]
+        if isinstance(entry, EvictionBuffer):
+            places = self.stamps[layer].argsort(dim=1).argsort(dim=1)
+        else:
+            places = torch.arange(n, device=entry.keys.device).expand(heads, n)
+        delta = places - self.positions[layer]
+        # In buffers a position-only policy's layers hold the same stamps and positions (both start
+        # as 0 .. n-1 and every layer evicts the same entries), so they move by the same deltas:
+        # one rotation per step serves every layer.
+        shared = isinstance(entry, EvictionBuffer) and self.config.policy.position_only
+        if not shared or self.turn is None:
+            self.turn = rotation(delta, self.rotary)
+        rotated = rerotate_keys(entry.keys, delta, self.rotary, self.turn)
+        if isinstance(entry, EvictionBuffer):
+            entry.keys.copy_(rotated)  # a view of the buffer
+        else:
+            entry.keys = rotated  # a new tensor: one that others may share is never changed
+        self.positions[layer] = places

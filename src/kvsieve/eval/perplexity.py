@@ -27,6 +27,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvsieve.attention import attention_hooks
 from kvsieve.decode import extend
+from kvsieve.decode import step as decode_step
 from kvsieve.errors import KvsieveError
 from kvsieve.eval import records
 from kvsieve.eval.methods import check_lengths
@@ -55,9 +56,8 @@ def continuation_nll(model: PreTrainedModel, ids: torch.Tensor, context_len: int
             logits.append(extend(model, cache, targets[None, :-1], position, logits_to_keep=tokens - 1))
         elif tokens > 1:
             with attention_hooks(observers=evict.step_observers()):
-                for step in range(tokens - 1):
-                    logits.append(extend(model, cache, targets[None, step : step + 1], position + step))
-                    evict.after_step(cache)
+                for i in range(tokens - 1):
+                    logits.append(decode_step(model, cache, targets[None, i : i + 1], position + i, evict)[None])
         nll = torch.nn.functional.cross_entropy(torch.cat(logits).float(), targets).item()
     return {
         "nll": nll,

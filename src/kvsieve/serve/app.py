@@ -91,6 +91,16 @@ class _Events:
                     raise _ClientGone from None
 
 
+def check_servable(spec: MethodSpec) -> None:
+    """Refuse what the batched decoding cannot honour: it feeds every row at its logical position,
+    so an eviction that re-encodes positions (StreamingLLM's reencode) would be silently wrong."""
+    if spec.evict is not None and spec.evict.reencodes:
+        raise KvsieveError(
+            f"Method '{spec.name}': the server's batched decoding keeps logical positions, so it cannot re-encode "
+            "them as StreamingLLM's reencode asks; set evict.policy.reencode=false here, or use kvsieve generate."
+        )
+
+
 def create_app(
     engine: Engine,
     tokenizer: PreTrainedTokenizerBase,
@@ -99,6 +109,7 @@ def create_app(
     upstream: Upstream | None = None,
 ) -> FastAPI:
     """The ASGI app. The engine thread starts with the app (lifespan) and stops with it."""
+    check_servable(config.default_spec)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -363,7 +374,9 @@ def create_app(
         """The request's method: its `kvsieve.method` (or the server's) with `kvsieve.set` applied."""
         try:
             base = lookup_method(options.method) if options.method is not None else config.default_spec
-            return base.with_settings(options.set)
+            spec = base.with_settings(options.set)
+            check_servable(spec)
+            return spec
         except KvsieveError as error:
             raise ApiError(400, str(error), param="kvsieve", code="invalid_method") from None
 
