@@ -55,6 +55,13 @@ register(
     MethodSpec("gemfilter", "GemFilter: early-layer selection of k tokens, then a short prefill", select=GemFilter())
 )
 register(MethodSpec("critiprefill", "CritiPrefill: block-sparse prefill attention", attention=CritiPrefill()))
+register(
+    MethodSpec(
+        "critiprefill-code",
+        "CritiPrefill as its reference code runs it: budget 2048, fusion 0.75 on the current layer, dense below 4096",
+        attention=CritiPrefill(budget=2048, alpha=0.75, dense_prefix=4096),
+    )
+)
 register(MethodSpec("fm", "chunked prefill with a fixed-size memory (IMDC's FM baseline)", feed=ChunkedPrefill()))
 register(MethodSpec("im", "chunked prefill, incremental memory (IM)", feed=ChunkedPrefill(schedule="linear")))
 register(
