@@ -129,28 +129,39 @@ def merge(files: list[Path], out: Path, window: int, per_token: bool) -> dict:
         for name, run in document["runs"].items():
             if "nll" in run:
                 run["summary"] = summary(run["nll"], window)
-                if not per_token:
-                    run = {k: v for k, v in run.items() if k != "nll"}
             merged["runs"][name] = run
+    streams = {n: r["nll"] for n, r in merged["runs"].items() if "nll" in r and n != "full"}
+    if len(streams) > 1:  # the same tokens for every stream: perplexity over what all have scored
+        count = min(len(nll) for nll in streams.values())
+        ppl = {n: math.exp(sum(nll[:count]) / count) for n, nll in streams.items()}
+        merged["common"] = {"tokens": count, "ppl": ppl}
+    if not per_token:
+        merged["runs"] = {n: {k: v for k, v in r.items() if k != "nll"} for n, r in merged["runs"].items()}
     write(out, merged)
     return merged
 
 
 def table(document: dict) -> str:
-    """A markdown table: perplexity per window (rows) and configuration (columns)."""
+    """A markdown table: perplexity per window (rows) and configuration (columns); a window the
+    stream ended inside shows how many tokens it scored."""
     runs = document["runs"]
     names = list(runs)
-    starts = sorted({(w["start"], w["end"]) for r in runs.values() for w in r["summary"]["windows"]})
+    size = document["window"]
+    starts = sorted({w["start"] for r in runs.values() for w in r["summary"]["windows"]})
     lines = ["| tokens | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
-    for start, end in starts:
+    for start in starts:
         cells = []
         for name in names:
-            hit = [w for w in runs[name]["summary"]["windows"] if (w["start"], w["end"]) == (start, end)]
-            partial = hit and end - start < document["window"]  # the stream ended inside it
+            hit = [w for w in runs[name]["summary"]["windows"] if w["start"] == start]
+            partial = hit and hit[0]["end"] - start < size  # the stream ended inside it
             cells.append(f"{hit[0]['ppl']:.2f}" + (f" ({hit[0]['tokens']} tokens)" if partial else "") if hit else "")
-        lines.append(f"| {start}-{end} | " + " | ".join(cells) + " |")
+        lines.append(f"| {start}-{start + size} | " + " | ".join(cells) + " |")
     lines.append("| all scored | " + " | ".join(f"{runs[n]['summary']['ppl']:.2f}" for n in names) + " |")
     lines.append("| tokens scored | " + " | ".join(str(runs[n]["summary"]["tokens_scored"]) for n in names) + " |")
+    common = document.get("common")
+    if common:
+        cells = " | ".join(f"{common['ppl'][n]:.2f}" if n in common["ppl"] else "" for n in names)
+        lines.append(f"| tokens 1-{common['tokens']} (scored by all) | {cells} |")
     return "\n".join(lines)
 
 
