@@ -69,7 +69,9 @@ def main() -> None:
     parser.add_argument("--probe", default="needle", choices=["needle", "passkey"], help="probe kind")
     parser.add_argument("--capture", type=int, default=512, help="last queries recorded per layer (default 512)")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="answer length limit (default 48)")
-    parser.add_argument("--out", type=Path, default=Path("runs/study/kv_policy_grid.json"), help="result JSON")
+    parser.add_argument(
+        "--out", type=Path, default=Path("runs/study/kv_policy_grid.json"), help="result JSON (rerunning resumes it)"
+    )
     args = parser.parse_args()
 
     names = args.settings.split(",")
@@ -83,10 +85,14 @@ def main() -> None:
             _, first = accumulation_weights(float(policy.step_alpha), min(lengths))
             if min(lengths) - first > args.capture:
                 raise SystemExit(f"{name}: its weights reach {min(lengths) - first} queries back; raise --capture.")
-    rows = []
+    rows = json.loads(args.out.read_text())["rows"] if args.out.exists() else []  # resume
+    done = {(r["setting"], r["length"], r["depth"]) for r in rows}
     sampling = Sampling(args.max_new_tokens)
     for n in lengths:
         for d in tqdm(depths, desc=f"{args.probe} {n}", unit="case"):
+            todo = {name: spec for name, spec in specs.items() if (name, n, d) not in done}
+            if not todo:
+                continue
             case, prompt = prompt_case(tokenizer, args.probe, n, d)
             queries: dict[int, torch.Tensor] = {}
 
@@ -97,7 +103,7 @@ def main() -> None:
             with torch.no_grad(), attention_hooks(last_pass=[capture]):
                 prefilled = FullPrefill().prefill(model, prompt.ids.to(model.device), cache=cache)
             keys = [layer.keys for layer in prefilled.cache.layers]
-            for name, spec in specs.items():
+            for name, spec in todo.items():
                 stage = spec.compress or spec.evict
                 run = stage.begin()
                 run.scores = prompt_scores(stage.policy, queries, keys)
@@ -134,7 +140,7 @@ def main() -> None:
             args.out.write_text(json.dumps({"probe": args.probe, "rows": rows}, indent=1))
     print(f"{'setting':<36} {'hits':>6} {'ROUGE-1':>8}")
     for name in names:
-        mine = [r for r in rows if r["setting"] == name]
+        mine = [r for r in rows if r["setting"] == name and r["length"] in lengths and r["depth"] in depths]
         hits = sum(r["hit"] for r in mine)
         print(f"{name:<36} {hits:>3}/{len(mine):<2} {sum(r['rouge1'] for r in mine) / len(mine):>8.3f}")
     print(f"Saved {args.out}")

@@ -254,6 +254,8 @@ def test_budget_fractions_and_errors():
             resolve_budget(bad, 100)
     with pytest.raises(KvsieveError, match="alpha"):
         A2SF(alpha=1.5)
+    with pytest.raises(KvsieveError, match="odd"):
+        A2SF(kernel=4)
     with pytest.raises(KvsieveError, match="window 32 exceeds the budget 16"):
         SnapKV().protected(16)
     with pytest.raises(KvsieveError, match="odd"):

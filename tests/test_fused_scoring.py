@@ -89,10 +89,13 @@ def test_block_memory_is_bounded(monkeypatch):
     assert max(s.numel() for s in shapes) <= 6 * 200 * 10 and len(shapes) == 20
 
 
-@pytest.mark.parametrize("policy", [H2O(), A2SF(alpha=0.5)], ids=["h2o", "a2sf"])
+@pytest.mark.parametrize(
+    "policy", [H2O(), A2SF(alpha=0.5), A2SF(alpha=0.5, kernel=5)], ids=["h2o", "a2sf", "a2sf-pooled"]
+)
 @pytest.mark.parametrize("stage", ["compress", "evict"])
 def test_prefill_takes_scores_from_its_own_attention(make_model, monkeypatch, policy, stage):
-    """No second pass over the prompt, and the stored scores are the reference's."""
+    """No second pass over the prompt, and the stored scores are the reference's (pooled once when
+    the policy pools its prompt scores)."""
     model = make_model("qwen2", num_layers=3)
     prompt = make_prompt(60)
     seen = {}
@@ -100,26 +103,32 @@ def test_prefill_takes_scores_from_its_own_attention(make_model, monkeypatch, po
         model(input_ids=prompt.ids)
     second_passes = []
     real = accumulated_attention
-    monkeypatch.setattr(policy.__class__, "prompt_scores", lambda self, *a: second_passes.append(a))
+    for second_pass in ("prompt_scores", "accumulated_scores"):
+        monkeypatch.setattr(policy.__class__, second_pass, lambda self, *a: second_passes.append(a))
     budget = 1000  # covers the prompt: the scores stay aligned with the prompt's keys
     done = prefill(model, prompt, **{stage: (Compress if stage == "compress" else Evict)(policy, budget)})
     assert second_passes == []
     scores = getattr(done.state, stage).scores
     for layer, (query, key) in seen.items():
         expected = real(query, key, query.shape[-1] ** -0.5, policy.step_alpha)
+        if getattr(policy, "kernel", 1) > 1:
+            expected = F.avg_pool1d(expected[:, None], policy.kernel, stride=1, padding=policy.kernel // 2)[:, 0]
         torch.testing.assert_close(scores[layer], expected, atol=1e-5, rtol=1e-5)
 
 
-def test_decoding_rows_come_from_the_step_attention(make_model, monkeypatch):
+@pytest.mark.parametrize("kernel", [1, 5])
+def test_decoding_rows_come_from_the_step_attention(make_model, monkeypatch, kernel):
     """The per-step rule (eq. 6) gets the step's attention row from the step itself; the tokens and
-    scores equal the reference observer's (which computes the row in a second pass)."""
+    scores equal the reference observer's (which computes the row in a second pass). Pooling
+    applies to the prompt scores only, never to a step's row."""
     model = make_model("llama", num_layers=2)
     prompt = make_prompt(40)
-    fused = run(model, FakeTokenizer(), prompt, evict=Evict(A2SF(alpha=0.5), 24), sampling=Sampling(8))
+    policy = A2SF(alpha=0.5, kernel=kernel)
+    fused = run(model, FakeTokenizer(), prompt, evict=Evict(policy, 24), sampling=Sampling(8))
     monkeypatch.setattr(
         "kvsieve.compress.stages.EvictRun.step_observers", lambda self: [self.observe]
     )  # the plain observer: a second QK^T per step
-    plain = run(model, FakeTokenizer(), prompt, evict=Evict(A2SF(alpha=0.5), 24), sampling=Sampling(8))
+    plain = run(model, FakeTokenizer(), prompt, evict=Evict(policy, 24), sampling=Sampling(8))
     assert fused.tokens == plain.tokens
     for layer in range(2):
         torch.testing.assert_close(fused.state.evict.scores[layer], plain.state.evict.scores[layer])

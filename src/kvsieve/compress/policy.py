@@ -50,8 +50,16 @@ class Policy:
         """(kv_heads, n) scores of the keys (kv_heads, n, d) from queries (h, q, d), the last q of n
         positions; None for position-only policies. Accumulating policies: A2SF eq. 5 with step_alpha."""
         if self.accumulates:
-            return accumulated_attention(query, key, scaling, alpha=float(self.step_alpha))
+            return self.pool_prompt(self.accumulated_scores(query, key, scaling))
         return None
+
+    def accumulated_scores(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+        """A2SF eq. 5 with step_alpha, before any pooling; for one query (a decoding step) its attention row."""
+        return accumulated_attention(query, key, scaling, alpha=float(self.step_alpha))
+
+    def pool_prompt(self, scores: torch.Tensor) -> torch.Tensor:
+        """What an accumulating policy does to its prompt scores (kv_heads, n) before they rank: nothing here."""
+        return scores
 
     def step_scores(
         self, previous: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor, scaling: float

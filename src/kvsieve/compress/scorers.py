@@ -41,6 +41,15 @@ def check_kernel(kernel: int) -> None:
         raise KvsieveError(f"Pooling kernel must be an odd whole number >= 1, got {kernel!r}.")
 
 
+def pool_scores(scores: torch.Tensor, kernel: int, pool: str = "avg") -> torch.Tensor:
+    """Pool (kv_heads, n) scores along the tokens (kernel, stride 1, zero padding), so a token
+    scores with its neighbours and a kept span stays whole; kernel 1 returns them unchanged."""
+    if kernel == 1:
+        return scores
+    pooling = F.avg_pool1d if pool == "avg" else F.max_pool1d
+    return pooling(scores[:, None], kernel_size=kernel, stride=1, padding=kernel // 2)[:, 0]
+
+
 def window_attention(
     query: torch.Tensor, key: torch.Tensor, scaling: float, window: int, kernel: int = 5, pool: str = "avg"
 ) -> torch.Tensor:
@@ -53,9 +62,8 @@ def window_attention(
     window = min(window, n, query.shape[1])
     probs = attention_probs(query[:, -window:], key, scaling)  # (h, w, n)
     votes = per_kv_head(probs.sum(1), key.shape[0])[:, : n - window]  # (g, n - w)
-    if n > window and kernel > 1:
-        pooling = F.avg_pool1d if pool == "avg" else F.max_pool1d
-        votes = pooling(votes[:, None], kernel_size=kernel, stride=1, padding=kernel // 2)[:, 0]
+    if n > window:
+        votes = pool_scores(votes, kernel, pool)
     return torch.cat([votes, votes.new_full((key.shape[0], window), float("inf"))], dim=1)
 
 

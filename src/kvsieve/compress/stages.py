@@ -88,7 +88,11 @@ def score_observers(policy: Policy, into: dict[int, torch.Tensor]) -> list[Obser
     if policy.position_only:
         return []
     if policy.accumulates:
-        return [AccumulatedScores(float(policy.step_alpha), into.__setitem__, policy.prompt_scores)]
+
+        def receive(layer: int, scores: torch.Tensor) -> None:
+            into[layer] = policy.pool_prompt(scores)
+
+        return [AccumulatedScores(float(policy.step_alpha), receive, policy.accumulated_scores)]
 
     def score(layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
         into[layer] = policy.prompt_scores(query[0], key[0], _scaling(query))
@@ -259,7 +263,7 @@ class EvictRun:
         if policy.position_only:
             return []
         if policy.accumulates:
-            return [AccumulatedScores(1.0, self._accumulate, policy.prompt_scores)]
+            return [AccumulatedScores(1.0, self._accumulate, policy.accumulated_scores)]
         return [self.observe]
 
     def _accumulate(self, layer: int, row: torch.Tensor) -> None:
