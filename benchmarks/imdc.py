@@ -1,7 +1,7 @@
 """FM vs IM vs IMDC (papers/imdc.md) on the default model: perplexity and passkey retrieval.
 
     python benchmarks/imdc.py --ppl-length 16384 --passkey-length 16384 --chunk 1024 --memory 1024 \\
-        --schedule linear --pruner snapkv --out runs/imdc.json
+        --schedule linear --pruner collie --out runs/imdc.json
 
 Speed and peak memory are measured by `kvsieve bench --methods fm,im,imdc --baseline fm` (one
 process per run, configurations interleaved, ratios within a repeat).
@@ -99,8 +99,12 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=1024)
     parser.add_argument("--memory", type=int, default=1024)
     parser.add_argument("--schedule", default="linear", help="IM / IMDC memory schedule")
-    parser.add_argument("--pruner", default="snapkv", help="snapkv, streaming, a2sf, h2o, local")
-    parser.add_argument("--window", type=int, default=32, help="SnapKV observation window")
+    parser.add_argument(
+        "--pruner",
+        default=ChunkedPrefill().pruner.name,
+        help="collie (the chunked feeds' default, the IMDC authors' pruner), snapkv, streaming, a2sf, h2o, local",
+    )
+    parser.add_argument("--window", type=int, default=32, help="SnapKV observation window (--pruner snapkv only)")
     parser.add_argument("--model", help="local model folder or .gguf (default: embedded SmolLM2)")
     parser.add_argument("--out", type=Path, default=Path("runs/imdc.json"))
     args = parser.parse_args()

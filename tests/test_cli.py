@@ -271,7 +271,7 @@ def test_generate_with_chunked_feeds_beyond_the_context(capsys, tmp_path, passke
     result = json.loads(out)
     feed = next(s for s in result["stages"] if s["stage"] == "feed")
     assert code == 0 and len(result["tokens"]) > 0
-    assert feed["method"] == "imdc" and feed["details"]["pruner"] == "snapkv" and feed["details"]["steps"] == 5
+    assert feed["method"] == "imdc" and feed["details"]["pruner"] == "collie" and feed["details"]["steps"] == 5
     assert result["prefill_kv_length"] == 4 + 128 and feed["details"]["max_position"] < 4 + 128 + 2 * 160
 
 

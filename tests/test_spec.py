@@ -91,8 +91,9 @@ def test_bad_spec_documents_are_refused():
 def test_fields_describe_every_path_with_default_and_help():
     infos = {f.path: f for f in method("imdc").fields()}
     assert infos["feed.chunk"].default == 1024 and "chunk size" in infos["feed.chunk"].help
-    assert infos["feed.pruner"].default == "snapkv" and "tova" in infos["feed.pruner"].type
-    assert infos["feed.pruner.window"].default == 32
+    assert infos["feed.pruner"].default == "collie" and "tova" in infos["feed.pruner"].type
+    assert infos["feed.pruner.kernel"].default == 5 and infos["feed.pruner.sinks"].default == 4
+    assert "feed.pruner.window" in {f.path for f in method("imdc", {"feed.pruner": "snapkv"}).fields()}
     assert method("snapkv").has("compress.policy.window") and not method("h2o").has("compress.budget")
     assert not method("snapkv").has("compress.policy.alpha") and method("h2o").has("attention")
 

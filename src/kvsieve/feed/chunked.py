@@ -31,7 +31,7 @@ is the share of that provisional memory that came from the previous memory (aver
 heads), and eq. 3 then sets m_i^j = p_j / sum(p) * N * b_i^j before the real pruning. The total
 over the layers is linear's; one layer can hold more than m_max.
 
-A memory smaller than the pruner's protected tail (SnapKV's window early in IM) keeps the most
+A memory smaller than the pruner's protected tail (a SnapKV window early in IM) keeps the most
 recent tokens of that tail.
 
 Peak memory is bounded by the schedule, not the prompt length: the model holds at most
@@ -51,7 +51,6 @@ from transformers import Cache, DynamicCache, PreTrainedModel
 from kvsieve.attention import AccumulatedScores, Observer, attention_hooks
 from kvsieve.compress.cache import prune_layer, rerotate_keys, rotate_half
 from kvsieve.compress.policies.collie import Collie
-from kvsieve.compress.policies.snapkv import SnapKV
 from kvsieve.compress.policy import Policy
 from kvsieve.compress.scorers import accumulated_attention, keep_indices
 from kvsieve.errors import KvsieveError
@@ -131,9 +130,13 @@ class ChunkedPrefill:
     schedule: "fixed" (FM) or an incremental one (IM): "linear" (eq. 1), "sqrt" (eq. 9),
         "square" (eq. 8), "square-sqrt" (appendix A.1, per layer), "adaptive" (eq. 2-3, per layer).
     decremental: IMDC's decremental chunk (eq. 7); needs an incremental schedule.
-    pruner: the KV policy that scores memory + chunk: SnapKV (window attention of the chunk's
-        last queries, pooled), A2SF / H2O (accumulated attention of the chunk's queries),
-        TOVA (the chunk's last query), KNorm (key norms), StreamingLLM / LocalWindow (recency).
+    pruner: the KV policy that scores memory + chunk: by default Collie, the IMDC authors' own
+        pruner (every query of the chunk votes, pooled after the sinks, divided by how many queries
+        see the key; its column sums come out of the chunk's attention pass, so it costs no second
+        pass); or SnapKV (window attention of the chunk's last queries, pooled, window kept),
+        A2SF / H2O (accumulated attention of the chunk's queries), TOVA (the chunk's last query),
+        KNorm (key norms), StreamingLLM / LocalWindow (recency). docs/STUDIES.md ("Chunked feeds:
+        the authors' pruner") has the measurements that made Collie the default.
     sinks: first tokens always kept, outside the memory budget (4 in the paper).
     trace: record, per step and layer, the prompt index and position of every attention key in
         the history (tests, or the paper's memory maps of Figures 1b and 6); off by default, as it
@@ -156,7 +159,9 @@ class ChunkedPrefill:
     )
     decremental: bool = option(False, "IMDC's decremental chunks (eq. 7); needs an incremental schedule")
     pruner: Policy = option(
-        help="the KV policy that prunes memory + chunk at every step", kind="policy", factory=SnapKV
+        help="the KV policy that prunes memory + chunk at every step (default: the IMDC authors' collie)",
+        kind="policy",
+        factory=Collie,
     )
     sinks: int = option(4, "first tokens always kept, outside the memory (paper 4)")
     trace: bool = option(False, "record every step's key positions in the history (tests, memory maps)")
