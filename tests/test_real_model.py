@@ -7,6 +7,7 @@ from conftest import word_level_tokenizer
 from kvsieve import GemFilter, Sampling, generate, load_model, method
 from kvsieve.data import passkey_case
 from kvsieve.models import converted_default_dir
+from kvsieve.prompt import build_prompt
 
 pytestmark = pytest.mark.real_model  # `smollm` (conftest): the default model, loaded offline once
 
@@ -46,18 +47,27 @@ def test_needle_answered_with_critiprefill(smollm):
     assert contains(result.text, case.answer)
 
 
-def test_passkey_beyond_the_trained_context_with_imdc(smollm):
-    """A 9K-token prompt (beyond SmolLM2's 8192 positions) through IMDC with a SnapKV pruner.
+def test_imdc_default_retrieves_a_key_in_its_last_chunk_beyond_the_trained_context(smollm):
+    """IMDC as shipped (chunk 1024, memory 1024, the default pruner, no tuned window) on an 8.3K-token
+    prompt, beyond SmolLM2's 8192 positions, with the key in the final chunk.
 
-    SmolLM2-135M loses keys that lie before the last chunk with every pruner tried, and with SnapKV's
-    32-token window the scattered memory garbles even a last-chunk key (docs/STUDIES.md). A 512-token
-    window keeps the recent half of the memory intact; the key sits in the last chunk.
+    This is what IMDC guarantees with this 135M model, and no more: docs/STUDIES.md ("Chunked feeds:
+    the authors' pruner (Collie ConvPruner) vs SnapKV") measured that keys lying before the last chunk
+    are lost by both pruners (passkeys at 4K, 16K, 64K; the needle grid hits only at depth 1), so the
+    test checks the last chunk, read through a memory of the rest and re-encoded positions. That the
+    key is in the last chunk comes from the feed's own plan, not from the depth alone.
     """
     model, tokenizer = smollm
-    case = passkey_case(tokenizer, 9000, 0.97, seed=7)
-    spec = method("imdc", {"feed.memory": 1024, "feed.pruner.window": 512})
+    case = passkey_case(tokenizer, 8300, 0.97, seed=7)
+    prompt = build_prompt(tokenizer, case.context, case.question)
+    key_at = prompt.context_start + len(
+        tokenizer(case.context[: case.needle_start], add_special_tokens=False)["input_ids"]
+    )
+    spec = method("imdc")
+    chunks, _ = spec.feed.plan(prompt.length, model.config.num_hidden_layers)
+    assert prompt.length > 8192 and prompt.length - chunks[-1] <= key_at < prompt.length
     result = generate(model, tokenizer, case.context, case.question, method=spec, sampling=Sampling(16))
-    assert result.prompt_tokens > 8192 and result.stages[0].details["max_position"] < 4096
+    assert result.prompt_tokens == prompt.length and result.stages[0].details["max_position"] < 4096
     assert case.answer in result.text
 
 
