@@ -10,13 +10,15 @@ from kvsieve import REGISTRY, TOVA, CritiPrefill, Evict, KvsieveError, MethodSpe
 from kvsieve.select.gemfilter import GemFilter
 from kvsieve.spec import component, components, parse_settings
 
-EXPECTED = ["full", "gemfilter", "critiprefill", "fm", "im", "imdc", "snapkv", "h2o", "a2sf"]
+EXPECTED = ["full", "gemfilter", "critiprefill", "critiprefill-code", "fm", "im", "imdc", "snapkv", "h2o", "a2sf"]
 EXPECTED += ["streaming", "local", "tova", "knorm", "gemfilter-critiprefill", "gemfilter-snapkv"]
 
 
-def test_registry_holds_the_fifteen_methods_with_their_stages():
+def test_registry_holds_the_sixteen_methods_with_their_stages():
     assert list(REGISTRY) == EXPECTED
     assert method("gemfilter").select.k == 1024 and method("critiprefill").attention == CritiPrefill()
+    code = method("critiprefill-code").attention  # the reference code's run scripts
+    assert (code.budget, code.alpha, code.dense_prefix) == (2048, 0.75, 4096)
     assert method("imdc").feed.decremental and method("imdc").feed.schedule == "linear"
     assert method("fm").feed.schedule == "fixed" and not method("fm").feed.decremental
     assert method("snapkv").compress.policy == SnapKV() and method("snapkv").evict is None
