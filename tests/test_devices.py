@@ -95,7 +95,8 @@ def test_covering_budget_reproduces_full_attention_in_every_dtype(name, dtype, s
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gemfilter_selection_equals_a_float64_reference_in_every_dtype(dtype, single_thread):
     model, prompt = model_in(dtype, arch="mistral"), make_prompt(120, tail_len=5)
-    spec = method("gemfilter", {"select.k": 40, "select.layer": 1})
+    paper = {"select.queries": 1, "select.softmax": False, "select.block": 1}  # the last query's raw scores
+    spec = method("gemfilter", {"select.k": 40, "select.layer": 1, **paper})
     selected = spec.select.select(model, prompt).indices
     query, keys = filter_layer_qk(model, prompt.ids, 1)  # the model's own post-RoPE q/k in its dtype
     query = query[:, -1]
