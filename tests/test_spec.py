@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvsieve import REGISTRY, TOVA, CritiPrefill, Evict, KvsieveError, MethodSpec, SnapKV, method
+from kvsieve import A2SF, REGISTRY, TOVA, CritiPrefill, Evict, KvsieveError, MethodSpec, SnapKV, method
 from kvsieve.select.gemfilter import GemFilter
 from kvsieve.spec import component, components, parse_settings
 
@@ -24,7 +24,9 @@ def test_registry_holds_the_sixteen_methods_with_their_stages():
     assert (code.budget, code.alpha, code.dense_prefix) == (2048, 0.75, 4096)
     assert method("imdc").feed.decremental and method("imdc").feed.schedule == "linear"
     assert method("fm").feed.schedule == "fixed" and not method("fm").feed.decremental
-    assert method("snapkv").compress.policy == SnapKV() and method("snapkv").evict is None
+    assert method("snapkv").compress.policy == SnapKV(kernel=63) and method("snapkv").evict is None
+    assert method("a2sf").evict.policy == A2SF(alpha=0.9, kernel=63)  # the needle study's choice
+    assert (SnapKV().kernel, A2SF().alpha, A2SF().kernel) == (5, 0.2, 1)  # the classes keep the papers' values
     assert method("h2o").evict.policy.name == "h2o" and method("h2o").compress is None
     assert method("tova").evict.policy == TOVA()
     both = method("gemfilter-critiprefill")  # measured with the paper's scoring

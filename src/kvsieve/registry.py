@@ -86,9 +86,21 @@ register(
         feed=ChunkedPrefill(schedule="linear", decremental=True, pruner=Collie()),
     )
 )
-register(MethodSpec("snapkv", "SnapKV: compress once after prefill", compress=Compress(SnapKV())))
+register(
+    MethodSpec(
+        "snapkv",
+        "SnapKV: compress once after prefill (votes pooled over 63 tokens)",
+        compress=Compress(SnapKV(kernel=63)),
+    )
+)
 register(MethodSpec("h2o", "H2O: heavy hitters + recent half, evicting every step", evict=Evict(H2O())))
-register(MethodSpec("a2sf", "A2SF: accumulated attention with forgetting factor, every step", evict=Evict(A2SF())))
+register(
+    MethodSpec(
+        "a2sf",
+        "A2SF: accumulated attention with forgetting factor 0.9, prompt scores pooled over 63 tokens, every step",
+        evict=Evict(A2SF(alpha=0.9, kernel=63)),
+    )
+)
 register(MethodSpec("streaming", "StreamingLLM: sinks + recent window, every step", evict=Evict(StreamingLLM())))
 register(MethodSpec("local", "local window: the newest tokens, every step", evict=Evict(LocalWindow())))
 register(MethodSpec("tova", "TOVA: the newest query's attention, every step", evict=Evict(TOVA())))
