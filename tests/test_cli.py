@@ -341,7 +341,7 @@ def test_methods_lists_the_registry_with_every_field(capsys):
         "dense_prefix": 0,
     }
     code, out, _ = run_cli(capsys, "methods")
-    assert code == 0 and "compress.policy.window = 32" in out and "evict.policy.alpha = 0.9" in out
+    assert code == 0 and "compress.policy.window = 32" in out and "evict.policy.alpha = 0.2" in out
 
 
 def test_help_lists_every_methods_fields(capsys):

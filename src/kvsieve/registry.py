@@ -94,13 +94,7 @@ register(
     )
 )
 register(MethodSpec("h2o", "H2O: heavy hitters + recent half, evicting every step", evict=Evict(H2O())))
-register(
-    MethodSpec(
-        "a2sf",
-        "A2SF: accumulated attention with forgetting factor 0.9, prompt scores pooled over 63 tokens, every step",
-        evict=Evict(A2SF(alpha=0.9, kernel=63)),
-    )
-)
+register(MethodSpec("a2sf", "A2SF: accumulated attention with forgetting factor, every step", evict=Evict(A2SF())))
 register(MethodSpec("streaming", "StreamingLLM: sinks + recent window, every step", evict=Evict(StreamingLLM())))
 register(MethodSpec("local", "local window: the newest tokens, every step", evict=Evict(LocalWindow())))
 register(MethodSpec("tova", "TOVA: the newest query's attention, every step", evict=Evict(TOVA())))
