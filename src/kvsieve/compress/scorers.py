@@ -139,9 +139,8 @@ def visible_mean(sums: torch.Tensor, q_len: int, kernel: int = 5, sinks: int = 0
     sums = sums.float()
     n = sums.shape[1]
     first = min(sinks, n)
-    if kernel > 1 and n > first:
-        pooled = F.avg_pool1d(sums[:, None, first:], kernel_size=kernel, stride=1, padding=kernel // 2)[:, 0]
-        sums = torch.cat([sums[:, :first], pooled], dim=1)
+    if n > first:
+        sums = torch.cat([sums[:, :first], pool_scores(sums[:, first:], kernel)], dim=1)
     return sums / visible_counts(q_len, n, sums.device)
 
 
