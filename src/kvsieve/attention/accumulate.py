@@ -79,9 +79,15 @@ def accumulating_attention(
     n_rep = heads // kv_heads
     scale = dim**-0.5 if scaling is None else scaling
     device = query.device
+    compute = torch.promote_types(query.dtype, torch.float32)
+    if q_len == 1:  # a decoding step: its attention row is every alpha's score (weight alpha^0 = 1)
+        grouped_row = query[0].reshape(kv_heads, n_rep, dim).to(compute) * scale
+        probs = torch.bmm(grouped_row, key[0].transpose(1, 2).to(compute)).softmax(-1)  # (g, n_rep, n)
+        out = torch.bmm(probs, value[0].to(compute)).view(1, heads, 1, dim).to(query.dtype)
+        row = probs.sum(1).float()
+        return out, [row] + [row.clone() for _ in alphas[1:]]
     plans = [accumulation_weights(alpha, q_len) for alpha in alphas]
     first = min(start for _, start in plans)
-    compute = torch.promote_types(query.dtype, torch.float32)
     totals = [torch.zeros(kv_heads, n, dtype=compute, device=device) for _ in alphas]
     out = torch.empty_like(query)
     if first > 0:  # rows that no score needs: plain SDPA over the keys they see

@@ -343,8 +343,11 @@ class EvictRun:
             self.stamps = {j: torch.cat([s, new.expand(s.shape[0], -1)], 1) for j, s in self.stamps.items()}
             self.clock += added
         if self.steps % self.config.interval == 0:
-            for layer in range(len(cache.layers)):
-                self._prune_layer(cache, layer)
+            if self.stamps:
+                self._evict_in_buffers(cache)
+            else:
+                for layer in range(len(cache.layers)):
+                    self._prune_layer(cache, layer)
 
     def _resolve(self, total: int) -> None:
         if not self.total:
@@ -358,32 +361,53 @@ class EvictRun:
             return
         scores = _layer_scores(self.scores, layer, entry.keys, self.config.policy)
         sinks, recent = self.config.policy.protected(self.budget)
-        if not isinstance(entry, EvictionBuffer):
-            indices = keep_indices(scores, self.budget, sinks, recent)
-            prune_layer(cache, layer, indices)
-            for tracked in (self.scores, self.positions):
-                if layer in tracked:
-                    tracked[layer] = tracked[layer].gather(1, indices)
-            if self.rotary is not None:
-                self._reencode(cache, layer)
+        indices = keep_indices(scores, self.budget, sinks, recent)
+        prune_layer(cache, layer, indices)
+        for tracked in (self.scores, self.positions):
+            if layer in tracked:
+                tracked[layer] = tracked[layer].gather(1, indices)
+        if self.rotary is not None:
+            self._reencode(cache, layer)
+
+    def _evict_in_buffers(self, cache: Cache) -> None:
+        """Drop, in every layer's buffer at once, the n - budget lowest-scored unprotected entries per KV
+        head, the oldest among equal scores (exactly keep_indices' complement).
+
+        All layers of a buffered run hold the same number of entries, so the scores and stamps of
+        the layers are stacked and the victims chosen in one pass over (layers x KV heads) rows;
+        only the moves of the keys and values are per layer (at most n - budget entries each).
+        """
+        n = cache.layers[0].keys.shape[2]
+        if n <= self.budget:
             return
-        # In place: drop the n - budget lowest-scored unprotected entries, the oldest among equal
-        # scores (exactly keep_indices' complement).
-        stamps = self.stamps[layer]
+        layers, drop, policy = range(len(cache.layers)), n - self.budget, self.config.policy
+        stamps = torch.stack([self.stamps[j] for j in layers])  # (layers, kv_heads, n)
+        scores = torch.stack([_layer_scores(self.scores, j, cache.layers[j].keys, policy) for j in layers])
+        rows, heads = stamps.shape[0] * stamps.shape[1], stamps.shape[1]
+        sinks, recent = policy.protected(self.budget)
         evictable = scores.float()
         if sinks or recent:
             evictable = evictable.masked_fill((stamps < sinks) | (stamps >= self.clock - recent), float("inf"))
-        victims = torch.topk(newest_first(-evictable, -stamps, n - self.budget), n - self.budget, dim=1).indices
-        sources, targets = compaction(victims, n)
-        entry.move(sources, targets)
-        entry.truncate(self.budget)
-        for tracked in (self.scores, self.stamps, self.positions):
-            if layer in tracked:
-                moved = tracked[layer].contiguous()  # this run's own tensor (made by the step's scoring)
-                moved.scatter_(1, targets, moved.gather(1, sources))
-                tracked[layer] = moved[:, : self.budget]
+        ranks = newest_first(-evictable.view(rows, n), -stamps.view(rows, n), drop)
+        sources, targets = compaction(torch.topk(ranks, drop, dim=1).indices, n)  # (rows, drop) each
+        for j, entry in enumerate(cache.layers):
+            entry.move(sources[j * heads : (j + 1) * heads], targets[j * heads : (j + 1) * heads])
+            entry.truncate(self.budget)
+
+        def survivors(table: torch.Tensor) -> dict[int, torch.Tensor]:
+            """Per layer, the entries of a (layers, kv_heads, n) table moved as the buffers' were."""
+            flat = table.view(rows, n)
+            flat.scatter_(1, targets, flat.gather(1, sources))
+            return {j: table[j, :, : self.budget] for j in layers}
+
+        self.stamps = survivors(stamps)
+        if not policy.position_only:
+            self.scores = survivors(scores)
+        if self.positions:
+            self.positions = survivors(torch.stack([self.positions[j] for j in layers]))
         if self.rotary is not None:
-            self._reencode(cache, layer)
+            for layer in layers:
+                self._reencode(cache, layer)
 
     def _reencode(self, cache: Cache, layer: int) -> None:
         """Rotate `layer`'s keys to their places in time order, 0 .. n-1 per KV head (StreamingLLM's positions).
