@@ -19,7 +19,7 @@ from kvsieve.attention import attention_hooks
 from kvsieve.compress.stages import Evict
 from kvsieve.decode import Sampling
 from kvsieve.errors import KvsieveError
-from kvsieve.feed.chunked import ChunkedPrefill, _score, rerotate_keys
+from kvsieve.feed.chunked import ChunkedPrefill, rerotate_keys
 from kvsieve.feed.full import FullPrefill
 from kvsieve.feed.schedules import (
     adaptive_memory,
@@ -277,7 +277,7 @@ def test_gqa_query_head_h_votes_for_kv_head_h_div_n_rep(pruner):
     query = torch.zeros(1, 4, 2, dim)
     query[0, 0:2, :, 0] = 50.0
     query[0, 2:4, :, 1] = 50.0
-    scores = _score(pruner, query, key)
+    scores = pruner.prompt_scores(query[0], key[0], dim**-0.5)
     assert scores.shape == (2, n)
     early = scores[:, : n - 2]
     assert int(early[0].argmax()) == 2 and int(early[1].argmax()) == 5

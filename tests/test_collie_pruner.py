@@ -11,13 +11,12 @@ import pytest
 import torch
 from conftest import FakeTokenizer, build_model, make_prompt
 
-import kvsieve.compress.scorers as scorers
 from kvsieve import Compress, Evict, Sampling, run
 from kvsieve.attention import attention_hooks
 from kvsieve.compress.policies.collie import Collie
-from kvsieve.compress.scorers import accumulated_attention, keep_indices, normalized_attention, visible_counts
+from kvsieve.compress.scorers import accumulated_attention, keep_indices, visible_counts, visible_mean
 from kvsieve.errors import KvsieveError
-from kvsieve.feed.chunked import ChunkedPrefill, _recent, _score
+from kvsieve.feed.chunked import ChunkedPrefill, _recent
 from kvsieve.feed.full import FullPrefill
 from kvsieve.registry import method
 
@@ -67,13 +66,14 @@ def test_scores_equal_the_dense_reference(qk, kernel, sinks):
 
 
 @pytest.mark.parametrize(("q_len", "rows"), [(1, 64), (20, 64), (20, 3), (13, 4)])
-def test_query_blocks_change_nothing(monkeypatch, q_len, rows):
+def test_query_blocks_change_nothing(q_len, rows):
     """All queries vote (a whole prompt, one decoding-like query, or a chunk), whatever the row blocks."""
-    monkeypatch.setattr(scorers, "MAX_ROWS", rows)
     torch.manual_seed(1)
     query, key = torch.randn(4, q_len, 16), torch.randn(2, 20, 16)
-    got = Collie().prompt_scores(query, key, 0.25)
-    torch.testing.assert_close(got.double(), naive_collie(query, key, 0.25, 5, 4), atol=1e-6, rtol=1e-5)
+    expected = naive_collie(query, key, 0.25, 5, 4)
+    torch.testing.assert_close(Collie().prompt_scores(query, key, 0.25).double(), expected, atol=1e-6, rtol=1e-5)
+    blocked = Collie().from_sums(accumulated_attention(query, key, 0.25, alpha=1.0, chunk=rows), q_len)
+    torch.testing.assert_close(blocked.double(), expected, atol=1e-6, rtol=1e-5)
 
 
 def test_each_key_is_averaged_over_the_queries_that_see_it(qk):
@@ -126,7 +126,7 @@ def test_gqa_query_head_h_votes_for_kv_head_h_div_n_rep():
     query = torch.zeros(1, 4, 3, dim)
     query[0, 0:2, :, 0] = 50.0
     query[0, 2:4, :, 1] = 50.0
-    scores = _score(Collie(kernel=1, sinks=0), query, key)
+    scores = Collie(kernel=1, sinks=0).prompt_scores(query[0], key[0], dim**-0.5)
     assert scores.shape == (2, n)
     assert int(scores[0].argmax()) == 2 and int(scores[1].argmax()) == 5
 
@@ -225,33 +225,26 @@ def test_chunked_feed_with_room_for_everything_is_full_attention(single_thread):
         torch.testing.assert_close(feed.prefill(model, ids).last_logits, full, atol=1e-4, rtol=1e-4)
 
 
-def test_normalized_attention_is_the_policys_scorer(qk):
-    query, key = qk
-    torch.testing.assert_close(
-        Collie(kernel=3, sinks=1).prompt_scores(query, key, 0.5), normalized_attention(query, key, 0.5, 3, 1)
-    )
-
-
-def test_scores_from_column_sums_are_the_same(qk):
+def test_scores_are_the_pooled_visible_mean_of_every_querys_column_sums(qk):
     query, key = qk
     sums = accumulated_attention(query, key, 0.5, alpha=1.0)
     torch.testing.assert_close(
-        Collie(kernel=3).from_column_sums(sums, 9), Collie(kernel=3).prompt_scores(query, key, 0.5)
+        Collie(kernel=3, sinks=1).prompt_scores(query, key, 0.5), visible_mean(sums, query.shape[1], 3, 1)
     )
+    assert Collie().summed_alpha == 1.0
 
 
 def test_chunked_feed_takes_the_column_sums_from_its_attention_pass(monkeypatch, single_thread):
     """No second pass over the chunk's queries under the dense attention; under another prefill kernel
     (no dense pass to take them from) the second pass gives the same pruning."""
-    import kvsieve.feed.chunked as chunked
     from kvsieve.attention.dense import dense_attention
 
     model = build_model("mistral", num_layers=3)
     ids = make_prompt(80).ids
     feed = ChunkedPrefill(chunk=16, memory=20, schedule="linear", decremental=True, pruner=Collie(), trace=True)
     calls = []
-    second_pass = chunked._column_sums
-    monkeypatch.setattr(chunked, "_column_sums", lambda *args: calls.append(1) or second_pass(*args))
+    second_pass = Collie.accumulated_scores
+    monkeypatch.setattr(Collie, "accumulated_scores", lambda *args: calls.append(1) or second_pass(*args))
     fused = feed.prefill(model, ids)
     assert calls == []
     with attention_hooks(kernel=lambda layer, q, k, v, scaling: dense_attention(q, k, v, scaling)):

@@ -6,7 +6,7 @@ plain causal SDPA. Inside, two things can change:
 
 - observers see every layer's post-RoPE query and key (GemFilter's scoring, calibration,
   attention-based KV scorers); an observer may raise `StopForward` to end the forward pass early.
-  An `AccumulatedScores` observer (H2O, A2SF) gets its scores out of the dense attention itself
+  An `AccumulatedScores` observer (H2O, A2SF, Collie) gets its scores out of the dense attention itself
   (a prefill, or a decoding step's row) instead of computing them in a second pass;
 - last-pass observers and finishers serve stages that only use a feed's last forward pass: a
   chunked feed marks its earlier passes `intermediate`, and they are skipped there. A finisher
@@ -127,7 +127,7 @@ def kvsieve_attention(
     elif fused:
         out, scores = accumulating_attention(query, key, value, scaling, [f.alpha for f in fused])
         for observer, layer_scores in zip(fused, scores, strict=True):
-            observer.receive(layer, layer_scores)
+            observer.receive(layer, layer_scores, query.shape[2])
     elif kernel is None:
         out = dense_attention(query, key, value, scaling)
     else:

@@ -48,17 +48,18 @@ class AccumulatedScores:
     """An observer asking for every layer's accumulated attention (kv_heads, n) of its keys.
 
     Passed among the observers of `attention_hooks`. Where kvsieve's attention computes a dense
-    multi-token pass it delivers the scores from that pass (`receive`); anywhere else (another
-    prefill kernel, batched padding) it is called like any observer and computes them itself with
-    `reference(query, key, scaling)` (the second pass).
+    pass it delivers the scores from that pass: `receive(layer, scores, queries)`, `queries` being
+    how many queries were summed; anywhere else (another prefill kernel, batched padding) it is
+    called like any observer and computes them itself with `reference(query, key, scaling)` (the
+    second pass).
     """
 
     alpha: float
-    receive: Callable[[int, torch.Tensor], None]
+    receive: Callable[[int, torch.Tensor, int], None]
     reference: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
     def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
-        self.receive(layer, self.reference(query[0], key[0], query.shape[-1] ** -0.5))
+        self.receive(layer, self.reference(query[0], key[0], query.shape[-1] ** -0.5), query.shape[2])
 
 
 def accumulating_attention(

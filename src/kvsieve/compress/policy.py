@@ -28,7 +28,10 @@ class Policy:
     - `step_alpha`: for accumulating policies, the per-step rule score <- alpha * score + row
       (A2SF eq. 6; H2O alpha = 1); None when the policy has no such rule;
     - `accumulates`: the prompt scores are A2SF eq. 5's accumulated attention with that same
-      alpha (H2O, A2SF), which kvsieve's prefill attention computes in its own pass.
+      alpha (H2O, A2SF).
+
+    Policies whose prompt scores are made from accumulated attention (`summed_alpha`, `from_sums`:
+    H2O, A2SF, Collie) get it from kvsieve's dense attention pass itself, with no second pass.
     """
 
     tag: ClassVar[str]
@@ -48,18 +51,26 @@ class Policy:
 
     def prompt_scores(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor | None:
         """(kv_heads, n) scores of the keys (kv_heads, n, d) from queries (h, q, d), the last q of n
-        positions; None for position-only policies. Accumulating policies: A2SF eq. 5 with step_alpha."""
-        if self.accumulates:
-            return self.pool_prompt(self.accumulated_scores(query, key, scaling))
+        positions; None for position-only policies. Default: `from_sums` of A2SF eq. 5 with `summed_alpha`."""
+        if self.summed_alpha is not None:
+            return self.from_sums(self.accumulated_scores(query, key, scaling), query.shape[1])
         return None
 
-    def accumulated_scores(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
-        """A2SF eq. 5 with step_alpha, before any pooling; for one query (a decoding step) its attention row."""
-        return accumulated_attention(query, key, scaling, alpha=float(self.step_alpha))
+    @property
+    def summed_alpha(self) -> float | None:
+        """The alpha of the accumulated attention (A2SF eq. 5) the prompt scores are made from by
+        `from_sums`, or None when they are not: H2O / A2SF their step_alpha; Collie 1."""
+        return float(self.step_alpha) if self.accumulates else None
 
-    def pool_prompt(self, scores: torch.Tensor) -> torch.Tensor:
-        """What an accumulating policy does to its prompt scores (kv_heads, n) before they rank: nothing here."""
-        return scores
+    def accumulated_scores(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+        """A2SF eq. 5 with `summed_alpha` (the second pass); for one query (a decoding step) its attention row."""
+        return accumulated_attention(
+            query, key, scaling, alpha=self.summed_alpha if self.summed_alpha is not None else 1.0
+        )
+
+    def from_sums(self, sums: torch.Tensor, queries: int) -> torch.Tensor:
+        """Prompt scores (kv_heads, n) from the accumulated attention `sums` of `queries` queries: the sums here."""
+        return sums
 
     def step_scores(
         self, previous: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor, scaling: float

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvsieve.attention.accumulate import BLOCK_ELEMENTS, MAX_ROWS, accumulation_weights
+from kvsieve.attention.accumulate import accumulation_weights
 from kvsieve.attention.dense import bottom_right_causal_mask
 from kvsieve.errors import KvsieveError
 
@@ -110,22 +110,6 @@ def visible_counts(q_len: int, n: int, device: torch.device | str | None = None)
     counts = torch.full((n,), float(q_len), dtype=torch.float32, device=device)
     counts[n - q_len :] -= torch.arange(q_len, dtype=torch.float32, device=device)
     return counts
-
-
-def normalized_attention(
-    query: torch.Tensor, key: torch.Tensor, scaling: float, kernel: int = 5, sinks: int = 0
-) -> torch.Tensor:
-    """The IMDC authors' ConvPruner score (ZhiYuanZeng/Collie, `collie/models/mem_perceiver/pruner.py`).
-
-    Every query votes: the softmax attention (over all visible keys) of all q queries is summed per
-    key (A2SF eq. 5 with alpha = 1, i.e. H2O's column sums), then `visible_mean` pools and divides.
-    query (h, q, d) are the last q of n key positions; key (kv_heads, n, d). Returns (kv_heads, n),
-    float32; memory one (h x rows x n) block at a time.
-    """
-    heads, q_len, _ = query.shape
-    n = key.shape[1]
-    rows = max(1, min(MAX_ROWS, BLOCK_ELEMENTS // max(1, heads * n)))
-    return visible_mean(accumulated_attention(query, key, scaling, alpha=1.0, chunk=rows), q_len, kernel, sinks)
 
 
 def visible_mean(sums: torch.Tensor, q_len: int, kernel: int = 5, sinks: int = 0) -> torch.Tensor:

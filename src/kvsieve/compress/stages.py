@@ -83,16 +83,17 @@ def _layer_scores(scores: dict[int, torch.Tensor], layer: int, keys: torch.Tenso
 def score_observers(policy: Policy, into: dict[int, torch.Tensor]) -> list[Observer]:
     """Observers storing `policy`'s scores of every layer's keys in `into`; none for position-only policies.
 
-    Accumulating policies (H2O, A2SF) take theirs from the prefill attention itself.
+    Policies whose scores are made from accumulated attention (H2O, A2SF, Collie) take it from the
+    prefill attention itself.
     """
     if policy.position_only:
         return []
-    if policy.accumulates:
+    if policy.summed_alpha is not None:
 
-        def receive(layer: int, scores: torch.Tensor) -> None:
-            into[layer] = policy.pool_prompt(scores)
+        def receive(layer: int, sums: torch.Tensor, queries: int) -> None:
+            into[layer] = policy.from_sums(sums, queries)
 
-        return [AccumulatedScores(float(policy.step_alpha), receive, policy.accumulated_scores)]
+        return [AccumulatedScores(policy.summed_alpha, receive, policy.accumulated_scores)]
 
     def score(layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
         into[layer] = policy.prompt_scores(query[0], key[0], _scaling(query))
@@ -266,7 +267,7 @@ class EvictRun:
             return [AccumulatedScores(1.0, self._accumulate, policy.accumulated_scores)]
         return [self.observe]
 
-    def _accumulate(self, layer: int, row: torch.Tensor) -> None:
+    def _accumulate(self, layer: int, row: torch.Tensor, queries: int) -> None:
         self.scores[layer] = self.config.policy.accumulate(self.scores.get(layer), row)
 
     def observe(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:

@@ -48,11 +48,12 @@ from typing import Any, ClassVar, Literal
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 
-from kvsieve.attention import AccumulatedScores, Observer, attention_hooks
+from kvsieve.attention import attention_hooks
 from kvsieve.compress.cache import prune_layer, rerotate_keys, rotate_half
 from kvsieve.compress.policies.collie import Collie
 from kvsieve.compress.policy import Policy
-from kvsieve.compress.scorers import accumulated_attention, keep_indices
+from kvsieve.compress.scorers import keep_indices
+from kvsieve.compress.stages import score_observers
 from kvsieve.errors import KvsieveError
 from kvsieve.feed import Prefilled
 from kvsieve.feed.schedules import (
@@ -102,22 +103,6 @@ def _rank_ties(scores: torch.Tensor) -> torch.Tensor:
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     order = torch.arange(scores.shape[-1], dtype=scores.dtype, device=scores.device)
     return torch.where(infinite, top + 1 + order, scores)
-
-
-def _score(pruner: Policy, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
-    """Pruner scores (kv_heads, n) of a layer's keys (1, kv_heads, n, d) from the chunk's queries (1, h, q, d).
-
-    The shared scorers aggregate query heads per KV head (h // n_rep); None for position-only pruners.
-    """
-    if pruner.position_only:
-        return None
-    scores = pruner.prompt_scores(query[0], key[0], query.shape[-1] ** -0.5)
-    return None if scores is None else _rank_ties(scores.float())
-
-
-def _column_sums(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
-    """(kv_heads, n) attention column sums of all the chunk's queries, where the attention pass cannot give them."""
-    return accumulated_attention(query, key, scaling, alpha=1.0, chunk=64)
 
 
 @component("chunked", "feed")
@@ -227,21 +212,7 @@ class ChunkedPrefill:
         device = model.device
         ids = ids.to(device)
         cache = DynamicCache(config=model.config)
-        scores: dict[int, torch.Tensor] = {}
-
-        def observe(layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
-            result = _score(self.pruner, query, key)
-            if result is not None:
-                scores[layer] = result
-
-        queries = [0]  # the current chunk's size: how many queries voted
-
-        def receive(layer: int, sums: torch.Tensor) -> None:
-            scores[layer] = self.pruner.from_column_sums(sums, queries[0])
-
-        observer: Observer = observe
-        if isinstance(self.pruner, Collie):  # column sums out of the chunk's own attention pass
-            observer = AccumulatedScores(1.0, receive, _column_sums)
+        scores: dict[int, torch.Tensor] = {}  # the pruner's scores of each layer's keys in this chunk's pass
 
         memory = [0] * layers  # memory entries per layer, sinks excluded
         origin = [torch.empty(arch.num_kv_heads, 0, dtype=torch.long, device=device) for _ in range(layers)]
@@ -251,14 +222,13 @@ class ChunkedPrefill:
         step_memory: list[list[int]] = []
         attention_kv: list[int] = []
         logits, next_position, max_position = None, length, 0
-        with torch.no_grad(), attention_hooks(observers=[observer]):
+        with torch.no_grad(), attention_hooks(observers=score_observers(self.pruner, scores)):
             for step, size in enumerate(sizes):
                 last = step == len(sizes) - 1
                 position = sinks + max(memory)  # P: the chunk starts right after the longest memory
                 chunk_ids = ids[:, start : start + size]
                 chunk_positions = torch.arange(position, position + size, device=device)
                 scores.clear()
-                queries[0] = size
                 # Stages that score only the feed's final cache (compress, evict) skip earlier passes.
                 with attention_hooks(intermediate=not last):
                     if last or chunk_logits is not None:
@@ -365,9 +335,10 @@ class ChunkedPrefill:
         return adaptive_memory(base, retention)
 
     def _layer_scores(self, cache: Cache, scores: dict[int, torch.Tensor], layer: int) -> torch.Tensor:
-        """The pruner's (kv_heads, n) scores of `layer`'s keys; zeros (recency decides) for position-only pruners."""
+        """The pruner's (kv_heads, n) scores of `layer`'s keys, protected ones ranked by recency
+        (`_rank_ties`); zeros (recency decides) for position-only pruners."""
         if layer in scores:
-            return scores[layer]
+            return _rank_ties(scores[layer].float())
         if not self.pruner.position_only:
             raise KvsieveError(
                 f"The {self.pruner.name} pruner saw no attention at layer {layer}; kvsieve's attention must be "

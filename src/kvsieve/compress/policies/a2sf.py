@@ -40,8 +40,8 @@ class A2SF(Policy):
     def step_alpha(self) -> float:
         return float(self.alpha)
 
-    def pool_prompt(self, scores: torch.Tensor) -> torch.Tensor:
-        return pool_scores(scores, self.kernel)
+    def from_sums(self, sums: torch.Tensor, queries: int) -> torch.Tensor:
+        return pool_scores(sums, self.kernel)
 
     def protected(self, budget: int) -> tuple[int, int]:
         if self.recent > budget:

@@ -21,20 +21,21 @@ their rows along with the sink columns). One-shot: it has no per-step rule, so i
 prompt (`--set compress.policy=collie`) or prunes a chunked feed's memory
 (`--set feed.pruner=collie`), but cannot evict while decoding.
 
-Cost: the column sums need every query's attention row. In a chunked feed they come out of the
-chunk's own attention pass (`kvsieve.attention.accumulate`, as H2O's do after a one-pass prefill),
-so pruning adds only the pooling; elsewhere (the compress stage, CritiPrefill's kernel) a second
-pass over the queries computes them in blocks of rows.
+Cost: the column sums need every query's attention row. Under kvsieve's dense attention (a chunk
+of a chunked feed, a one-pass prompt before a compress stage, a server extension) they come out
+of the attention pass itself (`kvsieve.attention.accumulate`, as H2O's do), so pruning adds only
+the pooling; under another prefill kernel (CritiPrefill's) a second pass computes them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from kvsieve.compress.policy import Policy
-from kvsieve.compress.scorers import check_kernel, normalized_attention, visible_mean
+from kvsieve.compress.scorers import check_kernel, visible_mean
 from kvsieve.errors import KvsieveError
 from kvsieve.spec import component, option
 
@@ -55,13 +56,11 @@ class Collie(Policy):
                 f"got {self.sinks!r}; use the feed's sink count (feed.sinks, 4 by default)."
             )
 
-    def prompt_scores(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
-        return normalized_attention(query, key, scaling, self.kernel, self.sinks)
+    summed_alpha: ClassVar[float] = 1.0  # its scores are made from every query's column sums
 
-    def from_column_sums(self, sums: torch.Tensor, q_len: int) -> torch.Tensor:
-        """The same scores from the column sums (kv_heads, n) of `q_len` queries' attention, e.g. the
-        ones kvsieve's dense attention computes in its own pass (the chunked feeds use that)."""
-        return visible_mean(sums, q_len, self.kernel, self.sinks)
+    def from_sums(self, sums: torch.Tensor, queries: int) -> torch.Tensor:
+        """Pooled after the sinks, then divided by how many of the `queries` see each key."""
+        return visible_mean(sums, queries, self.kernel, self.sinks)
 
     def protected(self, budget: int) -> tuple[int, int]:
         return 0, 0
