@@ -197,8 +197,9 @@ def test_a_reencoded_stream_outlasts_the_models_positions(single_thread):
     with torch.no_grad():
         logits = step(model, cache, ids[:, fed : fed + 1], fed, state)
     assert torch.isfinite(logits).all()
-    with pytest.raises(KvsieveError, match="trained for 32"):  # kept positions would run past them
+    with pytest.raises(KvsieveError, match="trained for 32") as refused:  # kept positions would run past them
         run(model, FakeTokenizer(), prompt, evict=Evict(StreamingLLM(SINKS), BUDGET), sampling=Sampling(100))
+    assert "evict.policy.reencode=true" in str(refused.value)  # the way out is named
 
 
 def test_reencode_is_refused_where_it_cannot_be_honoured(make_model):

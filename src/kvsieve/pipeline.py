@@ -63,13 +63,20 @@ class GenerationResult:
         return data
 
 
-def _check_positions(model: PreTrainedModel, positions: int, what: str) -> None:
+def _check_positions(model: PreTrainedModel, positions: int, what: str, evict: Evict | None = None) -> None:
     max_positions = architecture(model).max_positions
     if positions > max_positions:
+        streaming = evict is not None and hasattr(evict.policy, "reencode")
         raise KvsieveError(
             f"{what} needs {positions} positions, but this model was trained for {max_positions}. "
             "Shorten the context or lower max_new_tokens, or feed the prompt in chunks with a compressed memory "
             "(--method imdc, or feed=ChunkedPrefill(...)), which re-encodes positions and accepts any length."
+            + (
+                " To decode a stream past the trained positions with StreamingLLM, re-encode its positions "
+                "(--set evict.policy.reencode=true): kept positions break down there (docs/STUDIES.md)."
+                if streaming
+                else ""
+            )
         )
 
 
@@ -197,7 +204,9 @@ def prefill(
                 )
             )
         if feed.needs_full_context:
-            _check_positions(model, _decode_positions(ids.shape[1], reserve, evict), f"Decoding {reserve} new tokens")
+            _check_positions(
+                model, _decode_positions(ids.shape[1], reserve, evict), f"Decoding {reserve} new tokens", evict
+            )
         feed_start = time.perf_counter()
         runs = [run for run in (state.compress, state.evict) if run is not None]
         observers = [observer for run in runs for observer in run.observers()]
