@@ -84,12 +84,36 @@ def test_buffered_eviction_equals_the_plain_path(make_model, policy, interval):
 
 def test_steps_never_reallocate_the_buffers(make_model):
     model = make_model("qwen2", num_layers=2)
-    addresses = set()
+    addresses, storages = set(), set()
 
     def watch(layer, query, key):
         if query.shape[2] == 1:
-            addresses.add(key.untyped_storage().data_ptr())
+            addresses.add(key.data_ptr())
+            storages.add(key.untyped_storage().data_ptr())
 
     with attention_hooks(observers=[watch]):
         result = run(model, FakeTokenizer(), make_prompt(40), evict=Evict(H2O(), 16, 4), sampling=Sampling(20))
     assert len(addresses) == 2 and result.kv_cache_length <= 16 + 3  # one buffer per layer, whatever the step
+    assert len(storages) == 1  # both layers' buffers are slices of one table
+
+
+def test_eviction_after_the_buffers_grew_equals_the_plain_path(make_model):
+    """A pass that appends more entries than the buffers hold makes every layer grow out of the shared
+    tables; the eviction then moves the entries layer by layer, with the plain path's result."""
+    model = make_model("llama", num_layers=2)
+    prompt, evict = make_prompt(40), Evict(H2O(), 16)
+    caches = []
+    for buffered in (False, True):
+        done = prefill(model, prompt, evict=evict, reserve=8)
+        cache, state = done.prefilled.cache, done.state.evict
+        if buffered:
+            state.buffer(cache)
+        with torch.no_grad(), attention_hooks(observers=state.step_observers()):
+            extend(model, cache, torch.tensor([[5, 6, 7, 8, 9]]), done.prefilled.next_position)
+            state.after_step(cache)
+        caches.append(cache)
+    plain, grown = caches
+    assert all(layer.capacity > state.tables[0].shape[3] for layer in grown.layers)
+    assert grown.get_seq_length() == plain.get_seq_length() == 16
+    for ours, theirs in zip(grown.layers, plain.layers, strict=True):
+        assert _same_entries(ours, theirs)

@@ -102,14 +102,27 @@ class EvictionBuffer(DynamicLayer):
     then no longer in time order; attention does not care (keys carry their RoPE positions), and
     `EvictRun` tracks each entry's age itself. The buffers grow (doubling) only if a pass appends
     more entries than the capacity holds.
+
+    `storage` gives preallocated (key, value) buffers of the full capacity, e.g. one layer's slice
+    of tables that hold every layer, so that an eviction can move the entries of all layers at once.
     """
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int):
+    def __init__(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        capacity: int,
+        storage: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
         super().__init__()
         self.lazy_initialization(keys, values)
         batch, kv_heads, length, dim = keys.shape
-        self._keys = keys.new_empty(batch, kv_heads, max(capacity, length), dim)
-        self._values = values.new_empty(batch, kv_heads, max(capacity, length), values.shape[-1])
+        if storage is None:
+            storage = (
+                keys.new_empty(batch, kv_heads, max(capacity, length), dim),
+                values.new_empty(batch, kv_heads, max(capacity, length), values.shape[-1]),
+            )
+        self._keys, self._values = storage
         self._keys[:, :, :length], self._values[:, :, :length] = keys, values
         self.truncate(length)
 
@@ -128,11 +141,8 @@ class EvictionBuffer(DynamicLayer):
 
     def move(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
         """Per KV head h, copy entry sources[h, i] to targets[h, i] (both (kv_heads, m)); all read first."""
-        batch, kv_heads, _, dim = self._keys.shape
-        read = sources[None, :, :, None].expand(batch, kv_heads, sources.shape[1], dim)
-        write = targets[None, :, :, None].expand(batch, kv_heads, targets.shape[1], dim)
-        self._keys.scatter_(2, write, self._keys.gather(2, read))
-        self._values.scatter_(2, write, self._values.gather(2, read))
+        move_entries(self._keys, sources, targets)
+        move_entries(self._values, sources, targets)
 
     def truncate(self, length: int) -> None:
         """Keep entries 0 .. length - 1 live."""
@@ -145,6 +155,19 @@ class EvictionBuffer(DynamicLayer):
         self._values = values.new_empty(*values.shape[:2], capacity, values.shape[-1])
         self._keys[:, :, : self.length], self._values[:, :, : self.length] = keys, values
         self.truncate(self.length)
+
+
+def move_entries(buffer: torch.Tensor, sources: torch.Tensor, targets: torch.Tensor) -> None:
+    """In a (..., capacity, d) buffer whose leading dimensions flatten to the R rows of `sources` and
+    `targets` (R, m), copy entry sources[r, i] of row r to targets[r, i]; every entry is read first.
+
+    A row is one KV head of one layer (batch 1): one layer's buffer, or tables holding every layer.
+    """
+    flat = buffer.view(-1, *buffer.shape[-2:])
+    if flat.shape[0] != sources.shape[0]:
+        raise KvsieveError(f"Got moves for {sources.shape[0]} rows, the buffer has {flat.shape[0]} (batch 1 only).")
+    read = sources[:, :, None].expand(-1, -1, flat.shape[-1])
+    flat.scatter_(1, targets[:, :, None].expand_as(read), flat.gather(1, read))
 
 
 def compaction(victims: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,7 +28,15 @@ import torch
 from transformers import Cache
 
 from kvsieve.attention import AccumulatedScores, Finisher, Observer
-from kvsieve.compress.cache import EvictionBuffer, compaction, prune_layer, rerotate_keys, resolve_budget, rotation
+from kvsieve.compress.cache import (
+    EvictionBuffer,
+    compaction,
+    move_entries,
+    prune_layer,
+    rerotate_keys,
+    resolve_budget,
+    rotation,
+)
 from kvsieve.compress.policies.a2sf import A2SF
 from kvsieve.compress.policies.snapkv import SnapKV
 from kvsieve.compress.policy import Policy
@@ -240,6 +248,7 @@ class EvictRun:
     positions: dict[int, torch.Tensor] = field(default_factory=dict)  # re-encoding only
     rotary: torch.nn.Module | None = None  # the model's rotary embedding, once re-encoding has started
     turn: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's rotation, shared by the layers
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None  # every layer's key / value buffers (`buffer`)
 
     def observers(self) -> list[Observer]:
         """Observers for the feed's last pass: they start the running scores from the prompt (or last chunk)."""
@@ -319,11 +328,27 @@ class EvictRun:
         return {**details, **({"note": note} if note else {})}
 
     def buffer(self, cache: Cache) -> None:
-        """Move `cache` (started) into buffers with room for `interval` new entries, for in-place decoding."""
+        """Move `cache` (started) into buffers with room for `interval` new entries, for in-place decoding.
+
+        When all layers have one shape (a run's own batch-1 cache), their buffers are slices of one key
+        and one value table (layers, 1, kv_heads, capacity, d), so an eviction moves the entries of
+        every layer with one gather and one scatter per table.
+        """
+        first = cache.layers[0]
+        same = all(e.keys.shape == first.keys.shape and e.values.shape == first.values.shape for e in cache.layers)
+        self.tables = None
+        if same and first.keys.shape[0] == 1:
+            capacity = max(first.keys.shape[2], self.budget) + self.config.interval
+            layers, (batch, heads, _, _) = len(cache.layers), first.keys.shape
+            self.tables = (
+                first.keys.new_empty(layers, batch, heads, capacity, first.keys.shape[-1]),
+                first.values.new_empty(layers, batch, heads, capacity, first.values.shape[-1]),
+            )
         for layer, entry in enumerate(cache.layers):
             length = entry.keys.shape[2]
             capacity = max(length, self.budget) + self.config.interval
-            cache.layers[layer] = EvictionBuffer(entry.keys, entry.values, capacity)
+            storage = (self.tables[0][layer], self.tables[1][layer]) if self.tables is not None else None
+            cache.layers[layer] = EvictionBuffer(entry.keys, entry.values, capacity, storage)
             self.stamps[layer] = torch.arange(length, device=entry.keys.device).expand(entry.keys.shape[1], -1)
         self.clock = cache.get_seq_length()
 
@@ -389,10 +414,21 @@ class EvictRun:
         evictable = scores.float()
         if sinks or recent:
             evictable = evictable.masked_fill((stamps < sinks) | (stamps >= self.clock - recent), float("inf"))
-        ranks = newest_first(-evictable.view(rows, n), -stamps.view(rows, n), drop)
-        sources, targets = compaction(torch.topk(ranks, drop, dim=1).indices, n)  # (rows, drop) each
-        for j, entry in enumerate(cache.layers):
-            entry.move(sources[j * heads : (j + 1) * heads], targets[j * heads : (j + 1) * heads])
+        evictable, age = evictable.view(rows, n), stamps.view(rows, n)
+        if drop == 1:  # the lowest score, the oldest among equals: no ranking needed
+            lowest = evictable == evictable.amin(1, keepdim=True)
+            victims = torch.where(lowest, age, age.amax() + 1).argmin(1, keepdim=True)
+        else:
+            victims = torch.topk(newest_first(-evictable, -age, drop), drop, dim=1).indices
+        sources, targets = compaction(victims, n)  # (rows, drop) each
+        capacity = self.tables[0].shape[3] if self.tables is not None else -1
+        if all(entry.capacity == capacity for entry in cache.layers):  # still slices of the tables
+            for table in self.tables:
+                move_entries(table, sources, targets)
+        else:
+            for j, entry in enumerate(cache.layers):
+                entry.move(sources[j * heads : (j + 1) * heads], targets[j * heads : (j + 1) * heads])
+        for entry in cache.layers:
             entry.truncate(self.budget)
 
         def survivors(table: torch.Tensor) -> dict[int, torch.Tensor]:
