@@ -400,8 +400,9 @@ class EvictRun:
         head, the oldest among equal scores (exactly keep_indices' complement).
 
         All layers of a buffered run hold the same number of entries, so the scores and stamps of
-        the layers are stacked and the victims chosen in one pass over (layers x KV heads) rows;
-        only the moves of the keys and values are per layer (at most n - budget entries each).
+        the layers are stacked and the victims chosen in one pass over (layers x KV heads) rows. The
+        keys and values (at most n - budget entries per row) move in the shared tables at once, or
+        layer by layer once a layer has grown out of them.
         """
         n = cache.layers[0].keys.shape[2]
         if n <= self.budget:
