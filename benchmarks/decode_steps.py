@@ -29,6 +29,7 @@ from kvsieve import load_model
 from kvsieve.attention import attention_hooks
 from kvsieve.data import prompt_case
 from kvsieve.decode import step
+from kvsieve.eval.bench import spread as bench_spread
 from kvsieve.pipeline import prefill
 from kvsieve.registry import method
 
@@ -63,7 +64,8 @@ def timed_decode(model, prompt, name: str, steps: int) -> dict:
 
 
 def spread(values: list[float]) -> dict:
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+    """kvsieve bench's (min, median, max), named for the JSON record."""
+    return dict(zip(("min", "median", "max"), bench_spread(values), strict=True))
 
 
 def main() -> None:
