@@ -14,7 +14,7 @@ from conftest import FakeTokenizer, build_model, make_prompt
 from kvsieve import Compress, Evict, Sampling, run
 from kvsieve.attention import attention_hooks
 from kvsieve.compress.policies.collie import Collie
-from kvsieve.compress.scorers import accumulated_attention, keep_indices, visible_counts, visible_mean
+from kvsieve.compress.scorers import accumulated_attention, keep_indices, visible_counts
 from kvsieve.errors import KvsieveError
 from kvsieve.feed.chunked import ChunkedPrefill, _recent
 from kvsieve.feed.full import FullPrefill
@@ -223,15 +223,6 @@ def test_chunked_feed_with_room_for_everything_is_full_attention(single_thread):
     for decremental in (False, True):
         feed = ChunkedPrefill(chunk=16, memory=70 * 6, schedule="linear", decremental=decremental, pruner=Collie())
         torch.testing.assert_close(feed.prefill(model, ids).last_logits, full, atol=1e-4, rtol=1e-4)
-
-
-def test_scores_are_the_pooled_visible_mean_of_every_querys_column_sums(qk):
-    query, key = qk
-    sums = accumulated_attention(query, key, 0.5, alpha=1.0)
-    torch.testing.assert_close(
-        Collie(kernel=3, sinks=1).prompt_scores(query, key, 0.5), visible_mean(sums, query.shape[1], 3, 1)
-    )
-    assert Collie().summed_alpha == 1.0
 
 
 def test_chunked_feed_takes_the_column_sums_from_its_attention_pass(monkeypatch, single_thread):
