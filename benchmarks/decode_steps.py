@@ -5,10 +5,20 @@ are timed over different counts, and every run loads its own model. This script 
 needle prompt per method and then times exactly `--steps` greedy steps on it (EOS ignored),
 with the methods interleaved inside every repeat, and reports tokens/s and the ratio to the
 first method in the same repeat (min / median / max over repeats). For eviction methods it also
-times the eviction itself (`EvictRun.after_step`, median ms per step).
+times the eviction itself (`EvictRun.after_step`, mean ms per step: with `evict.interval` > 1 most
+steps evict nothing).
 
     python benchmarks/decode_steps.py --methods full,snapkv,h2o,a2sf --lengths 2048,8000 --steps 48 --repeats 3 \\
         --out runs/study/decode_steps.json
+
+By default every repeat prefills each method again and times its first steps. `--shared-prefill`
+prefills each method once per length and lets every repeat time the next `--steps` steps, so the
+timed stretches of the methods follow one another closely with no prefill in between (steadier on
+a shared machine; `--steps` x `--repeats` then has to fit in the model's positions). A method
+may carry settings, e.g. `h2o:evict.interval=8`:
+
+    python benchmarks/decode_steps.py --methods full,snapkv,h2o,a2sf --lengths 2048,8000 --steps 24 --repeats 7 \\
+        --shared-prefill --out runs/study/decode_steps_shared.json
 
 Pause other work on the machine while it runs (the timings are wall-clock).
 """
@@ -32,35 +42,76 @@ from kvsieve.decode import step
 from kvsieve.eval.bench import spread as bench_spread
 from kvsieve.pipeline import prefill
 from kvsieve.registry import method
+from kvsieve.spec import MethodSpec, parse_settings
+
+WARMUP = 2  # untimed steps after a shared prefill (the first steps after a long prefill run slower)
 
 
-def timed_decode(model, prompt, name: str, steps: int) -> dict:
-    """Prefill `prompt` with method `name`, then time `steps` greedy steps; tokens/s and eviction ms per step."""
-    done = prefill(model, prompt, method=method(name), reserve=steps + 8)
-    cache, logits, position = done.prefilled.cache, done.prefilled.last_logits, done.prefilled.next_position
-    run = done.state.evict
-    evicting: list[float] = []
-    if run is not None:
-        run.buffer(cache)
-        after_step = run.after_step
+def spec(entry: str) -> MethodSpec:
+    """A `--methods` entry: a registry name, optionally with settings, `NAME:PATH=VALUE[:PATH=VALUE]`."""
+    name, *settings = entry.split(":")
+    return method(name, parse_settings(settings))
 
-        def timed_after_step(c) -> None:
+
+class Decoder:
+    """One method's prefilled prompt, decoded greedily (EOS ignored) in timed batches of steps."""
+
+    def __init__(self, model, prompt, name: str, reserve: int):
+        done = prefill(model, prompt, method=spec(name), reserve=reserve)
+        self.model = model
+        self.cache, self.logits = done.prefilled.cache, done.prefilled.last_logits
+        self.position = done.prefilled.next_position
+        self.run = done.state.evict
+        self.evicting: list[float] = []
+        if self.run is not None:
+            self.run.buffer(self.cache)
+            after_step = self.run.after_step
+
+            def timed_after_step(cache) -> None:
+                start = time.perf_counter()
+                after_step(cache)
+                self.evicting.append(time.perf_counter() - start)
+
+            self.run.after_step = timed_after_step
+
+    def timed(self, steps: int) -> dict:
+        """Decode `steps` more tokens; tokens/s and the eviction's mean ms per step over them."""
+        self.evicting.clear()
+        observers = self.run.step_observers() if self.run is not None else ()
+        with torch.no_grad(), attention_hooks(observers=observers):
             start = time.perf_counter()
-            after_step(c)
-            evicting.append(time.perf_counter() - start)
+            for _ in range(steps):
+                token = torch.argmax(self.logits).view(1, 1)
+                self.logits = step(self.model, self.cache, token, self.position, self.run)
+                self.position += 1
+            seconds = time.perf_counter() - start
+        return {
+            "tokens_per_s": steps / seconds,
+            "evict_ms_per_step": statistics.mean(self.evicting) * 1e3 if self.evicting else None,
+            "kv_entries": self.cache.get_seq_length(),
+        }
 
-        run.after_step = timed_after_step
-    with torch.no_grad(), attention_hooks(observers=run.step_observers() if run is not None else ()):
-        start = time.perf_counter()
-        for _ in range(steps):
-            logits = step(model, cache, torch.argmax(logits).view(1, 1), position, run)
-            position += 1
-        seconds = time.perf_counter() - start
-    return {
-        "tokens_per_s": steps / seconds,
-        "evict_ms_per_step": statistics.median(evicting) * 1e3 if evicting else None,
-        "kv_entries": cache.get_seq_length(),
-    }
+
+def timed_runs(
+    model, prompt, names: list[str], steps: int, repeats: int, shared: bool, label: str
+) -> dict[str, list[dict]]:
+    """Per method, one timing per repeat, the methods interleaved within every repeat.
+
+    Without `shared` every repeat prefills each method afresh and times its first `steps` steps.
+    With it every method is prefilled once, decodes `WARMUP` untimed steps, and each repeat then
+    times its next `steps` steps: no prefill runs between two timings, so they compare steady
+    decoding only.
+    """
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    if shared:
+        decoders = {name: Decoder(model, prompt, name, WARMUP + steps * repeats + 8) for name in names}
+        for decoder in decoders.values():
+            decoder.timed(WARMUP)
+    for _ in tqdm(range(repeats), desc=label, unit="repeat"):
+        for name in names:
+            decoder = decoders[name] if shared else Decoder(model, prompt, name, steps + 8)
+            runs[name].append(decoder.timed(steps))
+    return runs
 
 
 def spread(values: list[float]) -> dict:
@@ -68,12 +119,33 @@ def spread(values: list[float]) -> dict:
     return dict(zip(("min", "median", "max"), bench_spread(values), strict=True))
 
 
+def command(args: argparse.Namespace) -> str:
+    """The command line that reproduces this run."""
+    words = ["python benchmarks/decode_steps.py"]
+    for key, value in vars(args).items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            words.append(flag)
+        elif value is not False:
+            words.append(f"{flag} {value}")
+    return " ".join(words)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--methods", default="full,snapkv,h2o,a2sf", help="registry names; the first is the baseline")
+    parser.add_argument(
+        "--methods",
+        default="full,snapkv,h2o,a2sf",
+        help="registry names, each optionally with settings (h2o:evict.interval=8); the first is the baseline",
+    )
     parser.add_argument("--lengths", default="2048,8000", help="prompt lengths in tokens")
     parser.add_argument("--steps", type=int, default=48, help="greedy steps timed per run (EOS ignored)")
     parser.add_argument("--repeats", type=int, default=3, help="repeats, methods interleaved within each")
+    parser.add_argument(
+        "--shared-prefill",
+        action="store_true",
+        help="prefill each method once per length; every repeat then times its next --steps steps",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/study/decode_steps.json"), help="output JSON")
     args = parser.parse_args()
     if args.steps < 1 or args.repeats < 1:
@@ -81,15 +153,12 @@ def main() -> None:
 
     names = args.methods.split(",")
     for name in names:
-        method(name)  # an unknown name fails here, before any prefill
+        spec(name)  # an unknown name or setting fails here, before any prefill
     model, tokenizer = load_model()
     rows = []
     for length in [int(n) for n in args.lengths.split(",")]:
         _, prompt = prompt_case(tokenizer, "needle", length, 0.5)
-        runs = {name: [] for name in names}
-        for _ in tqdm(range(args.repeats), desc=f"{length} tokens", unit="repeat"):
-            for name in names:
-                runs[name].append(timed_decode(model, prompt, name, args.steps))
+        runs = timed_runs(model, prompt, names, args.steps, args.repeats, args.shared_prefill, f"{length} tokens")
         base = runs[names[0]]
         for name in names:
             evict = [r["evict_ms_per_step"] for r in runs[name] if r["evict_ms_per_step"] is not None]
@@ -106,7 +175,7 @@ def main() -> None:
                 }
             )
     record = {
-        "command": "python benchmarks/decode_steps.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
+        "command": command(args),
         "machine": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -114,12 +183,13 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
-    print(f"{'method':12s} {'tokens':>6s} {'tok/s (min/med/max)':>22s} {'vs ' + names[0]:>20s} {'evict ms':>9s}")
+    width = max(12, *(len(name) for name in names))
+    print(f"{'method':{width}s} {'tokens':>6s} {'tok/s (min/med/max)':>22s} {'vs ' + names[0]:>20s} {'evict ms':>9s}")
     for r in rows:
         t, q = r["tokens_per_s"], r["ratio"]
         e = f"{r['evict_ms_per_step']['median']:.2f}" if r["evict_ms_per_step"] else "-"
         print(
-            f"{r['method']:12s} {r['length']:6d} {t['min']:6.2f} {t['median']:6.2f} {t['max']:6.2f}"
+            f"{r['method']:{width}s} {r['length']:6d} {t['min']:6.2f} {t['median']:6.2f} {t['max']:6.2f}"
             f"     {q['min']:5.2f} {q['median']:5.2f} {q['max']:5.2f} {e:>9s}"
         )
 
