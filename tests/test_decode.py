@@ -134,6 +134,19 @@ def test_eos_ends_decoding_and_is_kept_in_tokens_only(make_model):
     assert result.finish_reason == "eos" and result.tokens == tokens[: first + 1]
 
 
+def test_ignore_eos_decodes_past_eos_to_the_token_limit(make_model):
+    """ignore_eos: the same greedy tokens as without EOS, EOS included, until max_new_tokens."""
+    model = make_model("qwen2")
+    prompt = make_prompt(20)
+    tokens = _reference_tokens(model, prompt)
+    eos = tokens[3]
+    sampling = Sampling(max_new_tokens=10, ignore_eos=True)
+    result = run(model, FakeTokenizer(eos_token_id=eos), prompt, sampling=sampling)
+    assert result.finish_reason == "length"
+    assert result.tokens == tokens[:10] and eos in result.tokens[:4]
+    assert result.kv_cache_length == prompt.length + 9
+
+
 def test_max_new_tokens_limits_length(make_model):
     model = make_model("llama")
     prompt = make_prompt(20)

@@ -120,12 +120,15 @@ def _add_sampling(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
     group.add_argument("--seed", type=int, help="random seed for sampling")
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument(
+        "--ignore-eos", action="store_true", help="decode on past EOS up to --max-new-tokens (for timing)"
+    )
 
 
 def _sampling(args: argparse.Namespace):
     from kvsieve.decode import Sampling
 
-    return Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed, tuple(args.stop))
+    return Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed, tuple(args.stop), args.ignore_eos)
 
 
 def _read_context(source: str) -> str:
@@ -597,7 +600,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--baseline", default="full", help="method the ratios compare against (default full; fm beyond the context)"
     )
-    p.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded to time decoding (default 32)")
+    p.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=32,
+        help="tokens decoded per run to time decoding, EOS ignored so every method decodes as many (default 32)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="repeats per configuration (default 3)")
     _add_run_file(p, "runs/bench.json")
     p.add_argument("--plot", type=Path, default=Path("runs/plots/scaling.png"), help="log-log cost plot (PNG)")

@@ -22,13 +22,18 @@ from kvsieve.errors import KvsieveError
 
 @dataclass(frozen=True)
 class Sampling:
-    """Decoding options. temperature 0 means greedy; top_p < 1 is nucleus sampling."""
+    """Decoding options. temperature 0 means greedy; top_p < 1 is nucleus sampling.
+
+    `ignore_eos` decodes on past EOS tokens up to `max_new_tokens` (stop strings still apply), so
+    that every method of a benchmark decodes, and is timed over, the same number of steps.
+    """
 
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
@@ -98,7 +103,7 @@ class TextStream:
     def add(self, token: int) -> str:
         """Record `token`; return the text that became final ("" if none; all the rest once finished)."""
         self.tokens.append(token)
-        if token in self.eos:
+        if token in self.eos and not self.sampling.ignore_eos:
             self.finish = "eos"
         else:
             self.text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
@@ -154,8 +159,8 @@ def decode(
 ) -> Decoded:
     """Generate up to `sampling.max_new_tokens` tokens continuing `cache` at logical `position`.
 
-    Stops at an EOS token (kept in `tokens`, not in `text`), at a stop string (text cut before
-    it) or at the token limit. `stream` receives text pieces as they become final. `evict`
+    Stops at an EOS token (kept in `tokens`, not in `text`; unless `sampling.ignore_eos`), at a
+    stop string (text cut before it) or at the token limit. `stream` receives text pieces as they become final. `evict`
     (the run's eviction state, already started on `cache`) keeps the cache at its budget; the
     cache's layers are then moved into preallocated buffers that each step updates in place.
     Sampling draws on the CPU from a CPU generator (seeded runs give the same tokens on any device).

@@ -68,7 +68,7 @@ def measure(config: BenchConfig) -> dict:
     spec = MethodSpec.from_dict(config.spec)  # validate before any work
     model, tokenizer = load_model(config.model, device=config.device, dtype=config.dtype)
     _, prompt = prompt_case(tokenizer, "needle", config.length, 0.5)
-    sampling = Sampling(max_new_tokens=config.decode_tokens)
+    sampling = Sampling(max_new_tokens=config.decode_tokens, ignore_eos=True)  # same step count for every method
     _, warm = prompt_case(tokenizer, "needle", min(2048, config.length), 0.5)
     run(model, tokenizer, warm, method=spec, sampling=sampling)  # warm-up: allocator, kernels
     cuda = model.device.type == "cuda"
