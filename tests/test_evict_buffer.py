@@ -24,7 +24,7 @@ from kvsieve.compress.policies.local import LocalWindow
 from kvsieve.compress.policies.streaming import StreamingLLM
 from kvsieve.compress.policies.tova import TOVA
 from kvsieve.compress.stages import Evict
-from kvsieve.decode import extend, next_token
+from kvsieve.decode import extend, next_token, step
 from kvsieve.pipeline import prefill
 
 POLICIES = [H2O(), A2SF(alpha=0.5), A2SF(alpha=0.2, recent=4), StreamingLLM(), LocalWindow(), TOVA(), KNorm()]
@@ -95,6 +95,22 @@ def test_steps_never_reallocate_the_buffers(make_model):
         result = run(model, FakeTokenizer(), make_prompt(40), evict=Evict(H2O(), 16, 4), sampling=Sampling(20))
     assert len(addresses) == 2 and result.kv_cache_length <= 16 + 3  # one buffer per layer, whatever the step
     assert len(storages) == 1  # both layers' buffers are slices of one table
+
+
+def test_steps_write_the_stamps_in_one_preallocated_table(make_model):
+    """Each step writes its entries' stamps into the table `buffer` allocated; no step reallocates it."""
+    model = make_model("qwen2", num_layers=2)
+    done = prefill(model, make_prompt(40), evict=Evict(H2O(), 16, 4), reserve=12)
+    cache, state, position = done.prefilled.cache, done.state.evict, done.prefilled.next_position
+    state.buffer(cache)
+    table = state.stamp_table.data_ptr()
+    with torch.no_grad(), attention_hooks(observers=state.step_observers()):
+        for token in range(12):
+            step(model, cache, torch.tensor([[token + 3]]), position + token, state)
+            assert state.stamps.data_ptr() == table
+            assert state.stamps.shape[0] == 2 and state.stamps.shape[2] == cache.get_seq_length()
+    assert state.clock == 16 + 12  # every step's entry got the next stamp
+    assert state.stamps.max() == 16 + 11 and len(set(state.stamps[0, 0].tolist())) == state.stamps.shape[2]
 
 
 def test_eviction_after_the_buffers_grew_equals_the_plain_path(make_model):

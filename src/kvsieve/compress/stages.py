@@ -229,9 +229,10 @@ class EvictRun:
     """One request's eviction: running scores per layer, the resolved budget, steps since start.
 
     `buffer(cache)` moves a cache into preallocated `EvictionBuffer` layers for decoding; steps
-    then write and evict in place, and `stamps` (per layer, (kv_heads, n)) keep each entry's age
-    since the entries are no longer in time order. On any other cache (the server's batched
-    views) eviction gathers the kept entries into new tensors, in time order.
+    then write and evict in place, and `stamps` ((layers, kv_heads, n), a view of a preallocated
+    table that a step writes one column of) keep each entry's age since the entries are no longer
+    in time order. On any other cache (the server's batched views) eviction gathers the kept
+    entries into new tensors, in time order.
 
     With a re-encoding policy, `positions` (per layer, (kv_heads, n)) hold each entry's RoPE
     position, which is always its rank in time order among the live entries: after an eviction
@@ -243,7 +244,8 @@ class EvictRun:
     budget: int = 0
     total: int = 0  # entries per layer when the budget was resolved (0: not yet)
     steps: int = 0
-    stamps: dict[int, torch.Tensor] = field(default_factory=dict)
+    stamps: torch.Tensor | None = None  # (layers, kv_heads, n) ages in buffers (`buffer`), else None
+    stamp_table: torch.Tensor | None = None  # (layers, kv_heads, capacity): `stamps` is its first n columns
     clock: int = 0  # the stamp the next new entry gets
     positions: dict[int, torch.Tensor] = field(default_factory=dict)  # re-encoding only
     rotary: torch.nn.Module | None = None  # the model's rotary embedding, once re-encoding has started
@@ -344,13 +346,22 @@ class EvictRun:
                 first.keys.new_empty(layers, batch, heads, capacity, first.keys.shape[-1]),
                 first.values.new_empty(layers, batch, heads, capacity, first.values.shape[-1]),
             )
+        lengths = {entry.keys.shape[2] for entry in cache.layers}
+        if len(lengths) != 1:
+            raise KvsieveError(
+                f"In-place eviction needs every layer of the cache at one length, but they hold {sorted(lengths)} "
+                "entries; decode this cache without EvictRun.buffer (eviction then gathers each layer)."
+            )
+        length = lengths.pop()
+        capacity = max(length, self.budget) + self.config.interval
         for layer, entry in enumerate(cache.layers):
-            length = entry.keys.shape[2]
-            capacity = max(length, self.budget) + self.config.interval
             storage = (self.tables[0][layer], self.tables[1][layer]) if self.tables is not None else None
             cache.layers[layer] = EvictionBuffer(entry.keys, entry.values, capacity, storage)
-            self.stamps[layer] = torch.arange(length, device=entry.keys.device).expand(entry.keys.shape[1], -1)
-        self.clock = cache.get_seq_length()
+        heads, device = first.keys.shape[1], first.keys.device
+        self.stamp_table = torch.empty(len(cache.layers), heads, capacity, dtype=torch.long, device=device)
+        self.stamp_table[:, :, :length] = torch.arange(length, device=device)
+        self.stamps = self.stamp_table[:, :, :length]
+        self.clock = length
 
     def position(self, cache: Cache, logical: int) -> int:
         """The position of the next token fed on `cache`: its length when re-encoding, else `logical`."""
@@ -363,17 +374,28 @@ class EvictRun:
             n = cache.layers[layer].keys.shape[2]
             new = torch.arange(placed.shape[1], n, device=placed.device)
             self.positions[layer] = torch.cat([placed, new.expand(placed.shape[0], -1)], 1)
-        if self.stamps:
-            added = cache.get_seq_length() - self.stamps[0].shape[1]
-            new = torch.arange(self.clock, self.clock + added, device=self.stamps[0].device)
-            self.stamps = {j: torch.cat([s, new.expand(s.shape[0], -1)], 1) for j, s in self.stamps.items()}
-            self.clock += added
+        if self.stamps is not None:
+            self._stamp(cache.get_seq_length())
         if self.steps % self.config.interval == 0:
-            if self.stamps:
+            if self.stamps is not None:
                 self._evict_in_buffers(cache)
             else:
                 for layer in range(len(cache.layers)):
                     self._prune_layer(cache, layer)
+
+    def _stamp(self, length: int) -> None:
+        """Give the entries a step appended (the buffers now hold `length`) the next stamps, in place
+        in the stamp table (a new table, twice as long, only if the buffers outgrew it)."""
+        old, table = self.stamps.shape[2], self.stamp_table
+        if length == old:
+            return
+        if length > table.shape[2]:
+            table = table.new_empty(*table.shape[:2], max(length, 2 * table.shape[2]))
+            table[:, :, :old] = self.stamps
+            self.stamp_table = table
+        table[:, :, old:length] = torch.arange(self.clock, self.clock + length - old, device=table.device)
+        self.stamps = table[:, :, :length]
+        self.clock += length - old
 
     def _resolve(self, total: int) -> None:
         if not self.total:
@@ -408,7 +430,7 @@ class EvictRun:
         if n <= self.budget:
             return
         layers, drop, policy = range(len(cache.layers)), n - self.budget, self.config.policy
-        stamps = torch.stack([self.stamps[j] for j in layers])  # (layers, kv_heads, n)
+        stamps = self.stamps  # (layers, kv_heads, n), a view of the stamp table
         scores = torch.stack([_layer_scores(self.scores, j, cache.layers[j].keys, policy) for j in layers])
         rows, heads = stamps.shape[0] * stamps.shape[1], stamps.shape[1]
         sinks, recent = policy.protected(self.budget)
@@ -432,17 +454,17 @@ class EvictRun:
         for entry in cache.layers:
             entry.truncate(self.budget)
 
-        def survivors(table: torch.Tensor) -> dict[int, torch.Tensor]:
-            """Per layer, the entries of a (layers, kv_heads, n) table moved as the buffers' were."""
+        def survivors(table: torch.Tensor) -> torch.Tensor:
+            """The entries of a (layers, kv_heads, n) table (or view) moved in place as the buffers' were."""
             flat = table.view(rows, n)
             flat.scatter_(1, targets, flat.gather(1, sources))
-            return {j: table[j, :, : self.budget] for j in layers}
+            return table[:, :, : self.budget]
 
         self.stamps = survivors(stamps)
         if not policy.position_only:
-            self.scores = survivors(scores)
+            self.scores = dict(enumerate(survivors(scores)))
         if self.positions:
-            self.positions = survivors(torch.stack([self.positions[j] for j in layers]))
+            self.positions = dict(enumerate(survivors(torch.stack([self.positions[j] for j in layers]))))
         if self.rotary is not None:
             for layer in layers:
                 self._reencode(cache, layer)
