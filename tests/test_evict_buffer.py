@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import FakeTokenizer, make_prompt
+from transformers import DynamicCache
 
 from kvsieve import Sampling, run
 from kvsieve.attention import attention_hooks
@@ -25,6 +26,7 @@ from kvsieve.compress.policies.streaming import StreamingLLM
 from kvsieve.compress.policies.tova import TOVA
 from kvsieve.compress.stages import Evict
 from kvsieve.decode import extend, next_token, step
+from kvsieve.errors import KvsieveError
 from kvsieve.pipeline import prefill
 
 POLICIES = [H2O(), A2SF(alpha=0.5), A2SF(alpha=0.2, recent=4), StreamingLLM(), LocalWindow(), TOVA(), KNorm()]
@@ -111,6 +113,15 @@ def test_steps_write_the_stamps_in_one_preallocated_table(make_model):
             assert state.stamps.shape[0] == 2 and state.stamps.shape[2] == cache.get_seq_length()
     assert state.clock == 16 + 12  # every step's entry got the next stamp
     assert state.stamps.max() == 16 + 11 and len(set(state.stamps[0, 0].tolist())) == state.stamps.shape[2]
+
+
+def test_buffers_refuse_layers_of_different_lengths():
+    cache = DynamicCache()
+    for layer, length in enumerate((20, 18)):
+        cache.update(torch.zeros(1, 2, length, 8), torch.zeros(1, 2, length, 8), layer)
+    state = Evict(H2O(), 16).begin()
+    with pytest.raises(KvsieveError, match=r"one length, but they hold \[18, 20\]"):
+        state.buffer(cache)
 
 
 def test_eviction_after_the_buffers_grew_equals_the_plain_path(make_model):

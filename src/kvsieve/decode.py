@@ -160,9 +160,10 @@ def decode(
     """Generate up to `sampling.max_new_tokens` tokens continuing `cache` at logical `position`.
 
     Stops at an EOS token (kept in `tokens`, not in `text`; unless `sampling.ignore_eos`), at a
-    stop string (text cut before it) or at the token limit. `stream` receives text pieces as they become final. `evict`
-    (the run's eviction state, already started on `cache`) keeps the cache at its budget; the
-    cache's layers are then moved into preallocated buffers that each step updates in place.
+    stop string (text cut before it) or at the token limit. `stream` receives text pieces as they
+    become final. `evict` (the run's eviction state, already started on `cache`) keeps the cache at
+    its budget; the cache's layers are then moved into preallocated buffers that each step updates
+    in place.
     Sampling draws on the CPU from a CPU generator (seeded runs give the same tokens on any device).
     """
     generator = None

@@ -336,29 +336,26 @@ class EvictRun:
         and one value table (layers, 1, kv_heads, capacity, d), so an eviction moves the entries of
         every layer with one gather and one scatter per table.
         """
-        first = cache.layers[0]
-        same = all(e.keys.shape == first.keys.shape and e.values.shape == first.values.shape for e in cache.layers)
-        self.tables = None
-        if same and first.keys.shape[0] == 1:
-            capacity = max(first.keys.shape[2], self.budget) + self.config.interval
-            layers, (batch, heads, _, _) = len(cache.layers), first.keys.shape
-            self.tables = (
-                first.keys.new_empty(layers, batch, heads, capacity, first.keys.shape[-1]),
-                first.values.new_empty(layers, batch, heads, capacity, first.values.shape[-1]),
-            )
         lengths = {entry.keys.shape[2] for entry in cache.layers}
         if len(lengths) != 1:
             raise KvsieveError(
                 f"In-place eviction needs every layer of the cache at one length, but they hold {sorted(lengths)} "
                 "entries; decode this cache without EvictRun.buffer (eviction then gathers each layer)."
             )
-        length = lengths.pop()
+        length, first, layers = lengths.pop(), cache.layers[0], len(cache.layers)
         capacity = max(length, self.budget) + self.config.interval
+        (batch, heads, _, _), device = first.keys.shape, first.keys.device
+        same = all(e.keys.shape == first.keys.shape and e.values.shape == first.values.shape for e in cache.layers)
+        self.tables = None
+        if same and batch == 1:
+            self.tables = (
+                first.keys.new_empty(layers, batch, heads, capacity, first.keys.shape[-1]),
+                first.values.new_empty(layers, batch, heads, capacity, first.values.shape[-1]),
+            )
         for layer, entry in enumerate(cache.layers):
             storage = (self.tables[0][layer], self.tables[1][layer]) if self.tables is not None else None
             cache.layers[layer] = EvictionBuffer(entry.keys, entry.values, capacity, storage)
-        heads, device = first.keys.shape[1], first.keys.device
-        self.stamp_table = torch.empty(len(cache.layers), heads, capacity, dtype=torch.long, device=device)
+        self.stamp_table = torch.empty(layers, heads, capacity, dtype=torch.long, device=device)
         self.stamp_table[:, :, :length] = torch.arange(length, device=device)
         self.stamps = self.stamp_table[:, :, :length]
         self.clock = length
