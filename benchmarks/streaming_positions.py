@@ -80,7 +80,7 @@ def stream(model, ids: torch.Tensor, budget: int, sinks: int, reencode: bool, sa
                 nll.append(-torch.log_softmax(logits.float(), -1)[targets[i]].item())
                 if i == len(targets) - 1:
                     break
-                fed_at = run.position(cache, position)
+                fed_at = run.position(cache.get_seq_length(), position)
                 logits = step(model, cache, ids[:, i : i + 1], position, run)
                 position += 1
                 if i % save_every == 0:

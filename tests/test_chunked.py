@@ -18,6 +18,7 @@ from kvsieve import A2SF, H2O, SnapKV, StreamingLLM
 from kvsieve.attention import attention_hooks
 from kvsieve.compress.stages import Evict
 from kvsieve.decode import Sampling
+from kvsieve.engine.offline import run
 from kvsieve.errors import KvsieveError
 from kvsieve.feed.chunked import ChunkedPrefill, rerotate_keys
 from kvsieve.feed.full import FullPrefill
@@ -31,7 +32,6 @@ from kvsieve.feed.schedules import (
     retention_ratio,
     square_sqrt_curves,
 )
-from kvsieve.pipeline import run
 
 ARCHS3 = ("llama", "mistral", "qwen2")
 # (schedule, decremental): FM, IM with each curve, IMDC.

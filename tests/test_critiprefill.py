@@ -19,8 +19,8 @@ from kvsieve.attention.critiprefill import (
     sparse_attention,
     sparse_segments,
 )
+from kvsieve.engine.offline import run
 from kvsieve.errors import KvsieveError
-from kvsieve.pipeline import run
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

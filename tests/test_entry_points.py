@@ -12,7 +12,7 @@ import json
 import pytest
 from conftest import build_model, word_level_tokenizer
 
-import kvsieve.decode
+import kvsieve.engine.scheduler
 from kvsieve import REGISTRY, method
 from kvsieve.cli import main
 from kvsieve.eval import bench as bench_module
@@ -88,9 +88,13 @@ def test_niah_ppl_and_bench_run_every_method(tiny_folder, tmp_path, capsys, monk
     assert {r["method"]: r["prefill_kv_length"] for r in json.loads(bench.read_text())["rows"]}["knorm"] == 40
 
 
+def every_token_is_eos(model, tokenizer) -> set[int]:
+    return set(range(model.config.vocab_size))
+
+
 def test_bench_times_the_same_number_of_steps_for_every_method(tiny_folder, monkeypatch):
     """A bench run decodes exactly decode_tokens tokens even where the model emits EOS at once."""
-    monkeypatch.setattr(kvsieve.decode, "eos_token_ids", lambda model, tokenizer: set(range(model.config.vocab_size)))
+    monkeypatch.setattr(kvsieve.engine.scheduler, "eos_token_ids", every_token_is_eos)
     for name in ("full", "h2o"):
         spec = method(name, {"evict.budget": 64} if name == "h2o" else {}).to_dict()
         row = bench_module.measure(bench_module.BenchConfig(spec, 200, decode_tokens=4, model=str(tiny_folder)))
@@ -98,7 +102,7 @@ def test_bench_times_the_same_number_of_steps_for_every_method(tiny_folder, monk
 
 
 def test_generate_ignore_eos_flag(tiny_folder, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(kvsieve.decode, "eos_token_ids", lambda model, tokenizer: set(range(model.config.vocab_size)))
+    monkeypatch.setattr(kvsieve.engine.scheduler, "eos_token_ids", every_token_is_eos)
     context = tmp_path / "context.txt"
     context.write_text("the pass key is hello world")
     argv = ["generate", "--model", str(tiny_folder), "-c", str(context), "--max-new-tokens", "3", "--json"]

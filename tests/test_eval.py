@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import word_level_tokenizer
 
-import kvsieve.pipeline
+import kvsieve.engine.offline
 from kvsieve.errors import KvsieveError
 from kvsieve.eval import bench as bench_module
 from kvsieve.eval import niah, records
@@ -70,7 +70,7 @@ def grid(model, tokenizer, out, methods=("full", "gemfilter"), lengths=(160, 200
 def count_generate_calls(monkeypatch, fail_after: int | None = None) -> list[int]:
     """Wrap the pipeline's run: count calls, optionally raise KeyboardInterrupt at call `fail_after`."""
     calls: list[int] = []
-    real = kvsieve.pipeline.run
+    real = kvsieve.engine.offline.run
 
     def wrapped(*args, **kwargs):
         calls.append(1)
@@ -78,7 +78,7 @@ def count_generate_calls(monkeypatch, fail_after: int | None = None) -> list[int
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(kvsieve.pipeline, "run", wrapped)
+    monkeypatch.setattr(kvsieve.engine.offline, "run", wrapped)
     return calls
 
 

@@ -65,7 +65,7 @@ def start(tiny, **options) -> ServerThread:
 
 @pytest.fixture(scope="module")
 def server(tiny):
-    running = start(tiny, cache_bytes=50_000_000)
+    running = start(tiny, cache_bytes=50_000_000, max_step_tokens=32)  # prompts over ~32 tokens prefill in slices
     yield running
     running.stop()
 
@@ -74,10 +74,10 @@ def client(server: ServerThread, key: str = "none") -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=60)
 
 
-def reference(tiny, ids: list[int], name: str = "full", settings=None, tokens: int = 8) -> str:
-    """What the library answers for these token ids: the text the server must return."""
+def reference(tiny, ids: list[int], name: str = "full", settings=None, tokens: int = 8, tail: int = 0) -> str:
+    """What the library answers for these token ids (the last `tail` the question): the text the server must return."""
     model, tokenizer = tiny
-    prompt = Prompt(torch.tensor([ids]), 0, len(ids))
+    prompt = Prompt(torch.tensor([ids]), 0, len(ids) - tail)
     return run(model, tokenizer, prompt, method=method(name, settings or {}), sampling=Sampling(tokens)).text
 
 
@@ -227,35 +227,46 @@ def ask(server: ServerThread, doc: str, question: str, name: str, settings: dict
     )
 
 
-def test_reuse_extends_the_cached_document_and_answers_as_a_fresh_request(server, tiny):
-    """Second question about a document: only the new tokens are prefilled; the answer equals a fresh
-    request's (same query-agnostic procedure, reuse bypassed). Full attention: equal to the library too."""
-    cases = [("snapkv", SMALL), ("a2sf", {"evict.budget": 24}), ("imdc", {"feed.chunk": 32, "feed.memory": 24})]
-    for i, (name, settings) in enumerate([*cases, ("full", {})]):
+def test_reuse_continues_the_stored_document_and_answers_as_the_library_does(server, tiny):
+    """A second question about a document runs only its new tokens on the stored document, and the
+    method still sees the whole prompt: the answer equals `kvsieve.run` on the whole prompt (an
+    independent computation, no server and no reuse), for the first question, the second and a
+    repeat, and with the cache bypassed. Methods that cannot continue a prefix say so and still
+    answer as the library does."""
+    cases = [
+        ("full", {}, True),
+        ("snapkv", SMALL, True),
+        ("a2sf", {"evict.budget": 24}, True),
+        ("h2o", {"evict.budget": 24}, True),
+        ("tova", {"evict.budget": 20}, True),
+        ("imdc", {"feed.chunk": 32, "feed.memory": 24}, False),
+        ("gemfilter", {"select.k": 40}, False),
+    ]
+    for i, (name, settings, reusable) in enumerate(cases):
         doc = "world " * (i + 1) + DOC  # a document of its own per method
-        first = ask(server, doc, "what is the pass key", name, settings)
-        assert first.model_extra["kvsieve"]["cache"] == "miss"
-        second = ask(server, doc, "what is it remember", name, settings)
-        info = second.model_extra["kvsieve"]
         context = len(ids_of(tiny, f"<s> question {doc} </s>"))
-        assert info["cache"] == "hit" and info["cached_tokens"] == context, info
-        assert info["prefill_tokens"] == second.usage.prompt_tokens - context
+        for question, expected in [
+            ("what is the pass key", "miss"),
+            ("what is it remember", "hit"),
+            ("what is it remember", "hit"),
+        ]:
+            answer = ask(server, doc, question, name, settings)
+            info = answer.model_extra["kvsieve"]
+            whole = ids_of(tiny, f"<s> question {doc} </s><s> question {question} </s> answer")
+            expected_text = reference(tiny, whole, name, settings, tail=len(whole) - context)
+            assert answer.choices[0].message.content == expected_text, (name, question)
+            if not reusable:
+                assert info["cache"] == "not reusable" and info["cached_tokens"] == 0
+                continue
+            assert info["cache"] == expected, (name, info)
+            if expected == "hit":
+                assert info["cached_tokens"] == context
+                assert info["prefill_tokens"] == answer.usage.prompt_tokens - context
+                assert answer.usage.prompt_tokens_details.cached_tokens == context
         fresh = ask(server, doc, "what is it remember", name, settings, cache=False)
         assert fresh.model_extra["kvsieve"]["cache"] == "bypassed"
-        assert fresh.model_extra["kvsieve"]["prefill_tokens"] == second.usage.prompt_tokens
-        assert second.choices[0].message.content == fresh.choices[0].message.content, name
-        again = ask(server, doc, "what is it remember", name, settings)  # the stored state is unchanged by its use
-        assert again.model_extra["kvsieve"]["prefill_tokens"] == 0
-        assert again.choices[0].message.content == second.choices[0].message.content
-        if name == "full":
-            text = f"<s> question {doc} </s><s> question what is it remember </s> answer"
-            assert second.choices[0].message.content == reference(tiny, ids_of(tiny, text))
-    gem = client(server).chat.completions.create(
-        model="tiny", max_tokens=4, temperature=0,
-        messages=[{"role": "user", "content": DOC}, {"role": "user", "content": "what is it"}],
-        extra_body={"kvsieve": {"method": "gemfilter", "set": {"select.k": 40}}},
-    )  # fmt: skip
-    assert gem.model_extra["kvsieve"]["cache"] == "recomputed" and "question" in gem.model_extra["kvsieve"]["note"]
+        assert fresh.model_extra["kvsieve"]["prefill_tokens"] == fresh.usage.prompt_tokens or not reusable
+        assert fresh.choices[0].message.content == answer.choices[0].message.content
 
 
 def test_api_key_guards_every_endpoint_but_health(tiny):
@@ -354,3 +365,36 @@ def test_load_8_clients_mixed_methods_and_bad_requests(server, tiny):
     while metric(server, "kvsieve_active_requests") > 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert metric(server, "kvsieve_active_requests") == 0 and metric(server, "kvsieve_queue_depth") == 0
+
+
+SHRINK = {  # every preset at budgets that drop tokens from a 150-token prompt (applied where the field exists)
+    "select.k": 64,
+    "select.block": 8,
+    "feed.chunk": 32,
+    "feed.memory": 40,
+    "attention.segment": 16,
+    "attention.block": 4,
+    "attention.budget": 32,
+    "attention.dense_prefix": 0,
+    "compress.budget": 40,
+    "compress.policy.window": 8,
+    "compress.policy.kernel": 7,
+    "evict.budget": 40,
+}
+
+
+def test_every_preset_answers_as_the_library(server, tiny):
+    """For every registered preset the server's greedy tokens equal `kvsieve.run`'s on the same prompt,
+    with the server's prefix cache on and prefill sliced between decoding steps (the default)."""
+    from kvsieve import REGISTRY
+
+    ids = ids_of(tiny, "hello " + DOC + " " + DOC[:260] + " what is the pass key")
+    assert len(ids) > 150
+    for name, preset in REGISTRY.items():
+        settings = {path: value for path, value in SHRINK.items() if preset.has(path)}
+        extra = {"kvsieve": {"method": name, "set": settings}}
+        for _ in range(2):  # the second time through the stored prefix where the method continues one
+            out = client(server).completions.create(
+                model="tiny", prompt=ids, max_tokens=12, temperature=0, extra_body=extra
+            )
+            assert out.choices[0].text == reference(tiny, ids, name, settings, tokens=12), (name, settings)

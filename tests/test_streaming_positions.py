@@ -92,7 +92,7 @@ def test_reencoded_cache_equals_a_fresh_run_on_sinks_and_window(single_thread, a
     keys, logits = _fresh(model, torch.cat([tokens, ids[:, fed : fed + 1]], 1), torch.arange(length + 1))
     torch.testing.assert_close(_in_time_order(cache, state), keys[:, :length], atol=2e-5, rtol=1e-4)
     # The next token goes at position = cache length and sees what the fresh run sees.
-    assert state.position(cache, fed) == length
+    assert state.position(cache.get_seq_length(), fed) == length
     with torch.no_grad():
         ours = step(model, cache, ids[:, fed : fed + 1], fed, state)
     torch.testing.assert_close(ours, logits, atol=1e-4, rtol=1e-4)
@@ -117,7 +117,7 @@ def test_kept_positions_are_unchanged(single_thread):
     assert not evict.reencodes
     cache, state, fed = _stream(model, ids, 40, evict)
     assert state.positions == {} and state.rotary is None
-    assert state.position(cache, fed) == fed
+    assert state.position(cache.get_seq_length(), fed) == fed
     tokens = _cached_tokens(ids, fed, BUDGET)
     positions = torch.cat([torch.arange(SINKS), torch.arange(fed - (BUDGET - SINKS), fed)])
     keys, _ = _fresh(model, tokens, positions)
@@ -175,7 +175,7 @@ def test_reencode_after_a_compress_stage_places_each_heads_kept_tokens(single_th
     for head in range(keys.shape[0]):
         fresh, _ = _fresh(model, prompt.ids[:, kept[head]], torch.arange(BUDGET))
         torch.testing.assert_close(keys[head], fresh[head], atol=2e-5, rtol=1e-4)
-    assert state.evict.position(done.prefilled.cache, done.prefilled.next_position) == BUDGET
+    assert state.evict.position(done.prefilled.cache.get_seq_length(), done.prefilled.next_position) == BUDGET
 
 
 def _start_kept(compressed: torch.Tensor, budget: int) -> torch.Tensor:
@@ -215,12 +215,6 @@ def test_reencode_is_refused_where_it_cannot_be_honoured(make_model):
     state = Evict(policy, 16).begin()
     with pytest.raises(KvsieveError, match="pass the model"):
         state.start(_prefilled_cache(model), None)
-    from kvsieve.registry import method
-    from kvsieve.serve.app import check_servable
-
-    with pytest.raises(KvsieveError, match="batched decoding"):
-        check_servable(method("streaming", {"evict.policy.reencode": True}))
-    check_servable(method("streaming"))
 
 
 def _prefilled_cache(model):

@@ -177,7 +177,7 @@ def _add_run_file(parser: argparse.ArgumentParser, default: str) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from kvsieve.pipeline import generate
+    from kvsieve.engine.offline import generate
 
     spec = _spec(args)  # a bad name or setting fails before the model loads
     sampling = _sampling(args)
@@ -437,8 +437,8 @@ DEMO_METHODS = "full,gemfilter,critiprefill,snapkv,a2sf,imdc"
 def cmd_demo(args: argparse.Namespace) -> None:
     from kvsieve.data import needle_case
     from kvsieve.decode import Sampling
+    from kvsieve.engine.offline import generate
     from kvsieve.eval.scoring import contains, rouge1_recall
-    from kvsieve.pipeline import generate
 
     specs = _specs(args)
     model, tokenizer = _load(args)
@@ -485,9 +485,9 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     """Serve the model on OpenAI's API (see README "Serving")."""
+    from kvsieve.engine.prefix_cache import parse_bytes
     from kvsieve.models import DEFAULT_MODEL
     from kvsieve.serve import create_server
-    from kvsieve.serve.prefix_cache import parse_bytes
 
     spec = _spec(args)  # a bad method fails before the model loads
     cache_bytes = parse_bytes(args.cache_memory)
@@ -505,6 +505,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         cache_bytes=cache_bytes,
         max_queue=args.max_queue,
         max_batch=args.max_batch,
+        max_step_tokens=args.max_step_tokens or None,
         max_body_bytes=parse_bytes(args.max_body),
         max_prompt_tokens=args.max_prompt_tokens,
         default_max_tokens=args.default_max_tokens,
@@ -671,7 +672,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.description = (
         "Serve the model on OpenAI's API (POST /v1/chat/completions, /v1/completions; GET /v1/models, /health, "
         '/metrics). Requests choose a method with the body field {"kvsieve": {"method": NAME, "set": {...}}}; '
-        "decoding steps of all requests run as one batch; compressed states of recent prompt prefixes are reused."
+        "decoding steps of all requests run as one batch, with long prefills sliced between them; the states of "
+        "recent prompt prefixes are reused exactly (the method still sees the whole prompt)."
     )
     _add_model(p)
     _add_method(p, multi=False, default="full")
@@ -688,7 +690,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="bytes of reusable prompt states kept, LRU (default 2GB; 0 turns reuse off)",
     )
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting before 429 (default 64)")
-    p.add_argument("--max-batch", type=int, default=16, help="requests decoded together (default 16)")
+    p.add_argument("--max-batch", type=int, default=16, help="requests prefilling or decoding at once (default 16)")
+    p.add_argument(
+        "--max-step-tokens",
+        type=int,
+        default=256,
+        help="tokens one engine step runs: a decoding token per running request plus prefill up to this budget, "
+        "so a long prompt delays running streams by one slice, not its whole prefill (vLLM's "
+        "max_num_batched_tokens; default 256; 0 = whole prefills)",
+    )
     p.add_argument("--max-body", default="4MB", help="largest request body (default 4MB)")
     p.add_argument("--max-prompt-tokens", type=int, default=131072, help="longest prompt (default 131072)")
     p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request omits it")

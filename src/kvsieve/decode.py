@@ -141,7 +141,9 @@ def step(
     The token goes at logical `position`, or at the cache's length when `evict` re-encodes
     positions. Observers of the eviction (`evict.step_observers()`) must be active around it.
     """
-    logits = extend(model, cache, token, evict.position(cache, position) if evict is not None else position)[-1]
+    if evict is not None:
+        position = evict.position(cache.get_seq_length(), position)
+    logits = extend(model, cache, token, position)[-1]
     if evict is not None:
         evict.after_step(cache)
     return logits

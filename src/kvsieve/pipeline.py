@@ -1,4 +1,4 @@
-"""Runs select -> feed -> compress -> decode and records what each stage did (DESIGN.md's flow).
+"""Runs select -> feed -> compress (and starts evict) on a prompt, and records what each stage did.
 
 Each stage is an immutable option object (a `MethodSpec` bundles them under a name); `None` means
 the stage's plain default (no selection, one-pass prefill, dense attention, no compression).
@@ -10,22 +10,29 @@ to every pass that prefills: the selector's scoring pass and the feed.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, PreTrainedModel
 
 from kvsieve.attention import ATTENTION_NAME, attention_hooks
-from kvsieve.compress.cache import compose_kept, resolve_budget
-from kvsieve.compress.stages import Compress, CompressRun, Evict, EvictRun
-from kvsieve.decode import Sampling, decode
+from kvsieve.compress.cache import compose_kept, resolve_budget, wrap_cache
+from kvsieve.compress.stages import (
+    Compress,
+    CompressRun,
+    Evict,
+    EvictRun,
+    PrefixSums,
+    accumulating,
+    sum_recorders,
+)
 from kvsieve.errors import KvsieveError
-from kvsieve.feed import Feed, Prefilled
+from kvsieve.feed import Feed, Prefilled, PromptState
 from kvsieve.feed.full import FullPrefill
 from kvsieve.models import architecture
-from kvsieve.prompt import Prompt, build_prompt
+from kvsieve.prompt import Prompt
+from kvsieve.registry import method as lookup
 from kvsieve.select import Selector
 from kvsieve.spec import MethodSpec
 
@@ -40,56 +47,46 @@ class StageRecord:
     details: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
-class GenerationResult:
-    text: str
-    tokens: list[int]
-    finish_reason: str
-    prompt_tokens: int
-    prefill_seconds: float  # time to first token: selection + feed + compression
-    decode_seconds: float
-    decode_tokens_per_s: float
-    prefill_kv_length: int  # cache entries per layer and KV head when the first token was picked
-    kv_cache_length: int  # cache entries per layer and KV head when decoding ended
-    stages: list[StageRecord]
-    selected_indices: list[int] | None = None
-    selected_text: str | None = None
-    state: RunState | None = field(default=None, repr=False)  # what the run learned (tensors; not in to_dict)
+def positions_needed(stages: dict[str, Any], prompt: int, reserve: int) -> int:
+    """The positions a run of `stages` on `prompt` tokens then `reserve` new tokens places (0: no bound).
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form: everything but the per-run state."""
-        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "state"}
-        data["stages"] = [asdict(stage) for stage in self.stages]
-        return data
-
-
-def _check_positions(model: PreTrainedModel, positions: int, what: str, evict: Evict | None = None) -> None:
-    max_positions = architecture(model).max_positions
-    if positions > max_positions:
-        streaming = evict is not None and hasattr(evict.policy, "reencode")
-        raise KvsieveError(
-            f"{what} needs {positions} positions, but this model was trained for {max_positions}. "
-            "Shorten the context or lower max_new_tokens, or feed the prompt in chunks with a compressed memory "
-            "(--method imdc, or feed=ChunkedPrefill(...)), which re-encodes positions and accepts any length."
-            + (
-                " To decode a stream past the trained positions with StreamingLLM, re-encode its positions "
-                "(--set evict.policy.reencode=true): kept positions break down there (docs/STUDIES.md)."
-                if streaming
-                else ""
-            )
-        )
-
-
-def _decode_positions(prompt: int, reserve: int, evict: Evict | None) -> int:
-    """Positions a one-pass prefill of `prompt` tokens and `reserve` decoding steps use.
-
-    Re-encoding eviction feeds every token at the cache's length, which stays within the
-    budget (plus the interval's growth), so a stream can outlast the model's positions.
+    The one position rule of every entry point (generate, the evaluations, the server). A chunked
+    feed re-encodes positions, so it takes any length; a select stage's scoring pass places every
+    prompt token, then the kept ones and the answer; a one-pass feed places the prompt and the
+    answer, except that a re-encoding eviction (StreamingLLM's `reencode`) feeds every new token
+    at the cache's length, which stays within the budget (plus the interval's growth).
     """
+    select, feed, evict = (stages.get(k) for k in ("select", "feed", "evict"))
+    if select is not None:
+        kept = round(select.k * prompt) if isinstance(select.k, float) else select.k
+        return max(prompt, min(kept, prompt) + reserve)
+    if feed is not None and not feed.needs_full_context:
+        return 0
     if evict is None or not evict.reencodes:
         return prompt + reserve
     budget, _ = resolve_budget(evict.budget, max(prompt, 1))
     return max(prompt, min(prompt + reserve, budget + evict.interval))
+
+
+def check_positions(model: PreTrainedModel, stages: dict[str, Any], prompt: int, reserve: int) -> None:
+    """Refuse a run that needs more positions than the model was trained for (`positions_needed`)."""
+    needed, max_positions = positions_needed(stages, prompt, reserve), architecture(model).max_positions
+    if needed <= max_positions:
+        return
+    evict = stages.get("evict")
+    streaming = evict is not None and hasattr(evict.policy, "reencode")
+    raise KvsieveError(
+        f"The run needs {needed} positions ({prompt} tokens in the prompt, then {reserve} new tokens), but this "
+        f"model was trained for {max_positions}. Shorten the context or lower max_new_tokens, or feed the prompt in "
+        "chunks with a compressed memory (--method imdc, or feed=ChunkedPrefill(...)), which re-encodes positions "
+        "and accepts any length."
+        + (
+            " To decode a stream past the trained positions with StreamingLLM, re-encode its positions "
+            "(--set evict.policy.reencode=true): kept positions break down there (docs/STUDIES.md)."
+            if streaming
+            else ""
+        )
+    )
 
 
 def check_prepared(model: PreTrainedModel) -> None:
@@ -129,25 +126,20 @@ class Prefill:
     evict_details: dict[str, Any]
     ids: torch.Tensor  # the ids the feed prefilled
     state: RunState
-
-    @property
-    def selected(self) -> torch.Tensor | None:
-        return self.state.selected
+    stored: PromptState | None = None  # the prefix state `keep` asked for
 
 
-def _resolve_stages(method: MethodSpec | str | None, stages: dict[str, Any]) -> dict[str, Any]:
-    """The stage objects of `method`, or the ones given one by one (not both)."""
+def resolve_method(method: MethodSpec | str | None, stages: dict[str, Any]) -> MethodSpec:
+    """`method` (a registered name or a spec), or a spec of the stage objects given one by one (not both)."""
+    given = {name: value for name, value in stages.items() if value is not None}
     if method is None:
-        return stages
-    given = [name for name, value in stages.items() if value is not None]
+        return MethodSpec("custom", "stages given one by one", **given)
     if given:
         raise KvsieveError(
             f"Give either a method or stage objects, not both (got method and {', '.join(given)}); "
             "change a method's stages with its settings instead, e.g. method.with_setting('compress.budget', 512)."
         )
-    from kvsieve.registry import method as lookup
-
-    return lookup(method).stages()
+    return lookup(method)
 
 
 def prefill(
@@ -161,16 +153,23 @@ def prefill(
     compress: Compress | None = None,
     evict: Evict | None = None,
     reserve: int = 0,
+    prefix: PromptState | None = None,
+    keep: int = 0,
 ) -> Prefill:
     """Run select -> feed -> compress (and start `evict`) on `prompt`; `reserve` positions follow it.
 
     Stages come from `method` (a registered name or a MethodSpec) or are given one by one; the
     stage objects are never changed, so one configuration may serve concurrent runs. Shared by
     generation and by evaluations that continue the cache their own way (perplexity).
+
+    Context reuse (one-pass feed, no select stage or prefill kernel: `engine.prefix_cache.reuse_tail`):
+    `prefix` is a stored state of the prompt's first `prefix.length` tokens, which then are not
+    run again; `keep` > 0 runs the first `keep` tokens as a pass of their own and returns their
+    state in `Prefill.stored`. Either way compression and eviction score the whole prompt.
     """
-    stages = _resolve_stages(
+    stages = resolve_method(
         method, {"select": select, "feed": feed, "attention": attention, "compress": compress, "evict": evict}
-    )
+    ).stages()
     select, attention, compress, evict = (stages.get(k) for k in ("select", "attention", "compress", "evict"))
     feed = stages.get("feed") or FullPrefill()
     if evict is not None and evict.reencodes and not feed.needs_full_context:
@@ -181,10 +180,16 @@ def prefill(
         )
     check_prepared(model)
     if prompt.ids.ndim != 2 or prompt.ids.shape[0] != 1:
-        raise KvsieveError(f"kvsieve runs batch size 1; got prompt ids of shape {tuple(prompt.ids.shape)}.")
-    if feed.needs_full_context or select is not None:
-        # Full prefill and GemFilter's scoring pass both place every prompt token at its position.
-        _check_positions(model, prompt.length, f"The prompt ({prompt.length} tokens)")
+        raise KvsieveError(
+            f"A prompt is one row of token ids, shape (1, n); got {tuple(prompt.ids.shape)}. "
+            "For a batch, pass a list of prompts to kvsieve.run (or of contexts to kvsieve.generate)."
+        )
+    start_at = prefix.length if prefix is not None else 0
+    if (prefix is not None or keep) and (select is not None or attention is not None or feed.tag != "full"):
+        raise KvsieveError("Only a one-pass feed without a select stage or prefill kernel continues a stored prefix.")
+    if start_at >= prompt.length or (keep and not start_at < keep < prompt.length):
+        raise KvsieveError(f"A stored prefix ({start_at} / {keep} tokens) must leave prompt tokens to run.")
+    check_positions(model, stages, prompt.length, reserve)
     state = RunState(
         compress=compress.begin() if compress is not None else None,
         evict=evict.begin() if evict is not None else None,
@@ -193,36 +198,32 @@ def prefill(
     records: list[StageRecord] = []
     ids = prompt.ids.to(model.device)
     start = time.perf_counter()
+    stored = None
     with attention_hooks(kernel=state.kernel):
         if select is not None:
-            selection = select.select(model, Prompt(ids, prompt.context_start, prompt.context_len))
-            state.selected = selection.indices
-            ids = ids[:, selection.indices]
-            records.append(
-                StageRecord(
-                    "select", select.name, time.perf_counter() - start, {"kept": ids.shape[1], **selection.details}
-                )
-            )
-        if feed.needs_full_context:
-            _check_positions(
-                model, _decode_positions(ids.shape[1], reserve, evict), f"Decoding {reserve} new tokens", evict
-            )
+            state.selected, record = select_tokens(model, Prompt(ids, prompt.context_start, prompt.context_len), select)
+            ids = ids[:, state.selected]
+            records.append(record)
         feed_start = time.perf_counter()
         runs = [run for run in (state.compress, state.evict) if run is not None]
-        observers = [observer for run in runs for observer in run.observers()]
-        if isinstance(feed, FullPrefill) and runs:
+        if isinstance(feed, FullPrefill):
+            cache = prefix.cache if prefix is not None else DynamicCache(config=model.config)
+            sums = prefix.sums if prefix is not None else None
+            if keep:
+                stored = _prefill_prefix(model, feed, ids[:, start_at:keep], cache, sums, runs)
+                start_at, sums = keep, stored.sums
+            observers = [observer for run in runs for observer in run.observers(sums)]
             # One pass: the first pruning stage cuts each layer right after its attention (lower peak).
-            cache = DynamicCache(config=model.config)
-            with attention_hooks(last_pass=observers, finishers=[runs[0].finisher(cache)]):
-                prefilled = feed.prefill(model, ids, cache=cache)
+            finishers = [runs[0].finisher(cache)] if runs else []
+            with attention_hooks(last_pass=observers, finishers=finishers):
+                prefilled = feed.prefill(model, ids[:, start_at:], cache=cache)
         else:
-            with attention_hooks(last_pass=observers):
+            with attention_hooks(last_pass=[observer for run in runs for observer in run.observers()]):
                 prefilled = feed.prefill(model, ids)
-        records.append(
-            StageRecord(
-                "feed", feed.name, time.perf_counter() - feed_start, {"tokens": ids.shape[1], **prefilled.details}
-            )
-        )
+        details = {"tokens": ids.shape[1] - (prefix.length if prefix is not None else 0), **prefilled.details}
+        if prefix is not None:
+            details["reused_tokens"] = prefix.length
+        records.append(StageRecord("feed", feed.name, time.perf_counter() - feed_start, details))
     state.prefilled = prefilled
     kept = prefilled.kept_positions  # cache entries among the feed's last attended keys (None: all)
     if state.compress is not None:
@@ -239,100 +240,45 @@ def prefill(
         evict_details=evict_details,
         ids=ids,
         state=state,
+        stored=stored,
     )
 
 
-def run(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    prompt: Prompt,
-    *,
-    method: MethodSpec | str | None = None,
-    select: Selector | None = None,
-    feed: Feed | None = None,
-    attention: Any = None,
-    compress: Compress | None = None,
-    evict: Evict | None = None,
-    sampling: Sampling | None = None,
-    stream: Callable[[str], None] | None = None,
-) -> GenerationResult:
-    """Generate from an already-built `Prompt` through `method`'s stages (or stages given one by one)."""
-    sampling = sampling or Sampling()
-    sampling.validate()
-    done = prefill(
-        model,
-        prompt,
-        method=method,
-        select=select,
-        feed=feed,
-        attention=attention,
-        compress=compress,
-        evict=evict,
-        reserve=sampling.max_new_tokens,
-    )
-    prefilled = done.prefilled
-    decoded = decode(
-        model,
-        tokenizer,
-        prefilled.cache,
-        prefilled.last_logits,
-        prefilled.next_position,
-        sampling,
-        stream,
-        done.state.evict,
-    )
-    kind = "sampling" if sampling.temperature else "greedy"
-    stages = [*done.stages, StageRecord("decode", kind, decoded.seconds, done.evict_details)]
-    selected = done.state.selected
-    return GenerationResult(
-        text=decoded.text,
-        tokens=decoded.tokens,
-        finish_reason=decoded.finish_reason,
-        prompt_tokens=prompt.length,
-        prefill_seconds=done.seconds,
-        decode_seconds=decoded.seconds,
-        decode_tokens_per_s=decoded.steps / decoded.seconds if decoded.steps else 0.0,
-        prefill_kv_length=done.kv_length,
-        kv_cache_length=prefilled.cache.get_seq_length(),
-        stages=stages,
-        selected_indices=None if selected is None else selected.tolist(),
-        selected_text=None if selected is None else tokenizer.decode(done.ids[0]),
-        state=done.state,
-    )
+def select_tokens(
+    model: PreTrainedModel, prompt: Prompt, select: Selector, attention: Any = None
+) -> tuple[torch.Tensor, StageRecord]:
+    """The select stage on `prompt`: the kept positions (ascending) and its record.
 
-
-def generate(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    context: str,
-    question: str | None = None,
-    *,
-    raw: bool = False,
-    method: MethodSpec | str | None = None,
-    select: Selector | None = None,
-    feed: Feed | None = None,
-    attention: Any = None,
-    compress: Compress | None = None,
-    evict: Evict | None = None,
-    sampling: Sampling | None = None,
-    stream: Callable[[str], None] | None = None,
-) -> GenerationResult:
-    """Answer `question` about `context` (chat template), or continue `context + question` (raw=True).
-
-    `method` is a registered name ("snapkv") or a MethodSpec (`kvsieve.method("snapkv", {...})`);
-    alternatively pass the stage objects one by one.
+    `attention` (a prefill kernel stage such as CritiPrefill) runs the selection pass; inside
+    `prefill` the run's own kernel is already active. The one place a select stage is called:
+    generation, `kvsieve inspect` and the server's --upstream relay.
     """
-    prompt = build_prompt(tokenizer, context, question, raw=raw)
-    return run(
-        model,
-        tokenizer,
-        prompt,
-        method=method,
-        select=select,
-        feed=feed,
-        attention=attention,
-        compress=compress,
-        evict=evict,
-        sampling=sampling,
-        stream=stream,
-    )
+    start = time.perf_counter()
+    kernel = attention.begin() if attention is not None else None
+    with attention_hooks(kernel=kernel):
+        selection = select.select(model, Prompt(prompt.ids.to(model.device), prompt.context_start, prompt.context_len))
+    details = {"kept": len(selection.indices), **selection.details}
+    return selection.indices, StageRecord("select", select.name, time.perf_counter() - start, details)
+
+
+def _prefill_prefix(
+    model: PreTrainedModel,
+    feed: FullPrefill,
+    ids: torch.Tensor,
+    cache: DynamicCache,
+    prior: PrefixSums | None,
+    runs: list[CompressRun | EvictRun],
+) -> PromptState:
+    """Run `ids` onto `cache` as a pass of their own and return the prefix state they end in.
+
+    Accumulating policies get their sums recorded (continuing `prior`'s); nothing is pruned, so
+    the state is what any later prompt that starts with these tokens would compute.
+    """
+    alphas = accumulating([run.config.policy for run in runs])
+    sums: dict[float, dict[int, torch.Tensor]] = {}
+    with attention_hooks(observers=sum_recorders(alphas, sums, prior), intermediate=True):
+        feed.prefill(model, ids, cache=cache)
+    length = cache.get_seq_length()
+    layers = [(layer.keys, layer.values) for layer in cache.layers]  # later passes replace them, never change them
+    total = PrefixSums(length, sums) if alphas else None
+    return PromptState(wrap_cache(model, layers), length, length, total)

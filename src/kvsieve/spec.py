@@ -21,7 +21,7 @@ import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from kvsieve.errors import KvsieveError
 
@@ -258,7 +258,6 @@ class MethodSpec:
     attention: Any = None
     compress: Any = None
     evict: Any = None
-    stage_names: ClassVar[tuple[str, ...]] = STAGES
 
     def __post_init__(self) -> None:
         for stage in STAGES:

@@ -4,7 +4,7 @@ and moving cached post-RoPE keys to other positions (chunked feeds, StreamingLLM
 from __future__ import annotations
 
 import torch
-from transformers import Cache
+from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from kvsieve.errors import KvsieveError
@@ -185,3 +185,20 @@ def compaction(victims: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.
     dropped.scatter_(1, victims, True)
     order = torch.sort(dropped[:, length - m :].to(torch.uint8), dim=1, stable=True).indices  # survivors first
     return order + (length - m), targets
+
+
+def plain_layer(keys: torch.Tensor, values: torch.Tensor) -> DynamicLayer:
+    """A transformers cache layer holding exactly these tensors (no copy)."""
+    layer = DynamicLayer()
+    layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys, values
+    return layer
+
+
+def wrap_cache(model: PreTrainedModel, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    """A DynamicCache of `model` holding exactly these (keys, values) tensors per layer (no copy)."""
+    cache = DynamicCache(config=model.config)
+    for layer, (keys, values) in zip(cache.layers, layers, strict=True):
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+    return cache

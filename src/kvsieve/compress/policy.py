@@ -93,6 +93,16 @@ class Policy:
             row[:, : previous.shape[1]].add_(previous, alpha=self.step_alpha)
         return row
 
+    @property
+    def scored_queries(self) -> int | None:
+        """How many of the prompt's last queries its scores read: then a request continuing a stored
+        prefix scores exactly as a one-pass prefill when it runs at least that many new tokens. 0 for
+        position-only policies; accumulating ones (`summed_alpha`) read every query and continue the
+        prefix's stored sums instead; None where no such bound is known (no reuse)."""
+        if self.position_only or self.summed_alpha is not None:
+            return 0
+        return None
+
     def protected(self, budget: int) -> tuple[int, int]:
         """(sinks, recent): the first and last positions kept regardless of score, within `budget`."""
         return 0, 0

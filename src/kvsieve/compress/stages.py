@@ -32,6 +32,7 @@ from kvsieve.compress.cache import (
     EvictionBuffer,
     compaction,
     move_entries,
+    plain_layer,
     prune_layer,
     rerotate_keys,
     resolve_budget,
@@ -40,7 +41,7 @@ from kvsieve.compress.cache import (
 from kvsieve.compress.policies.a2sf import A2SF
 from kvsieve.compress.policies.snapkv import SnapKV
 from kvsieve.compress.policy import Policy
-from kvsieve.compress.scorers import keep_indices, newest_first
+from kvsieve.compress.scorers import accumulated_attention, keep_indices, newest_first
 from kvsieve.errors import KvsieveError
 from kvsieve.models import architecture
 from kvsieve.spec import component, option
@@ -88,20 +89,71 @@ def _layer_scores(scores: dict[int, torch.Tensor], layer: int, keys: torch.Tenso
     return torch.zeros(keys.shape[1], keys.shape[2], device=keys.device)
 
 
-def score_observers(policy: Policy, into: dict[int, torch.Tensor]) -> list[Observer]:
+@dataclass(frozen=True)
+class PrefixSums:
+    """The accumulated attention (A2SF eq. 5) of a prompt prefix's `queries` queries, per alpha and layer.
+
+    A request that starts from a stored prefix runs only its new queries; with these sums its
+    accumulating policies still score every prompt query, exactly as a one-pass prefill would:
+    A_{n,k} = sum over the new queries + alpha^(new queries) * the prefix's sums.
+    """
+
+    queries: int
+    sums: dict[float, dict[int, torch.Tensor]]
+
+
+def accumulating(policies: list[Policy]) -> list[float]:
+    """The distinct alphas whose accumulated attention `policies` make their prompt scores from."""
+    return sorted({p.summed_alpha for p in policies if not p.position_only and p.summed_alpha is not None})
+
+
+def _continued(
+    prior: PrefixSums | None, alpha: float, layer: int, sums: torch.Tensor, queries: int
+) -> tuple[torch.Tensor, int]:
+    """A pass's accumulated attention of its `queries` queries, plus the prefix's before them (eq. 5)."""
+    if prior is None:
+        return sums, queries
+    before = prior.sums[alpha][layer]
+    sums = sums.clone()
+    sums[:, : before.shape[1]] += (alpha**queries) * before
+    return sums, queries + prior.queries
+
+
+def sum_recorders(
+    alphas: list[float], into: dict[float, dict[int, torch.Tensor]], prior: PrefixSums | None = None
+) -> list[Observer]:
+    """Observers storing every layer's accumulated attention, one per alpha, in `into[alpha][layer]`
+    (continuing `prior`'s sums)."""
+    observers = []
+    for alpha in alphas:
+        layers = into.setdefault(alpha, {})
+
+        def receive(layer: int, sums: torch.Tensor, queries: int, layers=layers, alpha=alpha) -> None:
+            layers[layer] = _continued(prior, alpha, layer, sums, queries)[0]
+
+        def reference(query: torch.Tensor, key: torch.Tensor, scaling: float, alpha=alpha) -> torch.Tensor:
+            return accumulated_attention(query, key, scaling, alpha=alpha)
+
+        observers.append(AccumulatedScores(alpha, receive, reference))
+    return observers
+
+
+def score_observers(policy: Policy, into: dict[int, torch.Tensor], prior: PrefixSums | None = None) -> list[Observer]:
     """Observers storing `policy`'s scores of every layer's keys in `into`; none for position-only policies.
 
     Policies whose scores are made from accumulated attention (H2O, A2SF, Collie) take it from the
-    prefill attention itself.
+    prefill attention itself, added to the `prior` sums of a stored prefix's queries when the pass
+    continues one.
     """
     if policy.position_only:
         return []
-    if policy.summed_alpha is not None:
+    alpha = policy.summed_alpha
+    if alpha is not None:
 
         def receive(layer: int, sums: torch.Tensor, queries: int) -> None:
-            into[layer] = policy.from_sums(sums, queries)
+            into[layer] = policy.from_sums(*_continued(prior, alpha, layer, sums, queries))
 
-        return [AccumulatedScores(policy.summed_alpha, receive, policy.accumulated_scores)]
+        return [AccumulatedScores(alpha, receive, policy.accumulated_scores)]
 
     def score(layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
         into[layer] = policy.prompt_scores(query[0], key[0], _scaling(query))
@@ -146,9 +198,10 @@ class CompressRun:
     total: int = 0  # entries per layer before pruning (0: not resolved yet)
     pruned: dict[int, torch.Tensor] = field(default_factory=dict)  # layers pruned during the prefill
 
-    def observers(self) -> list[Observer]:
-        """Score observers for the feed's last pass (a prompt, or a chunked feed's last chunk)."""
-        return score_observers(self.config.policy, self.scores)
+    def observers(self, prior: PrefixSums | None = None) -> list[Observer]:
+        """Score observers for the feed's last pass (a prompt, or a chunked feed's last chunk), continuing
+        the `prior` sums of a stored prefix."""
+        return score_observers(self.config.policy, self.scores, prior)
 
     def finisher(self, cache: Cache) -> Finisher:
         """Prune each layer of `cache` (a one-pass prefill's) right after that layer's attention."""
@@ -252,9 +305,10 @@ class EvictRun:
     turn: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's rotation, shared by the layers
     tables: tuple[torch.Tensor, torch.Tensor] | None = None  # every layer's key / value buffers (`buffer`)
 
-    def observers(self) -> list[Observer]:
-        """Observers for the feed's last pass: they start the running scores from the prompt (or last chunk)."""
-        return score_observers(self.config.policy, self.scores)
+    def observers(self, prior: PrefixSums | None = None) -> list[Observer]:
+        """Observers for the feed's last pass: they start the running scores from the prompt (or last chunk),
+        continuing the `prior` sums of a stored prefix."""
+        return score_observers(self.config.policy, self.scores, prior)
 
     def finisher(self, cache: Cache) -> Finisher:
         """Prune each layer of `cache` (a one-pass prefill's) to the budget right after that layer's attention."""
@@ -360,9 +414,27 @@ class EvictRun:
         self.stamps = self.stamp_table[:, :, :length]
         self.clock = length
 
-    def position(self, cache: Cache, logical: int) -> int:
-        """The position of the next token fed on `cache`: its length when re-encoding, else `logical`."""
-        return cache.get_seq_length() if self.config.reencodes else logical
+    def unbuffer(self, cache: Cache) -> None:
+        """Move `cache` out of its buffers (`buffer`) into plain layers, its entries back in time order
+        (their stamps' order) and the running scores and positions moved alike: what eviction outside
+        the buffers (the padded batch of several requests) expects. Nothing to do if never buffered."""
+        if self.stamps is None:
+            return
+        order = self.stamps.argsort(dim=2)  # (layers, kv_heads, n): oldest first
+        for layer, entry in enumerate(cache.layers):
+            index = order[layer][None, :, :, None]
+            keys = entry.keys.gather(2, index.expand(*entry.keys.shape[:3], entry.keys.shape[-1]))
+            values = entry.values.gather(2, index.expand(*entry.values.shape[:3], entry.values.shape[-1]))
+            cache.layers[layer] = plain_layer(keys, values)
+            for tracked in (self.scores, self.positions):
+                if layer in tracked:
+                    tracked[layer] = tracked[layer].gather(1, order[layer])
+        self.stamps = self.stamp_table = self.tables = None
+
+    def position(self, length: int, logical: int) -> int:
+        """The position of the next token fed on a cache of `length` entries: that length when
+        re-encoding, else `logical`."""
+        return length if self.config.reencodes else logical
 
     def after_step(self, cache: Cache) -> None:
         self.steps += 1

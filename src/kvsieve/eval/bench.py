@@ -62,8 +62,8 @@ def measure(config: BenchConfig) -> dict:
 
     from kvsieve.data import prompt_case
     from kvsieve.decode import Sampling
+    from kvsieve.engine.offline import run
     from kvsieve.models import load_model
-    from kvsieve.pipeline import run
 
     spec = MethodSpec.from_dict(config.spec)  # validate before any work
     model, tokenizer = load_model(config.model, device=config.device, dtype=config.dtype)

@@ -53,7 +53,7 @@ def run_grid(
     Lengths are prompt tokens (context + template + question); depths are in [0, 1].
     """
     from kvsieve.decode import Sampling
-    from kvsieve.pipeline import run
+    from kvsieve.engine.offline import run
 
     if probe not in PROBES:
         raise KvsieveError(f"Unknown probe '{probe}'; choose from {', '.join(PROBES)}.")

@@ -1,7 +1,9 @@
 """The `feed` stage: how the (selected) prompt is prefilled into a KV cache.
 
 A feed returns the cache, the last position's logits and the logical position of the next
-token. `full.py` runs one pass; chunked feeds with a compressed memory live beside it.
+token. `full.py` runs one pass; chunked feeds with a compressed memory live beside it. A
+`PromptState` is a prompt prefix as the one-pass feed left it, which a later request extends
+(kvsieve.engine.prefix_cache).
 """
 
 from __future__ import annotations
@@ -10,7 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from transformers import Cache, PreTrainedModel
+from transformers import Cache, DynamicCache, PreTrainedModel
+
+from kvsieve.compress.cache import wrap_cache
+from kvsieve.compress.stages import PrefixSums
 
 
 @dataclass
@@ -37,3 +42,33 @@ class Feed(Protocol):
     needs_full_context: bool
 
     def prefill(self, model: PreTrainedModel, ids: torch.Tensor) -> Prefilled: ...
+
+
+@dataclass
+class PromptState:
+    """A prompt prefix as the feed left it (no compression yet), ready to be extended by more tokens."""
+
+    cache: DynamicCache
+    position: int  # logical position of the next token
+    length: int  # prompt tokens that produced this state
+    sums: PrefixSums | None = None  # accumulated attention of its queries, for accumulating policies
+
+    @property
+    def kv_entries(self) -> int:
+        """Entries per layer and KV head (layer 0), the unit of every budget."""
+        return self.cache.get_seq_length()
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
+        tensors += [t for layers in (self.sums.sums.values() if self.sums else ()) for t in layers.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def clone(self, model: PreTrainedModel) -> PromptState:
+        """A deep copy: tensors cloned, so neither copy can change the other."""
+        layers = [(layer.keys.clone(), layer.values.clone()) for layer in self.cache.layers]
+        sums = None
+        if self.sums is not None:
+            copied = {alpha: {j: t.clone() for j, t in by_layer.items()} for alpha, by_layer in self.sums.sums.items()}
+            sums = PrefixSums(self.sums.queries, copied)
+        return PromptState(wrap_cache(model, layers), self.position, self.length, sums)

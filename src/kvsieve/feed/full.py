@@ -24,7 +24,10 @@ class FullPrefill:
         return self.tag
 
     def prefill(self, model: PreTrainedModel, ids: torch.Tensor, cache: Cache | None = None) -> Prefilled:
-        """Prefill `ids` (1, L) into `cache` (an empty one the caller may already watch, or a new one)."""
+        """Prefill `ids` (1, L) into `cache` (an empty one the caller may already watch, or a new one), or
+        onto a cache that holds a prompt prefix already (its entries at positions 0 .. P-1): then `ids`
+        go at P .. P + L - 1."""
+        start = cache.get_seq_length() if cache is not None else 0
         with torch.no_grad():
             out = model(input_ids=ids.to(model.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return Prefilled(cache=out.past_key_values, last_logits=out.logits[0, -1], next_position=ids.shape[1])
+        return Prefilled(cache=out.past_key_values, last_logits=out.logits[0, -1], next_position=start + ids.shape[1])

@@ -3,10 +3,7 @@
     app.py           the HTTP front (FastAPI): validates, queues, streams, relays --upstream
     openai_types.py  OpenAI's request bodies, responses, chunks and errors
     prompts.py       token ids of a request, and where its reusable context ends
-    engine.py        the thread that owns the model: admission, prefill, batched decoding
-    prefill.py       prefill from scratch or from a cached state extended by the new tokens
-    prefix_cache.py  LRU of prompt states bounded in bytes
-    batch.py         continuous batching over ragged, per-request compressed caches
+    engine.py        the thread that owns the model and runs `kvsieve.engine`'s scheduler
     upstream.py      select locally, send the kept token ids to another engine
     metrics.py       Prometheus text for /metrics
 
@@ -43,6 +40,7 @@ def create_server(
     cache_bytes: int = 2_000_000_000,
     max_queue: int = 64,
     max_batch: int = 16,
+    max_step_tokens: int | None = 256,
     max_body_bytes: int = 4_000_000,
     max_prompt_tokens: int = 131_072,
     default_max_tokens: int = 256,
@@ -53,7 +51,13 @@ def create_server(
     """The server's ASGI app for a kvsieve-prepared model; its engine thread starts with the app."""
     metrics = Metrics()
     engine = Engine(
-        model, tokenizer, metrics, max_queue=max_queue, max_batch=max_batch, cache_bytes=0 if upstream else cache_bytes
+        model,
+        tokenizer,
+        metrics,
+        max_queue=max_queue,
+        max_batch=max_batch,
+        max_step_tokens=max_step_tokens,
+        cache_bytes=0 if upstream else cache_bytes,
     )
     config = ServeConfig(
         model_name=model_name,

@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -23,9 +24,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
 from kvsieve.decode import Sampling
+from kvsieve.engine.request import Event, Failed, Finished, Selected, Text
+from kvsieve.engine.request import Request as Job
 from kvsieve.errors import KvsieveError
+from kvsieve.pipeline import positions_needed
+from kvsieve.prompt import Prompt
 from kvsieve.registry import method as lookup_method
-from kvsieve.serve.engine import Engine, Event, Failed, Finished, Job, Selected, Text
+from kvsieve.serve.engine import Engine
 from kvsieve.serve.metrics import Metrics
 from kvsieve.serve.openai_types import (
     ApiError,
@@ -91,14 +96,18 @@ class _Events:
                     raise _ClientGone from None
 
 
-def check_servable(spec: MethodSpec) -> None:
-    """Refuse what the batched decoding cannot honour: it feeds every row at its logical position,
-    so an eviction that re-encodes positions (StreamingLLM's reencode) would be silently wrong."""
-    if spec.evict is not None and spec.evict.reencodes:
-        raise KvsieveError(
-            f"Method '{spec.name}': the server's batched decoding keeps logical positions, so it cannot re-encode "
-            "them as StreamingLLM's reencode asks; set evict.policy.reencode=false here, or use kvsieve generate."
-        )
+def api_error(error: Exception) -> ApiError:
+    """A request's failure as the HTTP answer: what the method cannot do is the client's 400, the rest ours."""
+    if isinstance(error, ApiError):
+        return error
+    if isinstance(error, KvsieveError):
+        return ApiError(400, str(error), param="kvsieve", code="invalid_method")
+    return ApiError(500, f"The engine failed: {error!r}", type="server_error")
+
+
+def as_prompt(prompt: PromptIds) -> Prompt:
+    """The library's prompt for a request's token ids: the last `tail` tokens are its question."""
+    return Prompt(torch.tensor([prompt.ids]), 0, len(prompt.ids) - prompt.tail)
 
 
 def create_app(
@@ -109,7 +118,6 @@ def create_app(
     upstream: Upstream | None = None,
 ) -> FastAPI:
     """The ASGI app. The engine thread starts with the app (lifespan) and stops with it."""
-    check_servable(config.default_spec)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -201,7 +209,9 @@ def create_app(
         reply = Reply(chat, new_id("chatcmpl" if chat else "cmpl"), config.model_name, len(prompt.ids))
         if upstream is not None:
             return await relay(request, body, spec, prompt, sampling, events, reply, arrived)
-        job = Job(prompt.ids, spec, sampling, events.emit, prompt.boundary, prompt.tail, use_cache=body.kvsieve.cache)
+        job = Job(
+            as_prompt(prompt), spec, sampling, events.emit, boundary=prompt.boundary, use_cache=body.kvsieve.cache
+        )
         engine.submit(job)
         try:
             first = await events.next()
@@ -210,7 +220,7 @@ def create_app(
             return client_gone(request)
         if isinstance(first, Failed):
             job.cancelled.set()
-            raise first.error
+            raise api_error(first.error)
         if body.stream:
             return StreamingResponse(
                 stream(request, job, events, reply, body.include_usage()), media_type="text/event-stream"
@@ -220,7 +230,7 @@ def create_app(
             while done is None:
                 event = await events.next()
                 if isinstance(event, Failed):
-                    raise event.error
+                    raise api_error(event.error)
                 if isinstance(event, Text):
                     text.append(event.piece)
                 elif isinstance(event, Finished):
@@ -256,8 +266,9 @@ def create_app(
                     status = 200
                     return
                 elif isinstance(event, Failed):
-                    status = event.error.status
-                    yield sse(event.error.body())
+                    error = api_error(event.error)
+                    status = error.status
+                    yield sse(error.body())
                     yield sse("[DONE]")
                     return
         finally:
@@ -286,7 +297,7 @@ def create_app(
                 param="kvsieve",
                 code="invalid_method",
             )
-        job = Job(prompt.ids, spec, sampling, events.emit, tail=prompt.tail, select_only=True)
+        job = Job(as_prompt(prompt), spec, sampling, events.emit, select_only=True)
         engine.submit(job)
         try:
             selected = await events.next()
@@ -294,7 +305,7 @@ def create_app(
             job.cancelled.set()
             return client_gone(request)
         if isinstance(selected, Failed):
-            raise selected.error
+            raise api_error(selected.error)
         assert isinstance(selected, Selected)
         info = {**selected.info, "upstream": upstream.url}
         if not body.stream:
@@ -374,9 +385,7 @@ def create_app(
         """The request's method: its `kvsieve.method` (or the server's) with `kvsieve.set` applied."""
         try:
             base = lookup_method(options.method) if options.method is not None else config.default_spec
-            spec = base.with_settings(options.set)
-            check_servable(spec)
-            return spec
+            return base.with_settings(options.set)
         except KvsieveError as error:
             raise ApiError(400, str(error), param="kvsieve", code="invalid_method") from None
 
@@ -389,13 +398,8 @@ def create_app(
                 param=param, code="prompt_too_long",
             )  # fmt: skip
         limit = body.token_limit()
-        if spec.select is not None:
-            needed = n  # the selection pass places every prompt token; the pipeline checks k + max_tokens
-        elif upstream is None and (spec.feed is None or spec.feed.needs_full_context):
-            needed = n + (limit or 1)
-            limit = limit or min(config.default_max_tokens, config.max_positions - n)
-        else:
-            needed = 0  # chunked feeds re-encode positions; an upstream checks its own context
+        # An upstream engine checks its own context; here only the select pass places every prompt token.
+        needed = positions_needed(spec.stages(), n, limit or 1) if upstream is None else (n if spec.select else 0)
         if needed > config.max_positions:
             raise ApiError(
                 400,
@@ -405,6 +409,8 @@ def create_app(
                 param=param,
                 code="context_length_exceeded",
             )
+        if not limit and upstream is None and positions_needed(spec.stages(), n, 0) > 0:  # the answer must fit
+            limit = min(config.default_max_tokens, config.max_positions - needed + 1)
         return Sampling(
             max_new_tokens=limit or config.default_max_tokens,
             temperature=body.temperature,

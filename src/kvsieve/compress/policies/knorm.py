@@ -24,6 +24,10 @@ class KNorm(Policy):
     def decodes(self) -> bool:
         return True
 
+    @property
+    def scored_queries(self) -> int:
+        return 0  # none: keys only
+
     def prompt_scores(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
         return -key.float().norm(dim=-1)
 

@@ -29,6 +29,10 @@ class SnapKV(Policy):
         if self.pool not in ("avg", "max"):
             raise KvsieveError(f"SnapKV pooling must be 'avg' or 'max', got {self.pool!r}.")
 
+    @property
+    def scored_queries(self) -> int:
+        return self.window  # the observation window
+
     def prompt_scores(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
         return window_attention(query, key, scaling, self.window, self.kernel, self.pool)
 

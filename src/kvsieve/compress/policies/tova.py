@@ -26,6 +26,10 @@ class TOVA(Policy):
     def decodes(self) -> bool:
         return True
 
+    @property
+    def scored_queries(self) -> int:
+        return 1  # the last query
+
     def prompt_scores(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
         row = attention_probs(query[:, -1:], key, scaling)[:, 0]  # (h, n), float32
         return row.mean(0).expand(key.shape[0], -1)

@@ -1,4 +1,8 @@
-"""Continuous batching: the decoding steps of every active request as one forward pass.
+"""Continuous batching: the decoding steps of every running request as one forward pass.
+
+A request that decodes alone keeps its own cache and steps it as `kvsieve.decode.step` does
+(eviction in place in preallocated buffers: the fastest batch-1 path). Once a second request
+joins, the rows share padded buffers as follows.
 
 Requests differ in cache length (per layer, after their own compression), logical position,
 method and eviction budget. The batch keeps, per layer, one key and one value buffer
@@ -26,22 +30,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache, PreTrainedModel
+from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from kvsieve.attention import attention_hooks
+from kvsieve.compress.cache import wrap_cache
 from kvsieve.compress.stages import EvictRun
+from kvsieve.decode import step
 
 SPARE = 128  # columns of room for new tokens when a buffer is (re)allocated
-
-
-def wrap_cache(model: PreTrainedModel, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-    """A DynamicCache holding exactly these (keys, values) tensors per layer (no copy)."""
-    cache = DynamicCache(config=model.config)
-    for layer, (keys, values) in zip(cache.layers, layers, strict=True):
-        layer.lazy_initialization(keys, values)
-        layer.keys, layer.values = keys, values
-    return cache
 
 
 class _Columns:
@@ -106,26 +103,36 @@ class Row:
 
 
 class DecodeBatch:
-    """The active requests' caches, left-padded per layer in shared buffers, stepped together."""
+    """The running requests' caches: one request's own, or several left-padded per layer in shared
+    buffers, stepped together."""
 
     def __init__(self, model: PreTrainedModel):
         self.model = model
         self.rows: list[Row] = []
         self.layers: list[_Columns] = []
+        self.lone: Cache | None = None  # the only row's own cache, until a second row joins
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def entries(self, index: int) -> int:
         """KV entries per layer and KV head that row `index` holds (layer 0)."""
+        if self.lone is not None:
+            return self.lone.get_seq_length()
         return self.layers[0].hi - self.layers[0].starts[index]
 
-    def add(self, row: Row, cache: DynamicCache) -> None:
-        """Join `row`, whose own cache (batch 1) was prefilled for it; the cache is copied, not changed."""
+    def add(self, row: Row, cache: Cache) -> None:
+        """Join `row`, whose own cache (batch 1) was prefilled for it (and is taken over by the batch)."""
         if not self.rows:
-            self.layers = [_Columns(layer.keys, layer.values, [0]) for layer in cache.layers]
-            self.rows = [row]
+            if row.evict is not None:
+                row.evict.buffer(cache)
+            self.lone, self.rows = cache, [row]
             return
+        if self.lone is not None:  # a second row: the first one's cache moves into the shared buffers
+            if self.rows[0].evict is not None:
+                self.rows[0].evict.unbuffer(self.lone)
+            self.layers = [_Columns(layer.keys, layer.values, [0]) for layer in self.lone.layers]
+            self.lone = None
         for j, layer in enumerate(cache.layers):
             columns = self.layers[j]
             keys, values, starts = columns.keys(), columns.values(), [s - columns.lo for s in columns.starts]
@@ -145,7 +152,7 @@ class DecodeBatch:
             return
         self.rows = [self.rows[i] for i in keep]
         if not keep:
-            self.layers = []
+            self.layers, self.lone = [], None
             return
         index = torch.tensor(keep, device=self.layers[0].k.device)
         for j, columns in enumerate(self.layers):
@@ -159,7 +166,17 @@ class DecodeBatch:
         """One forward pass for every row; returns (rows, vocab) logits of the next tokens."""
         device = self.model.device
         ids = torch.tensor([[row.token] for row in self.rows], device=device)
-        positions = torch.tensor([[row.position] for row in self.rows], device=device)
+        if self.lone is not None:
+            (row,) = self.rows
+            with torch.no_grad(), attention_hooks(observers=row.evict.step_observers() if row.evict else ()):
+                logits = step(self.model, self.lone, ids, row.position, row.evict)
+            row.position += 1
+            return logits[None]
+        positions = torch.tensor(
+            [[row.evict.position(self.entries(i), row.position) if row.evict else row.position]
+             for i, row in enumerate(self.rows)],
+            device=device,
+        )  # fmt: skip
         key_starts = [torch.tensor([s - c.lo for s in c.starts], device=device) for c in self.layers]
         cache = DynamicCache(config=self.model.config)
         cache.layers = [_BatchLayer(columns) for columns in self.layers]

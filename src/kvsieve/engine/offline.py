@@ -1,0 +1,100 @@
+"""The library's entry points: `run` and `generate` drive requests to the end through the scheduler.
+
+As vLLM's offline `LLM.generate` and its server share one engine core, these use the same
+request lifecycle and scheduler as `kvsieve serve`: given a list of prompts they run them as one
+batch (decoding steps shared, prefills in turn), given one they return one result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from kvsieve.compress.stages import Compress, Evict
+from kvsieve.decode import Sampling
+from kvsieve.engine.request import Event, GenerationResult, Request, Text
+from kvsieve.engine.scheduler import Scheduler
+from kvsieve.feed import Feed
+from kvsieve.pipeline import resolve_method
+from kvsieve.prompt import Prompt, build_prompt
+from kvsieve.select import Selector
+from kvsieve.spec import MethodSpec
+
+
+def run(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: Prompt | Sequence[Prompt],
+    *,
+    method: MethodSpec | str | None = None,
+    select: Selector | None = None,
+    feed: Feed | None = None,
+    attention: Any = None,
+    compress: Compress | None = None,
+    evict: Evict | None = None,
+    sampling: Sampling | None = None,
+    stream: Callable[[str], None] | None = None,
+    max_batch: int = 16,
+) -> GenerationResult | list[GenerationResult]:
+    """Generate from built `Prompt`s through `method`'s stages (or stages given one by one).
+
+    A list of prompts runs as a batch of at most `max_batch` at a time; `stream` receives the
+    answer's text as it becomes final (one prompt only). The first failure raises its error.
+    """
+    sampling = sampling or Sampling()
+    sampling.validate()
+    spec = resolve_method(
+        method, {"select": select, "feed": feed, "attention": attention, "compress": compress, "evict": evict}
+    )
+    prompts = [prompt] if isinstance(prompt, Prompt) else list(prompt)
+    if stream is not None and len(prompts) != 1:
+        raise ValueError("stream= takes the text of one prompt; run a list of prompts without it.")
+    emit = _text_to(stream) if stream is not None else None
+    scheduler = Scheduler(model, tokenizer, max_batch=max_batch)
+    requests = [Request(p, spec, sampling, emit) for p in prompts]
+    for request in requests:
+        scheduler.add(request)
+    while scheduler.has_work():
+        scheduler.step()
+    for request in requests:
+        if request.error is not None:
+            raise request.error
+    results = [request.result for request in requests]
+    return results[0] if isinstance(prompt, Prompt) else results
+
+
+def _text_to(stream: Callable[[str], None]) -> Callable[[Event], None]:
+    def emit(event: Event) -> None:
+        if isinstance(event, Text):
+            stream(event.piece)
+
+    return emit
+
+
+def generate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    context: str | Sequence[str],
+    question: str | Sequence[str] | None = None,
+    *,
+    raw: bool = False,
+    **options: Any,
+) -> GenerationResult | list[GenerationResult]:
+    """Answer `question` about `context` (chat template), or continue `context + question` (raw=True).
+
+    `method` is a registered name ("snapkv") or a MethodSpec (`kvsieve.method("snapkv", {...})`);
+    alternatively pass the stage objects one by one; the other options are `run`'s. Lists of
+    contexts (and as many questions, or one for all) run as one batch and give a list of results.
+    """
+    if isinstance(context, str):
+        if question is not None and not isinstance(question, str):
+            raise ValueError("One context takes one question; pass a list of contexts for a list of questions.")
+        return run(model, tokenizer, build_prompt(tokenizer, context, question, raw=raw), **options)
+    contexts = list(context)
+    questions = [question] * len(contexts) if question is None or isinstance(question, str) else list(question)
+    if len(questions) != len(contexts):
+        raise ValueError(f"{len(contexts)} contexts but {len(questions)} questions; give one per context, or one.")
+    prompts = [build_prompt(tokenizer, c, q, raw=raw) for c, q in zip(contexts, questions, strict=True)]
+    return run(model, tokenizer, prompts, **options)

@@ -1,0 +1,266 @@
+"""One request's lifecycle: waiting -> prefill in slices -> decoding steps -> finished.
+
+A `Request` owns everything one prompt's run learns: its prefill (the method's stages, run by
+`kvsieve.pipeline.prefill` in budgeted slices, `engine.slices`), its answer so far, its sampling
+generator and its row in the decode batch. The stage objects stay frozen configuration. The
+scheduler (`engine.scheduler`) moves requests by steps; `kvsieve.generate` and every CLI command
+drive theirs to the end through the same scheduler, and `kvsieve serve` drives many at once.
+
+A request reports what happens through `emit` (events below): `Started` once its prefill is done,
+`Text` for each piece of the answer that became final, then `Finished` or `Failed`. A
+`select_only` request (the server's --upstream relay) stops after the select stage and reports
+the kept token ids (`Selected`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from kvsieve.decode import Sampling, TextStream, next_token
+from kvsieve.engine.batch import Row
+from kvsieve.engine.prefix_cache import PrefixCache, prefix_key, reuse_tail
+from kvsieve.engine.slices import PrefillSlices
+from kvsieve.pipeline import Prefill, RunState, StageRecord, prefill, select_tokens
+from kvsieve.prompt import Prompt
+from kvsieve.spec import MethodSpec
+
+
+@dataclass
+class Started:
+    """Prefill is done; `info` says what the stages did. The first text follows."""
+
+    info: dict[str, Any]
+
+
+@dataclass
+class Text:
+    piece: str
+
+
+@dataclass
+class Finished:
+    reason: str  # "eos", "stop" or "length"
+    completion_tokens: int
+    info: dict[str, Any]
+
+
+@dataclass
+class Selected:
+    """A select-only request: the prompt ids the select stage kept."""
+
+    ids: list[int]
+    info: dict[str, Any]
+
+
+@dataclass
+class Failed:
+    error: Exception  # a KvsieveError: the request asked for something the method cannot do
+
+
+Event = Started | Text | Finished | Selected | Failed
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    prefill_seconds: float  # time to first token: selection + feed + compression
+    decode_seconds: float
+    decode_tokens_per_s: float
+    prefill_kv_length: int  # cache entries per layer and KV head when the first token was picked
+    kv_cache_length: int  # cache entries per layer and KV head when decoding ended
+    stages: list[StageRecord]
+    selected_indices: list[int] | None = None
+    selected_text: str | None = None
+    state: RunState | None = field(default=None, repr=False)  # what the run learned (tensors; not in to_dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form: everything but the per-run state."""
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "state"}
+        data["stages"] = [asdict(stage) for stage in self.stages]
+        return data
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with tensors as lists and anything else that JSON cannot hold as its string."""
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    return value if isinstance(value, str | int | float | bool | None) else str(value)
+
+
+class Request:
+    """One prompt through `spec`'s stages and `sampling`; see the module docstring.
+
+    boundary: tokens of reusable context at the start of the prompt (a chat's earlier messages),
+        where the request stores its prefix state for later requests when a prefix cache is on;
+    use_cache: look up and store prefix states (off: the whole prompt runs through the method).
+    """
+
+    def __init__(
+        self,
+        prompt: Prompt,
+        spec: MethodSpec,
+        sampling: Sampling,
+        emit: Callable[[Event], None] | None = None,
+        *,
+        boundary: int = 0,
+        use_cache: bool = True,
+        select_only: bool = False,
+    ):
+        self.prompt, self.spec, self.sampling = prompt, spec, sampling
+        self.emit = emit or (lambda event: None)
+        self.boundary, self.use_cache, self.select_only = boundary, use_cache, select_only
+        self.cancelled = threading.Event()
+        self.arrived = time.perf_counter()
+        self.slices: PrefillSlices | None = None
+        self.prefilled: Prefill | None = None
+        self.answer: TextStream | None = None
+        self.row: Row | None = None
+        self.info: dict[str, Any] = {}
+        self.result: GenerationResult | None = None
+        self.tokenizer: PreTrainedTokenizerBase | None = None
+        self.error: Exception | None = None
+        self._generator: torch.Generator | None = None
+        self._reuse: dict[str, Any] = {}
+        self._first_token_at = 0.0
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt.ids[0].tolist()
+
+    # ------------------------------------------------------------------------- prefill
+
+    def start(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, eos: set[int], cache: PrefixCache | None
+    ) -> None:
+        """Set the prefill up (it runs in the scheduler's slices); nothing is computed yet."""
+        self.tokenizer = tokenizer
+        self.answer = TextStream(tokenizer, self.sampling, eos)
+        work = (lambda: self._select(model)) if self.select_only else (lambda: self._prefill(model, cache))
+        self.slices = PrefillSlices(model, work)
+
+    def _prefill(self, model: PreTrainedModel, cache: PrefixCache | None) -> Prefill:
+        """The method's stages on the prompt, from a stored prefix where one fits (`reuse_tail`)."""
+        tail = reuse_tail(self.spec)
+        status, hit, keep = "off", None, 0
+        if cache is not None and not self.use_cache:
+            status = "bypassed"
+        elif cache is not None and tail is None:
+            status = "not reusable"
+        elif cache is not None:
+            ids, longest = self.ids, self.prompt.length - tail
+            key = prefix_key(self.spec)
+            hit = cache.lookup(key, ids, longest)
+            split = self.boundary if 0 < self.boundary <= longest else longest
+            status = "hit" if hit is not None else "miss"
+            if split > (hit.length if hit is not None else 0):
+                keep = split
+        self._reuse = {"cache": status, "cached_tokens": hit.length if hit is not None else 0}
+        done = prefill(
+            model, self.prompt, **self.spec.stages(), reserve=self.sampling.max_new_tokens, prefix=hit, keep=keep
+        )
+        if done.stored is not None:
+            cache.store(prefix_key(self.spec), self.ids[:keep], done.stored)
+            done.stored = None  # the cache holds its own copy
+        return done
+
+    def _select(self, model: PreTrainedModel) -> Selected:
+        """Only the select stage (and its kernel); without one the whole prompt is kept."""
+        start, ids, details = time.perf_counter(), self.ids, {}
+        if self.spec.select is not None:
+            indices, record = select_tokens(model, self.prompt, self.spec.select, self.spec.attention)
+            ids = [ids[i] for i in indices.tolist()]
+            details = {k: v for k, v in record.details.items() if isinstance(v, int | float | str)}
+        info = {
+            "method": self.spec.name,
+            "prompt_tokens": self.prompt.length,
+            "selected_tokens": len(ids),
+            "select_seconds": round(time.perf_counter() - start, 6),
+            **details,
+        }
+        return Selected(ids, info)
+
+    def prefill_done(self) -> None:
+        """The prefill has returned: report it and pick the first token (the answer may end there)."""
+        if self.select_only:
+            self.emit(self.slices.result)
+            return
+        self.prefilled = done = self.slices.result
+        self.slices = None
+        self.info = {
+            "method": self.spec.name,
+            **self._reuse,
+            "prefill_tokens": self._prefill_tokens(done),
+            "kv_entries": done.kv_length,
+            "prefill_seconds": round(time.perf_counter() - self.arrived, 6),
+            "stages": [json_safe(asdict(record)) for record in done.stages],
+        }
+        self.emit(Started(self.info))
+        if self.sampling.seed is not None:
+            self._generator = torch.Generator().manual_seed(self.sampling.seed)
+        self._first_token_at = time.perf_counter()
+        evict = done.state.evict
+        self.row = Row(0, done.prefilled.next_position, evict)
+        self.add_token(next_token(done.prefilled.last_logits, self.sampling, self._generator))
+
+    def _prefill_tokens(self, done: Prefill) -> int:
+        """Tokens the full model prefilled: the kept ones after a select stage, the new ones after a reused prefix."""
+        if done.state.selected is not None:
+            return len(done.state.selected)
+        return self.prompt.length - self._reuse["cached_tokens"]
+
+    # ------------------------------------------------------------------------- decoding
+
+    def sample(self, logits: torch.Tensor) -> bool:
+        """Pick the next token from (vocab,) logits; True when the answer is complete."""
+        return self.add_token(next_token(logits, self.sampling, self._generator))
+
+    def add_token(self, token: int) -> bool:
+        """Record `token`, emit the text it makes final; True when the answer is complete."""
+        self.row.token = token
+        piece = self.answer.add(token)
+        if piece:
+            self.emit(Text(piece))
+        return self.answer.finish is not None
+
+    def finish(self, kv_entries: int) -> None:
+        """The answer is complete with `kv_entries` cache entries left: build the result, emit Finished."""
+        done, answer = self.prefilled, self.answer
+        seconds = time.perf_counter() - self._first_token_at
+        steps = len(answer.tokens) - 1  # forward passes: the first token came from the prefill's logits
+        selected = done.state.selected
+        kind = "sampling" if self.sampling.temperature else "greedy"
+        self.result = GenerationResult(
+            text=answer.text,
+            tokens=answer.tokens,
+            finish_reason=answer.finish,
+            prompt_tokens=self.prompt.length,
+            prefill_seconds=done.seconds,
+            decode_seconds=seconds,
+            decode_tokens_per_s=steps / seconds if steps and seconds > 0 else 0.0,
+            prefill_kv_length=done.kv_length,
+            kv_cache_length=kv_entries,
+            stages=[*done.stages, StageRecord("decode", kind, seconds, done.evict_details)],
+            selected_indices=None if selected is None else selected.tolist(),
+            selected_text=None if selected is None else self.tokenizer.decode(done.ids[0]),
+            state=done.state,
+        )
+        self.emit(Finished(answer.finish, len(answer.tokens), {**self.info, "kv_entries_at_end": kv_entries}))
+
+    def fail(self, error: Exception) -> None:
+        self.error = error
+        self.slices = None
+        self.emit(Failed(error))

@@ -1,0 +1,152 @@
+"""The step scheduler: decoding steps of every running request, interleaved with budgeted prefill.
+
+Each `step()` runs one decoding token for every running request (one batched forward pass,
+`engine.batch`), then spends at most `max_step_tokens` (less the tokens just decoded) on the
+prefill of requests that wait, oldest first, in slices between decoder layers (`engine.slices`;
+vLLM's chunked prefill with `max_num_batched_tokens`). A long prompt then delays running streams
+by one slice per step, never by its whole prefill. A slice always runs at least one layer, so
+prefill progresses even when the decode tokens alone use up the budget. `max_step_tokens=None`
+runs each prefill in one go (nothing to interleave with when a lone request runs).
+
+At most `max_batch` requests prefill or decode at once; the rest wait. A cancelled request
+(`request.cancelled`) leaves at the next step, and its cache is freed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from kvsieve.decode import eos_token_ids
+from kvsieve.engine.batch import DecodeBatch
+from kvsieve.engine.prefix_cache import PrefixCache
+from kvsieve.engine.request import Request
+from kvsieve.errors import KvsieveError
+
+log = logging.getLogger("kvsieve.engine")
+
+
+class Scheduler:
+    """Moves requests through prefill and decoding by steps; see the module docstring."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        max_step_tokens: int | None = None,
+        max_batch: int = 16,
+        prefix_cache: PrefixCache | None = None,
+    ):
+        if max_step_tokens is not None and max_step_tokens < 1:
+            raise KvsieveError(f"max_step_tokens must be at least 1 (or none: whole prefills), got {max_step_tokens}.")
+        if max_batch < 1:
+            raise KvsieveError(f"max_batch must be at least 1, got {max_batch}.")
+        self.model, self.tokenizer = model, tokenizer
+        self.max_step_tokens, self.max_batch = max_step_tokens, max_batch
+        self.prefix_cache = prefix_cache
+        self.eos = eos_token_ids(model, tokenizer)
+        self.batch = DecodeBatch(model)
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []
+        self.running: list[Request] = []  # in the order of the batch's rows
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_room(self) -> bool:
+        """Whether a request added now could start at the next step (fewer than max_batch in all)."""
+        return len(self.waiting) + len(self.prefilling) + len(self.running) < self.max_batch
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def kv_entries(self) -> int:
+        """KV entries per layer and KV head held by the running requests."""
+        return sum(self.batch.entries(i) for i in range(len(self.batch)))
+
+    def step(self) -> None:
+        """One decoding token for every running request, then at most the remaining budget of prefill."""
+        with torch.no_grad():
+            self._drop_cancelled()
+            decoded = len(self.running)
+            if self.running:
+                self._decode()
+            budget = None if self.max_step_tokens is None else max(self.max_step_tokens - decoded, 0)
+            self._prefill(budget)
+
+    def _decode(self) -> None:
+        logits = self.batch.step()
+        finished = [request for i, request in enumerate(self.running) if request.sample(logits[i])]
+        self._finish(finished)
+
+    def _finish(self, finished: list[Request]) -> None:
+        for request in finished:
+            request.finish(self.batch.entries(self._row(request)))
+        self._leave(finished)
+
+    def _prefill(self, budget: float | None) -> None:
+        """Advance prefills, oldest first, until the budget is spent (at least one layer if any is waiting)."""
+        while True:
+            request = self._next_prefill()
+            if request is None:
+                return
+            try:
+                spent = request.slices.advance(budget)
+            except KvsieveError as error:  # what the method cannot do with this prompt: this request fails
+                self._fail(request, error)
+                continue
+            except Exception as error:  # a bug in one request must not fail the others
+                log.exception("prefill failed")
+                self._fail(request, error)
+                continue
+            if request.slices.done:
+                self.prefilling.remove(request)
+                self._start_decoding(request)
+            if budget is not None:
+                budget -= spent
+                if budget <= 0:
+                    return
+
+    def _next_prefill(self) -> Request | None:
+        if self.prefilling:
+            return self.prefilling[0]
+        while self.waiting and len(self.running) + len(self.prefilling) < self.max_batch:
+            request = self.waiting.popleft()
+            if request.cancelled.is_set():
+                continue
+            request.start(self.model, self.tokenizer, self.eos, self.prefix_cache)
+            self.prefilling.append(request)
+            return request
+        return None
+
+    def _start_decoding(self, request: Request) -> None:
+        request.prefill_done()
+        if request.select_only:
+            return
+        cache = request.prefilled.prefilled.cache
+        if request.answer.finish is not None:  # the first token ended it
+            request.finish(cache.get_seq_length())
+            return
+        self.batch.add(request.row, cache)
+        self.running.append(request)
+
+    def _fail(self, request: Request, error: Exception) -> None:
+        self.prefilling.remove(request)
+        request.fail(error)
+
+    def _row(self, request: Request) -> int:
+        return next(i for i, running in enumerate(self.running) if running is request)
+
+    def _drop_cancelled(self) -> None:
+        self.waiting = deque(r for r in self.waiting if not r.cancelled.is_set())
+        self.prefilling = [r for r in self.prefilling if not r.cancelled.is_set()]
+        self._leave([r for r in self.running if r.cancelled.is_set()])
+
+    def _leave(self, leaving: list[Request]) -> None:
+        if leaving:
+            self.batch.remove([request.row for request in leaving])
+            self.running = [r for r in self.running if all(r is not gone for gone in leaving)]

@@ -1,0 +1,174 @@
+"""The one engine: the scheduler gives each request exactly the tokens it gets alone.
+
+Requests with different prompt lengths, methods and budgets (full attention, SnapKV compression,
+A2SF, TOVA and StreamingLLM eviction at every step, StreamingLLM re-encoding its positions, IMDC
+with per-layer memory sizes, GemFilter, CritiPrefill) are added before the first step, so they
+join the decode batch one by one and leave at different steps (different max_tokens); the first
+one decodes alone (in place, under eviction) until the second joins. `FakeTokenizer` writes
+token 17 as "<17>", so the answer text is the token sequence itself. Prefill slices: a long
+prompt prefilled in slices of a small budget gives the tokens of an unsliced run, while a
+running request decodes a token at every step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import FakeTokenizer, build_model, make_prompt
+
+from kvsieve import Sampling, method, run
+from kvsieve.engine.batch import DecodeBatch
+from kvsieve.engine.request import Failed, Finished, Request, Started, Text
+from kvsieve.engine.scheduler import Scheduler
+from kvsieve.errors import KvsieveError
+
+CASES = [
+    ("a2sf", {"evict.budget": 30}, 50, 14),  # first: decodes alone in buffers, then moves into the batch
+    ("full", {}, 40, 12),
+    ("snapkv", {"compress.budget": 24, "compress.policy.window": 4}, 70, 9),
+    ("streaming", {"evict.budget": 20}, 33, 12),
+    ("streaming", {"evict.budget": 20, "evict.policy.reencode": True}, 36, 13),
+    ("imdc", {"feed.chunk": 16, "feed.memory": 24, "feed.schedule": "square-sqrt"}, 90, 10),  # per-layer sizes
+    ("full", {}, 7, 3),
+    ("gemfilter", {"select.k": 24}, 60, 8),
+    ("tova", {"evict.budget": 20}, 45, 10),
+    ("critiprefill", {"attention.segment": 16, "attention.block": 4, "attention.budget": 16}, 80, 11),
+]
+
+
+class Collector:
+    """The events of one request."""
+
+    def __init__(self):
+        self.events = []
+
+    def emit(self, event):
+        self.events.append(event)
+
+    @property
+    def text(self) -> str:
+        return "".join(e.piece for e in self.events if isinstance(e, Text))
+
+    @property
+    def done(self) -> bool:
+        return any(isinstance(e, Finished | Failed) for e in self.events)
+
+
+@pytest.fixture
+def model(single_thread):
+    return build_model("llama", num_layers=3, max_positions=512)
+
+
+def drain(scheduler: Scheduler, limit: int = 10_000) -> int:
+    """Step until nothing is left; the number of steps."""
+    steps = 0
+    while scheduler.has_work():
+        scheduler.step()
+        steps += 1
+        assert steps < limit
+    return steps
+
+
+def test_batched_greedy_decoding_equals_each_request_alone(model, monkeypatch):
+    sizes = []
+    step = DecodeBatch.step
+    monkeypatch.setattr(DecodeBatch, "step", lambda self: sizes.append(len(self.rows)) or step(self))
+    scheduler = Scheduler(model, FakeTokenizer(), max_batch=16)
+    cases = []
+    for i, (name, settings, length, new_tokens) in enumerate(CASES):
+        spec, prompt, sink = method(name, settings), make_prompt(length, seed=10 + i), Collector()
+        scheduler.add(Request(prompt, spec, Sampling(max_new_tokens=new_tokens), sink.emit))
+        cases.append((prompt, spec, new_tokens, sink))
+        if i == 0:  # prefilled, then two steps alone
+            scheduler.step(), scheduler.step()
+    drain(scheduler)
+    assert sizes[0] == 1 and max(sizes) >= 6  # the first decoded alone, then most really decoded together
+    for prompt, spec, new_tokens, sink in cases:
+        alone = run(model, FakeTokenizer(), prompt, method=spec, sampling=Sampling(max_new_tokens=new_tokens))
+        started, finished = sink.events[0], sink.events[-1]
+        assert isinstance(started, Started) and isinstance(finished, Finished), sink.events
+        assert sink.text == alone.text, spec.to_dict()
+        assert finished.completion_tokens == len(alone.tokens) == new_tokens
+        assert started.info["kv_entries"] == alone.prefill_kv_length
+        if spec.evict is not None:  # the request's own eviction ran on its row of the batch
+            assert finished.info["kv_entries_at_end"] == alone.kv_cache_length
+    assert len(scheduler.batch) == 0 and scheduler.kv_entries() == 0  # every cache freed
+
+
+def test_a_list_of_prompts_runs_as_one_batch_with_each_prompts_answer(model):
+    prompts = [make_prompt(n, seed=n) for n in (30, 50, 41)]
+    spec = method("h2o", {"evict.budget": 24})
+    together = run(model, FakeTokenizer(), prompts, method=spec, sampling=Sampling(max_new_tokens=9))
+    for prompt, result in zip(prompts, together, strict=True):
+        alone = run(model, FakeTokenizer(), prompt, method=spec, sampling=Sampling(max_new_tokens=9))
+        assert result.tokens == alone.tokens and result.kv_cache_length == alone.kv_cache_length == 24
+
+
+@pytest.mark.parametrize(
+    "name,settings", [("full", {}), ("gemfilter", {"select.k": 40}), ("a2sf", {"evict.budget": 32})]
+)
+def test_a_sliced_prefill_gives_the_unsliced_tokens_while_a_stream_keeps_decoding(model, name, settings):
+    """Budget 8 tokens per step: a 3-layer pass over 200 tokens takes one layer per step."""
+    running, long = Collector(), Collector()
+    scheduler = Scheduler(model, FakeTokenizer(), max_step_tokens=8)
+    scheduler.add(Request(make_prompt(12, seed=3), method("full"), Sampling(max_new_tokens=60), running.emit))
+    scheduler.step()  # its prefill (12 tokens * 3 layers, one slice each) ...
+    while not scheduler.running:
+        scheduler.step()
+    spec = method(name, settings)
+    scheduler.add(Request(make_prompt(200, seed=4), spec, Sampling(max_new_tokens=5), long.emit))
+    before, steps = len(running.events), 0
+    while not long.events:  # until its prefill is done
+        scheduler.step()
+        steps += 1
+    assert steps >= 3  # at least one step per layer of its 200-token pass
+    assert len(running.events) - before == steps  # and every one of them decoded the running stream too
+    drain(scheduler)
+    alone = run(model, FakeTokenizer(), make_prompt(200, seed=4), method=spec, sampling=Sampling(max_new_tokens=5))
+    assert long.text == alone.text
+
+
+def test_cancelled_request_leaves_the_batch_and_others_go_on(model):
+    long, short = Collector(), Collector()
+    ids = make_prompt(30)
+    scheduler = Scheduler(model, FakeTokenizer())
+    doomed = Request(ids, method("full"), Sampling(max_new_tokens=400), long.emit)
+    scheduler.add(doomed)
+    scheduler.add(Request(ids, method("a2sf", {"evict.budget": 16}), Sampling(max_new_tokens=20), short.emit))
+    while not any(isinstance(e, Text) for e in long.events):
+        scheduler.step()
+    doomed.cancelled.set()
+    drain(scheduler)
+    assert short.done and not long.done  # freed without finishing
+    assert len(scheduler.batch) == 0
+    assert sum(isinstance(e, Text) for e in long.events) < 400
+
+
+def test_a_method_the_model_cannot_run_fails_alone(model):
+    bad, good = Collector(), Collector()
+    ids = make_prompt(40)
+    scheduler = Scheduler(model, FakeTokenizer())
+    # A GemFilter layer beyond the model's 3 layers is only detectable with the model.
+    scheduler.add(Request(ids, method("gemfilter", {"select.layer": 7, "select.k": 8}), Sampling(), bad.emit))
+    scheduler.add(Request(ids, method("full"), Sampling(max_new_tokens=4), good.emit))
+    drain(scheduler)
+    assert isinstance(bad.events[0], Failed) and isinstance(bad.events[0].error, KvsieveError)
+    assert "out of range" in str(bad.events[0].error)
+    assert isinstance(good.events[-1], Finished)
+
+
+def test_padded_attention_masks_each_rows_padding():
+    from kvsieve.attention import dense_attention, padded_attention
+
+    torch.manual_seed(0)
+    query = torch.randn(3, 4, 1, 8)
+    keys = [torch.randn(1, 2, n, 8) for n in (5, 9, 1)]
+    values = [torch.randn(1, 2, n, 8) for n in (5, 9, 1)]
+    width = 9
+    padded_k = torch.cat([torch.nn.functional.pad(k, (0, 0, width - k.shape[2], 0), value=7.0) for k in keys])
+    padded_v = torch.cat([torch.nn.functional.pad(v, (0, 0, width - v.shape[2], 0), value=7.0) for v in values])
+    starts = torch.tensor([width - k.shape[2] for k in keys])
+    out = padded_attention(query, padded_k, padded_v, None, starts)
+    for b in range(3):
+        alone = dense_attention(query[b : b + 1], keys[b], values[b], None)
+        torch.testing.assert_close(out[b : b + 1], alone)
