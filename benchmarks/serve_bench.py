@@ -1,10 +1,14 @@
-"""`kvsieve serve` on the default model: batching, compressed-context reuse, --upstream, query-agnostic cost.
+"""`kvsieve serve` on the default model: batching, sliced prefill, context reuse, --upstream.
 
+    python benchmarks/serve_bench.py pause --repeats 3          # a stream's longest pause while a 2.6K prompt prefills
+    python benchmarks/serve_bench.py latency --repeats 3        # inter-token latency at 1, 4 and 8 concurrent requests
     python benchmarks/serve_bench.py throughput --repeats 3     # 8 clients at once vs one at a time
     python benchmarks/serve_bench.py reuse --repeats 3          # follow-up question on a cached 8K document
     python benchmarks/serve_bench.py upstream --repeats 3       # GemFilter k=1024 here, the rest upstream
-    python benchmarks/serve_bench.py agnostic                   # needle grid: SnapKV query-aware vs -agnostic
     python benchmarks/serve_bench.py step                       # one batched decoding step, in process
+
+`--serve-args "..."` adds options to every server started (e.g. "--max-step-tokens 0" for whole
+prefills); to measure an older checkout, run this script with PYTHONPATH=OLD/src.
 
 Every server runs as its own `kvsieve serve` process on 127.0.0.1 and is spoken to over HTTP
 (streaming, so time to first token is what a client sees). Prompts are cut from the Paul Graham
@@ -42,11 +46,15 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+SERVE_ARGS: list[str] = []  # --serve-args: added to every server
+
+
 @contextmanager
 def server(*args: str):
     """A `kvsieve serve` process on a free port; yields its base URL."""
     port = free_port()
     command = [sys.executable, "-m", "kvsieve.cli", "serve", "--port", str(port), "--log-level", "warning", *args]
+    command += SERVE_ARGS
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -76,6 +84,7 @@ class Timing:
     total: float  # seconds from sending to [DONE]
     tokens: int  # completion tokens (usage)
     info: dict[str, Any] = field(default_factory=dict)  # the response's kvsieve record
+    arrivals: list[float] = field(default_factory=list)  # perf_counter() of every chunk with text
 
     @property
     def per_token(self) -> float:
@@ -87,7 +96,7 @@ def stream(url: str, path: str, body: dict[str, Any]) -> Timing:
     """Send `body` with stream=true and time it."""
     body = {**body, "model": MODEL, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    first, tokens, info = None, 0, {}
+    first, tokens, info, arrivals = None, 0, {}, []
     with httpx.stream("POST", f"{url}{path}", json=body, timeout=900) as response:
         if response.status_code != 200:
             raise RuntimeError(f"{response.status_code}: {response.read().decode()}")
@@ -100,10 +109,22 @@ def stream(url: str, path: str, body: dict[str, Any]) -> Timing:
             info = chunk.get("kvsieve", info)
             tokens = chunk.get("usage", {}).get("completion_tokens", tokens)
             choice = (chunk.get("choices") or [{}])[0]
-            if first is None and (choice.get("text") or choice.get("delta", {}).get("content")):
-                first = time.perf_counter() - start
+            if choice.get("text") or choice.get("delta", {}).get("content"):
+                arrivals.append(time.perf_counter())
+                if first is None:
+                    first = arrivals[-1] - start
     total = time.perf_counter() - start
-    return Timing(first if first is not None else total, total, tokens, info)
+    return Timing(first if first is not None else total, total, tokens, info, arrivals)
+
+
+def gaps(timing: Timing) -> list[float]:
+    """Seconds between a stream's consecutive chunks."""
+    return [b - a for a, b in zip(timing.arrivals, timing.arrivals[1:], strict=False)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def summary(values: list[float]) -> str:
@@ -136,6 +157,89 @@ def essay_text(length: int, offset: int) -> str:
 # ----------------------------------------------------------------------------- parts
 
 
+def pause(args: argparse.Namespace) -> dict[str, Any]:
+    """A stream decoding while a `--document-tokens` prompt arrives: its longest pause, as a ratio to
+    that prompt's time to first token on the idle server (measured first, in the same server)."""
+    rows = []
+    with server("--cache-memory", "0") as url:
+        stream(url, "/v1/completions", {"prompt": essay_ids(64, 0), "max_tokens": 4, "temperature": 0})  # warm-up
+        for repeat in range(args.repeats):
+            long = {"prompt": essay_ids(args.document_tokens, 10_000 * (repeat + 1)), "max_tokens": 1}
+            alone = stream(url, "/v1/completions", long)
+            running = {"prompt": essay_ids(256, 500 + repeat), "max_tokens": args.stream_tokens, "temperature": 0}
+            with ThreadPoolExecutor(1) as pool:
+                streaming = pool.submit(stream, url, "/v1/completions", {**running, "kvsieve": {"cache": False}})
+                time.sleep(args.lead)  # the stream is decoding by now
+                sent = time.perf_counter()
+                during = stream(url, "/v1/completions", {**long, "prompt": long["prompt"][::-1]})
+                done = time.perf_counter()
+                timing = streaming.result()
+            inside = [t for t in timing.arrivals if sent <= t <= done + 5]
+            before = [t for t in timing.arrivals if t < sent]
+            if not before or not inside or timing.arrivals[-1] < done:
+                raise RuntimeError("the stream did not span the long prefill; raise --stream-tokens or --lead")
+            longest = max(b - a for a, b in zip([before[-1], *inside], inside, strict=False))
+            typical = statistics.median(gaps(timing)[: len(before) - 1] or [0.0])
+            rows.append(
+                {
+                    "repeat": repeat,
+                    "prefill_alone_s": alone.ttft,
+                    "long_ttft_while_streaming_s": during.ttft,
+                    "longest_pause_s": longest,
+                    "pause_ratio": longest / alone.ttft,
+                    "gap_before_s": typical,
+                }
+            )
+            print(
+                f"repeat {repeat}: {args.document_tokens}-token prefill alone {alone.ttft:.2f} s; while it prefilled "
+                f"the stream paused at most {longest:.2f} s ({longest / alone.ttft:.2f}x; gaps before: "
+                f"{typical * 1000:.0f} ms); its TTFT beside the stream {during.ttft:.2f} s"
+            )
+    print(f"longest pause / prefill alone: {summary([r['pause_ratio'] for r in rows])}")
+    return {"rows": rows}
+
+
+def latency(args: argparse.Namespace) -> dict[str, Any]:
+    """Inter-token latency (gaps between streamed chunks) at 1, 4 and 8 concurrent `--prompt-tokens` requests."""
+    rows = []
+    with server("--cache-memory", "0", "--max-batch", "8") as url:
+        stream(url, "/v1/completions", {"prompt": essay_ids(64, 0), "max_tokens": 4, "temperature": 0})  # warm-up
+        for repeat in range(args.repeats):
+            for clients in (1, 4, 8):
+                offset = 200_000 + (repeat * 16 + clients) * args.prompt_tokens
+                bodies = [
+                    {
+                        "prompt": essay_ids(args.prompt_tokens, offset + i * args.prompt_tokens),
+                        "max_tokens": args.new_tokens,
+                        "temperature": 0,
+                    }
+                    for i in range(clients)
+                ]
+                with ThreadPoolExecutor(clients) as pool:
+                    timings = list(pool.map(lambda b: stream(url, "/v1/completions", b), bodies))
+                all_gaps = [g for t in timings for g in gaps(t)]
+                row = {
+                    "repeat": repeat,
+                    "clients": clients,
+                    "p50_s": percentile(all_gaps, 0.5),
+                    "p99_s": percentile(all_gaps, 0.99),
+                    "max_s": max(all_gaps),
+                    "gaps": len(all_gaps),
+                }
+                rows.append(row)
+                print(
+                    f"repeat {repeat}, {clients} clients: inter-token p50 {row['p50_s'] * 1000:.0f} ms, "
+                    f"p99 {row['p99_s'] * 1000:.0f} ms, max {row['max_s']:.2f} s over {len(all_gaps)} gaps"
+                )
+    for clients in (1, 4, 8):
+        mine = [r for r in rows if r["clients"] == clients]
+        print(
+            f"{clients} clients: p50 {summary([r['p50_s'] for r in mine])} s, "
+            f"p99 {summary([r['p99_s'] for r in mine])} s"
+        )
+    return {"rows": rows}
+
+
 def throughput(args: argparse.Namespace) -> dict[str, Any]:
     """8 clients at once vs the same 8 requests one at a time: generated tokens per second."""
     rows = []
@@ -165,6 +269,7 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
                         "mode": mode,
                         "wall_s": wall,
                         "generated": generated,
+                        "requests_per_s": len(timings) / wall,
                         "tokens_per_s": generated / wall,
                         "ttft_s": [t.ttft for t in timings],
                         "per_token_s": [t.per_token for t in timings],
@@ -179,10 +284,10 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
             f"TTFT (median) {summary([statistics.median(r['ttft_s']) for r in mine])} s"
         )
     ratios = [
-        c["tokens_per_s"] / s["tokens_per_s"]
+        c["requests_per_s"] / s["requests_per_s"]
         for s, c in zip(rows[0::2], rows[1::2], strict=True)  # within one repeat
     ]
-    print(f"throughput concurrent / one at a time: {summary(ratios)}")
+    print(f"requests/s concurrent / one at a time: {summary(ratios)}")
     return {"rows": rows, "ratio": ratios}
 
 
@@ -259,60 +364,15 @@ def upstream(args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": rows}
 
 
-def agnostic(args: argparse.Namespace) -> dict[str, Any]:
-    """Needle grid, SnapKV at one budget: query-aware (the whole prompt) vs query-agnostic (the context
-    compressed on its own, then the question extended onto it, as the server does for reuse)."""
-    from kvsieve import Sampling, load_model, method, run
-    from kvsieve.data import prompt_case
-    from kvsieve.decode import decode
-    from kvsieve.eval.scoring import contains, rouge1_recall
-    from kvsieve.serve.prefill import prefill_request
-    from kvsieve.serve.prefix_cache import PrefixCache
-
-    model, tokenizer = load_model()
-    spec = method("snapkv", {"compress.budget": args.budget})
-    sampling = Sampling(max_new_tokens=48)
-    rows = []
-    for length in args.lengths:
-        for depth in args.depths:
-            case, prompt = prompt_case(tokenizer, "needle", length, depth)
-            aware = run(model, tokenizer, prompt, method=spec, sampling=sampling).text
-            ids = prompt.ids[0].tolist()
-            done = prefill_request(
-                model, spec, ids, boundary=prompt.context_start + prompt.context_len, tail=prompt.tail_len,
-                reserve=sampling.max_new_tokens, cache=PrefixCache(model, 1), use_cache=False,
-            )  # fmt: skip
-            state = done.state
-            blind = decode(model, tokenizer, state.cache, state.logits, state.position, sampling, None, done.evict).text
-            for mode, text in (("query-aware", aware), ("query-agnostic", blind)):
-                score = rouge1_recall(text, case.answer)
-                rows.append(
-                    {
-                        "length": length,
-                        "depth": depth,
-                        "mode": mode,
-                        "rouge1": score,
-                        "hit": contains(text, case.answer),
-                    }
-                )
-                print(f"{length} {depth} {mode}: rouge1 {score:.2f} hit {rows[-1]['hit']}  {text[:60]!r}")
-    for mode in ("query-aware", "query-agnostic"):
-        mine = [r for r in rows if r["mode"] == mode]
-        print(
-            f"{mode}: hits {sum(r['hit'] for r in mine)}/{len(mine)}, "
-            f"mean ROUGE-1 {statistics.mean(r['rouge1'] for r in mine):.3f}"
-        )
-    return {"budget": args.budget, "rows": rows}
-
-
 def step(args: argparse.Namespace) -> dict[str, Any]:
-    """In process, no HTTP: one decoding step of the server's batch for 1 and for 8 requests of
+    """In process, no HTTP: one decoding step of the engine's batch for 1 and for 8 requests of
     `--prompt-tokens` tokens (the same prefilled cache joined 8 times; the batch copies it)."""
     import torch
 
     from kvsieve import Prompt, load_model
+    from kvsieve.compress.cache import wrap_cache
+    from kvsieve.engine.batch import DecodeBatch, Row
     from kvsieve.pipeline import prefill
-    from kvsieve.serve.batch import DecodeBatch, Row
 
     model, _ = load_model()
     ids = torch.tensor([essay_ids(args.prompt_tokens, 0)])
@@ -323,7 +383,8 @@ def step(args: argparse.Namespace) -> dict[str, Any]:
             for repeat in range(args.repeats):
                 batch = DecodeBatch(model)
                 for _ in range(size):
-                    batch.add(Row(int(ids[0, -1]), done.prefilled.next_position), done.prefilled.cache)
+                    cache = wrap_cache(model, [(layer.keys, layer.values) for layer in done.prefilled.cache.layers])
+                    batch.add(Row(int(ids[0, -1]), done.prefilled.next_position), cache)
                 batch.step()  # warm-up
                 start = time.perf_counter()
                 for _ in range(10):
@@ -340,20 +401,28 @@ def step(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=["throughput", "reuse", "upstream", "agnostic", "step"])
+    parts = {
+        "pause": pause,
+        "latency": latency,
+        "throughput": throughput,
+        "reuse": reuse,
+        "upstream": upstream,
+        "step": step,
+    }
+    parser.add_argument("part", choices=list(parts))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--document-tokens", type=int, default=8000)
     parser.add_argument("--k", type=int, default=1024, help="GemFilter's k for the upstream part")
-    parser.add_argument("--budget", type=int, default=1024, help="SnapKV budget for the agnostic part")
-    parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 4096])
-    parser.add_argument("--depths", type=lambda s: [float(x) for x in s.split(",")], default=[0, 0.25, 0.5, 0.75, 1])
+    parser.add_argument("--stream-tokens", type=int, default=400, help="the running stream's max_tokens (pause)")
+    parser.add_argument("--lead", type=float, default=4.0, help="seconds the stream runs before the long prompt")
+    parser.add_argument("--serve-args", default="", help="options added to every server, e.g. '--max-step-tokens 0'")
     parser.add_argument("--out", type=Path, default=Path("runs/serve_bench.json"))
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    parts = {"throughput": throughput, "reuse": reuse, "upstream": upstream, "agnostic": agnostic, "step": step}
+    SERVE_ARGS.extend(args.serve_args.split())
     result = parts[args.part](args)
     saved = json.loads(args.out.read_text()) if args.out.is_file() else {}
     saved[args.part] = {"command": " ".join(sys.argv), "result": result}

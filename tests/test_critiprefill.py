@@ -11,8 +11,8 @@ from conftest import FakeTokenizer, make_prompt
 from kvsieve import GemFilter, Sampling
 from kvsieve.attention import attention_hooks, bottom_right_causal_mask, dense_attention
 from kvsieve.attention.critiprefill import (
+    BlockSelection,
     CritiPrefill,
-    Selection,
     candidate_blocks,
     criticality_scores,
     select_blocks,
@@ -109,7 +109,7 @@ def test_all_candidate_blocks_selected_equals_dense():
         segment, block = 16, 4
         n_first = candidate_blocks(q_len, k_len, segment, block)[1]
         indices = torch.arange(n_first).expand(1, 2, 1, n_first)
-        selection = Selection(q_len, k_len, segment, block, 1, indices, torch.zeros(1, 2, 3, k_len // block))
+        selection = BlockSelection(q_len, k_len, segment, block, 1, indices, torch.zeros(1, 2, 3, k_len // block))
         out = sparse_attention(query, key, value, selection, None)
         torch.testing.assert_close(out, dense_attention(query, key, value, None), atol=1e-5, rtol=1e-5)
         assert torch.equal(selection.mask()[0, 0], bottom_right_causal_mask(q_len, k_len))

@@ -173,6 +173,11 @@ BAD = [
         "invalid_method",
     ),
     ({"model": "tiny", "prompt": [1, 999]}, 400, None),  # a token id outside the vocabulary
+    (  # only the engine, with the model, finds a filter layer beyond the model's 3: still the client's 400
+        {"model": "tiny", "prompt": [5] * 60, "kvsieve": {"method": "gemfilter", "set": {"select.layer": 7}}},
+        400,
+        "invalid_method",
+    ),
     ({"model": "tiny", "prompt": list(range(3, 250)) * 3}, 400, "context_length_exceeded"),  # 741 > 512 positions
     ({"model": "tiny", "prompt": [5] * 2100, "kvsieve": {"method": "imdc"}}, 400, "prompt_too_long"),
     ({"model": "tiny", "prompt": "hello " * 30_000}, 413, "request_too_large"),

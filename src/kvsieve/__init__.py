@@ -10,6 +10,7 @@ The flow is select -> feed -> compress -> decode; a method names one option per 
 
 from kvsieve.attention.critiprefill import CritiPrefill
 from kvsieve.compress.policies.a2sf import A2SF
+from kvsieve.compress.policies.collie import Collie
 from kvsieve.compress.policies.h2o import H2O
 from kvsieve.compress.policies.knorm import KNorm
 from kvsieve.compress.policies.local import LocalWindow
@@ -33,6 +34,7 @@ from kvsieve.spec import MethodSpec
 __all__ = [
     "A2SF",
     "ChunkedPrefill",
+    "Collie",
     "Compress",
     "CritiPrefill",
     "Evict",

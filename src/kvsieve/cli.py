@@ -196,6 +196,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
+    from kvsieve.pipeline import select_tokens
     from kvsieve.prompt import build_prompt
 
     spec = _spec(args)
@@ -207,8 +208,8 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     context = _read_context(args.context)
     model, tokenizer = _load(args)
     prompt = build_prompt(tokenizer, context, args.question, raw=args.raw)
-    selection = spec.select.select(model, prompt)
-    kept = set(selection.indices.tolist())
+    indices, record = select_tokens(model, prompt, spec.select, spec.attention)
+    kept = set(indices.tolist())
     color = sys.stdout.isatty() and not os.environ.get("NO_COLOR") and not args.plain
     on, off = ("\x1b[1;30;43m", "\x1b[0m") if color else ("[[", "]]")
     pieces, inside = [], False
@@ -219,7 +220,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
         pieces.append(tokenizer.decode([token]))
     pieces.append(off if inside else "")
     print("".join(pieces))
-    d = selection.details
+    d = record.details
     _err(
         f"\nGemFilter kept {len(kept)} of {prompt.length} tokens ({100 * len(kept) / prompt.length:.1f}%) "
         f"at filter layer {d['layer']}; tail kept: {d['kept_tail']} tokens; first pass {d['first_pass_seconds']:.2f} s."
@@ -418,6 +419,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
 
 def cmd_methods(args: argparse.Namespace) -> None:
     from kvsieve.registry import REGISTRY
+    from kvsieve.spec import components
 
     if args.json:
         print(json.dumps({name: spec.to_dict() for name, spec in REGISTRY.items()}, indent=1))
@@ -428,7 +430,11 @@ def cmd_methods(args: argparse.Namespace) -> None:
         for info in spec.fields():
             print(f"    {info.path} = {info.default!r}  ({info.type}) {info.help}")
         print()
-    print("Change any field with --set PATH=VALUE on generate, inspect, niah, ppl, bench and demo.")
+    print(
+        "KV policies for compress.policy, evict.policy and feed.pruner (e.g. --set feed.pruner=snapkv): "
+        + ", ".join(components("policy"))
+    )
+    print("Change any field with --set PATH=VALUE on generate, inspect, niah, ppl, bench, demo and serve.")
 
 
 DEMO_METHODS = "full,gemfilter,critiprefill,snapkv,a2sf,imdc"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
@@ -53,7 +53,6 @@ class Decoded:
     finish_reason: str  # "eos", "stop" or "length"
     seconds: float
     steps: int  # forward passes run (the first token comes from the prefill's logits)
-    details: dict = field(default_factory=dict)
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:

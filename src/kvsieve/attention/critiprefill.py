@@ -1,7 +1,7 @@
 """CritiPrefill: block-sparse prefill attention driven by segment-wise criticality.
 
 Paper: Lv et al., "CritiPrefill: A Segment-wise Criticality-based Approach for Prefilling
-Acceleration in LLMs" (papers/critiprefill.md), reference code github.com/66RING/CritiPrefill.
+Acceleration in LLMs" (arXiv 2409.12490), reference code github.com/66RING/CritiPrefill.
 Use it as `kvsieve.run(..., attention=CritiPrefill())`: every multi-token forward pass
 (a whole prompt, GemFilter's scoring pass, a chunk after a memory) then runs through it.
 
@@ -13,7 +13,7 @@ Algorithm 1 (criticality estimation, `criticality_scores`):
   representatives are the element-wise max and min over a segment's queries and over a block's
   keys; per query head the raw score of (segment, block) is
       max(mean(qmax.kmax, qmin.kmax), mean(qmax.kmin, qmin.kmin))
-  (DESIGN.md / reference code: the four products, unscaled, combined before one softmax; the
+  (the reference code: the four products, unscaled, combined before one softmax; the
   paper's listing writes a softmax per product). Scores are averaged over the query heads of a
   GQA group (head h belongs to KV head h // n_rep, as in the reference code), so every selection
   is per KV head and shared by the group's query heads. Block-causal mask: segment s scores only
@@ -38,7 +38,7 @@ more candidate blocks than the budget holds (it would select them all), so promp
 about budget + 2 * segment tokens are simply dense. Unlike the reference code, nothing crashes
 on short prompts or small budgets.
 
-Causality: no query ever attends a later key (`Selection.mask()` is a subset of the bottom-right
+Causality: no query ever attends a later key (`BlockSelection.mask()` is a subset of the bottom-right
 causal mask). As in the paper, *which* earlier blocks a query attends depends on the max/min over
 its whole segment, so a token can influence the selection of earlier queries of its own segment
 (never of earlier segments). Generation is unaffected (the last segment is dense); per-position
@@ -64,7 +64,7 @@ from kvsieve.spec import component, option
 
 
 @dataclass(frozen=True)
-class Selection:
+class BlockSelection:
     """What one layer's sparse attention attends to.
 
     Segments `first .. first + indices.shape[2] - 1` are sparse; earlier segments and the last
@@ -187,7 +187,7 @@ def select_blocks(scores: torch.Tensor, candidates: list[int] | torch.Tensor, to
 
 
 def sparse_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, selection: Selection, scaling: float | None
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, selection: BlockSelection, scaling: float | None
 ) -> torch.Tensor:
     """Algorithm 2: dense prefix segments, batched sparse segments, dense last segment.
 
@@ -304,7 +304,7 @@ class CritiPrefillRun:
         """Forget the previous layer's scores (the next sparse layer starts without fusion)."""
         self.layer, self.scores = None, None
 
-    def select(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> Selection | None:
+    def select(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> BlockSelection | None:
         """Algorithm 1 with layer fusion, then the top blocks; None where the layer runs dense."""
         c = self.config
         b, heads, q_len, _ = query.shape
@@ -334,7 +334,7 @@ class CritiPrefillRun:
         counts = candidate_blocks(q_len, k_len, c.segment, c.block)[segments.start : segments.stop]
         rows = scores[:, :, segments.start : segments.stop]
         indices = select_blocks(rows, counts, c.budget // c.block)
-        return Selection(q_len, k_len, c.segment, c.block, segments.start, indices, scores)
+        return BlockSelection(q_len, k_len, c.segment, c.block, segments.start, indices, scores)
 
     def __call__(
         self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
@@ -348,7 +348,7 @@ class CritiPrefillRun:
 __all__ = [
     "CritiPrefill",
     "CritiPrefillRun",
-    "Selection",
+    "BlockSelection",
     "candidate_blocks",
     "criticality_scores",
     "select_blocks",

@@ -77,7 +77,7 @@ def _align(scores: dict[int, torch.Tensor], kept: list[torch.Tensor] | None) -> 
     return {layer: s.gather(1, kept[layer]) for layer, s in scores.items()}
 
 
-def _layer_scores(scores: dict[int, torch.Tensor], layer: int, keys: torch.Tensor, policy: Policy) -> torch.Tensor:
+def observed_scores(scores: dict[int, torch.Tensor], layer: int, keys: torch.Tensor, policy: Policy) -> torch.Tensor:
     """The observed scores of `layer`, or zeros (recency decides) for a position-only policy."""
     if layer in scores:
         return scores[layer]
@@ -233,7 +233,7 @@ class CompressRun:
         self.total = self.total or keys.shape[2]
         budget, _ = resolve_budget(self.config.budget, self.total)
         sinks, recent = self.config.policy.protected(budget)
-        indices = keep_indices(_layer_scores(scores, layer, keys, self.config.policy), budget, sinks, recent)
+        indices = keep_indices(observed_scores(scores, layer, keys, self.config.policy), budget, sinks, recent)
         prune_layer(cache, layer, indices)
         return indices
 
@@ -476,7 +476,7 @@ class EvictRun:
         n = entry.keys.shape[2]
         if n <= self.budget:
             return
-        scores = _layer_scores(self.scores, layer, entry.keys, self.config.policy)
+        scores = observed_scores(self.scores, layer, entry.keys, self.config.policy)
         sinks, recent = self.config.policy.protected(self.budget)
         indices = keep_indices(scores, self.budget, sinks, recent)
         prune_layer(cache, layer, indices)
@@ -500,7 +500,7 @@ class EvictRun:
             return
         layers, drop, policy = range(len(cache.layers)), n - self.budget, self.config.policy
         stamps = self.stamps  # (layers, kv_heads, n), a view of the stamp table
-        scores = torch.stack([_layer_scores(self.scores, j, cache.layers[j].keys, policy) for j in layers])
+        scores = torch.stack([observed_scores(self.scores, j, cache.layers[j].keys, policy) for j in layers])
         rows, heads = stamps.shape[0] * stamps.shape[1], stamps.shape[1]
         sinks, recent = policy.protected(self.budget)
         evictable = scores.float()

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from kvsieve.errors import KvsieveError
+from kvsieve.pipeline import positions_needed
 from kvsieve.registry import REGISTRY, method
 from kvsieve.spec import MethodSpec
 
@@ -50,11 +51,6 @@ def specs_from_settings(recorded: Mapping[str, Any]) -> dict[str, MethodSpec]:
     return {name: MethodSpec.from_dict(data) for name, data in recorded.items()}
 
 
-def bounded(spec: MethodSpec) -> bool:
-    """Whether the method places every prompt token at its position (all but the chunked feeds)."""
-    return spec.select is not None or spec.feed is None or spec.feed.needs_full_context
-
-
 def check_lengths(specs: Mapping[str, MethodSpec], lengths: list[int], extra: int, max_positions: int) -> None:
     """Refuse lengths a configuration cannot run: only chunked feeds go beyond the model's context.
 
@@ -62,9 +58,11 @@ def check_lengths(specs: Mapping[str, MethodSpec], lengths: list[int], extra: in
     """
     if not lengths or any(n < 1 for n in lengths):
         raise KvsieveError(f"Lengths must be positive token counts, got {lengths}.")
-    too_long = [n for n in lengths if n + extra > max_positions]
-    limited = [name for name, spec in specs.items() if bounded(spec)]
-    if too_long and limited:
+    over = {n: [name for name, spec in specs.items() if positions_needed(spec.stages(), n, extra) > max_positions]
+            for n in lengths}  # fmt: skip
+    too_long = [n for n, names in over.items() if names]
+    if too_long:
+        limited = sorted({name for n in too_long for name in over[n]})
         raise KvsieveError(
             f"Length(s) {too_long} plus {extra} generated tokens exceed the model's {max_positions} positions, "
             f"which {', '.join(limited)} need. Use shorter lengths or only chunked feeds (fm, im, imdc)."

@@ -1,4 +1,5 @@
-"""Chunked prefill with a compressed KV memory: FM, IM and IMDC (papers/imdc.md, section 3).
+"""Chunked prefill with a compressed KV memory: FM, IM and IMDC, section 3 of "Memorize Step by Step:
+Efficient Long-Context Prefilling with Incremental Memory and Decremental Chunk" (Zeng et al., EMNLP 2024).
 
 The prompt is fed chunk by chunk. At every step the model attends over
 [sinks | memory | chunk]; then each layer's keys are scored with the pruner's scorer from the
@@ -53,7 +54,7 @@ from kvsieve.compress.cache import prune_layer, rerotate_keys, rotate_half
 from kvsieve.compress.policies.collie import Collie
 from kvsieve.compress.policy import Policy
 from kvsieve.compress.scorers import keep_indices
-from kvsieve.compress.stages import score_observers
+from kvsieve.compress.stages import observed_scores, score_observers
 from kvsieve.errors import KvsieveError
 from kvsieve.feed import Prefilled
 from kvsieve.feed.schedules import (
@@ -335,17 +336,9 @@ class ChunkedPrefill:
         return adaptive_memory(base, retention)
 
     def _layer_scores(self, cache: Cache, scores: dict[int, torch.Tensor], layer: int) -> torch.Tensor:
-        """The pruner's (kv_heads, n) scores of `layer`'s keys, protected ones ranked by recency
-        (`_rank_ties`); zeros (recency decides) for position-only pruners."""
-        if layer in scores:
-            return _rank_ties(scores[layer].float())
-        if not self.pruner.position_only:
-            raise KvsieveError(
-                f"The {self.pruner.name} pruner saw no attention at layer {layer}; kvsieve's attention must be "
-                "active (load the model with kvsieve.load_model or kvsieve.prepare)."
-            )
-        keys = cache.layers[layer].keys
-        return torch.zeros(keys.shape[1], keys.shape[2], device=keys.device)
+        """The pruner's (kv_heads, n) scores of `layer`'s keys (`observed_scores`), protected ones ranked by
+        recency (`_rank_ties`)."""
+        return _rank_ties(observed_scores(scores, layer, cache.layers[layer].keys, self.pruner).float())
 
     def _prune(
         self, cache: Cache, scores: dict[int, torch.Tensor], budgets: list[int], sinks: int

@@ -1,4 +1,5 @@
-"""Memory schedules and chunk sizes for chunked prefill with a compressed memory (papers/imdc.md).
+"""Memory schedules and chunk sizes for chunked prefill with a compressed memory (IMDC: "Memorize Step
+by Step", Zeng et al., EMNLP 2024).
 
 Notation of the paper (section 3): the prompt of L tokens is fed in n chunks. After step i the
 memory holds m_i KV entries per layer and KV head (the sink tokens are not counted); at step i

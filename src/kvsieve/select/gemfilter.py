@@ -1,4 +1,4 @@
-"""GemFilter (gemfilter.md, Algorithm 1): early-layer token selection.
+"""GemFilter ("Discovering the Gems in Early Layers", arXiv 2409.17422, Algorithm 1): early-layer token selection.
 
 The first pass runs layers 0..r (layer r only up to its post-RoPE query and key) and scores
 every token by the last query (`kvsieve.select.scoring`). The top-k tokens, sorted back into

@@ -1,4 +1,4 @@
-"""GemFilter's scoring (gemfilter.md, Algorithm 1), shared by the selector and the layer calibration.
+"""GemFilter's scoring (arXiv 2409.17422, Algorithm 1), shared by the selector and the layer calibration.
 
 First pass: run layers 0..r-1 on the whole prompt and layer r only up to its post-RoPE query
 and key (no later layer, no LM head, no KV cache). The score of token j is the last prompt

@@ -96,7 +96,7 @@ class _Events:
                     raise _ClientGone from None
 
 
-def api_error(error: Exception) -> ApiError:
+def as_api_error(error: Exception) -> ApiError:
     """A request's failure as the HTTP answer: what the method cannot do is the client's 400, the rest ours."""
     if isinstance(error, ApiError):
         return error
@@ -117,7 +117,8 @@ def create_app(
     metrics: Metrics,
     upstream: Upstream | None = None,
 ) -> FastAPI:
-    """The ASGI app. The engine thread starts with the app (lifespan) and stops with it."""
+    """The ASGI app: OpenAI's routes on a `Front`. The engine thread starts and stops with the app (lifespan)."""
+    front = Front(engine, tokenizer, config, metrics, upstream)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -130,23 +131,9 @@ def create_app(
 
     app = FastAPI(title="kvsieve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
-    def authorize(request: Request) -> None:
-        if config.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
-            raise ApiError(
-                401, "Missing or wrong API key: send the header Authorization: Bearer <key>.", code="invalid_api_key"
-            )
-
-    def count(request: Request, status: int) -> None:
-        """Requests by endpoint and status; unknown paths share one label (no label per scanned URL)."""
-        path = request.url.path
-        metrics.request_done(path if path in ENDPOINTS else "other", status)
-
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
-        count(request, error.status)
+        front.count(request, error.status)
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -166,11 +153,11 @@ def create_app(
             raise ApiError(503, "The engine thread has stopped.", type="server_error")
         return JSONResponse({"status": "ok", "model": config.model_name})
 
-    @app.get("/metrics", dependencies=[Depends(authorize)])
+    @app.get("/metrics", dependencies=[Depends(front.authorize)])
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    @app.get("/v1/models", dependencies=[Depends(front.authorize)])
     async def models() -> JSONResponse:
         card = {
             "id": config.model_name,
@@ -181,71 +168,103 @@ def create_app(
         }
         return JSONResponse({"object": "list", "data": [card]})
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/chat/completions", dependencies=[Depends(front.authorize)])
     async def chat_completions(request: Request) -> Response:
-        return await serve(request, chat=True)
+        return await front.serve(request, chat=True)
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/completions", dependencies=[Depends(front.authorize)])
     async def completions(request: Request) -> Response:
-        return await serve(request, chat=False)
+        return await front.serve(request, chat=False)
 
-    # ------------------------------------------------------------------------- one request
+    return app
 
-    async def serve(request: Request, chat: bool) -> Response:
-        arrived = time.perf_counter()
-        body = parse_body(await read_body(request), ChatRequest if chat else CompletionRequest)
-        if body.model != config.model_name:
+
+class Front:
+    """The HTTP side of one request: parse and check it, submit it to the engine, answer it whole,
+    streamed or relayed from --upstream. Holds no request state of its own."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: PreTrainedTokenizerBase,
+        config: ServeConfig,
+        metrics: Metrics,
+        upstream: Upstream | None,
+    ):
+        self.engine, self.tokenizer, self.config = engine, tokenizer, config
+        self.metrics, self.upstream = metrics, upstream
+
+    def authorize(self, request: Request) -> None:
+        if self.config.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.config.api_key.encode()):
             raise ApiError(
-                404, f"The model '{body.model}' does not exist; this server has '{config.model_name}'.",
+                401, "Missing or wrong API key: send the header Authorization: Bearer <key>.", code="invalid_api_key"
+            )
+
+    def count(self, request: Request, status: int) -> None:
+        """Requests by endpoint and status; unknown paths share one label (no label per scanned URL)."""
+        path = request.url.path
+        self.metrics.request_done(path if path in ENDPOINTS else "other", status)
+
+
+    async def serve(self, request: Request, chat: bool) -> Response:
+        arrived = time.perf_counter()
+        body = parse_body(await self.read_body(request), ChatRequest if chat else CompletionRequest)
+        if body.model != self.config.model_name:
+            raise ApiError(
+                404, f"The model '{body.model}' does not exist; this server has '{self.config.model_name}'.",
                 param="model", code="model_not_found",
             )  # fmt: skip
-        spec = method_of(body.kvsieve)
+        spec = self.method_of(body.kvsieve)
         if chat:
-            prompt = await run_in_threadpool(chat_prompt, tokenizer, body.messages)
+            prompt = await run_in_threadpool(chat_prompt, self.tokenizer, body.messages)
         else:
-            prompt = await run_in_threadpool(completion_prompt, tokenizer, body.prompt, config.vocab_size)
-        sampling = sampling_of(body, prompt, spec, "messages" if chat else "prompt")
+            prompt = await run_in_threadpool(completion_prompt, self.tokenizer, body.prompt, self.config.vocab_size)
+        sampling = self.sampling_of(body, prompt, spec, "messages" if chat else "prompt")
         events = _Events(request)
-        reply = Reply(chat, new_id("chatcmpl" if chat else "cmpl"), config.model_name, len(prompt.ids))
-        if upstream is not None:
-            return await relay(request, body, spec, prompt, sampling, events, reply, arrived)
+        reply = Reply(chat, new_id("chatcmpl" if chat else "cmpl"), self.config.model_name, len(prompt.ids))
+        if self.upstream is not None:
+            return await self.relay(request, body, spec, prompt, sampling, events, reply, arrived)
         job = Job(
             as_prompt(prompt), spec, sampling, events.emit, boundary=prompt.boundary, use_cache=body.kvsieve.cache
         )
-        engine.submit(job)
+        self.engine.submit(job)
         try:
             first = await events.next()
         except _ClientGone:
             job.cancelled.set()
-            return client_gone(request)
+            return self.client_gone(request)
         if isinstance(first, Failed):
             job.cancelled.set()
-            raise api_error(first.error)
+            raise as_api_error(first.error)
         if body.stream:
             return StreamingResponse(
-                stream(request, job, events, reply, body.include_usage()), media_type="text/event-stream"
+                self.stream(request, job, events, reply, body.include_usage()), media_type="text/event-stream"
             )
         try:
             text, done = [], None
             while done is None:
                 event = await events.next()
                 if isinstance(event, Failed):
-                    raise api_error(event.error)
+                    raise as_api_error(event.error)
                 if isinstance(event, Text):
                     text.append(event.piece)
                 elif isinstance(event, Finished):
                     done = event
         except _ClientGone:
-            return client_gone(request)
+            return self.client_gone(request)
         finally:
             job.cancelled.set()  # frees the slot if the engine still holds it; harmless otherwise
-        count(request, 200)
+        self.count(request, 200)
         use = usage(reply.prompt_tokens, done.completion_tokens, done.info["cached_tokens"])
         return JSONResponse(
             completion_object(chat, reply.id, reply.model, "".join(text), finish_reason(done.reason), use, done.info)
         )
 
     async def stream(
+        self,
         request: Request, job: Job, events: _Events, reply: Reply, include_usage: bool
     ) -> AsyncIterator[bytes]:
         """Server-sent chunks until the answer is finished; a client that leaves cancels the job."""
@@ -266,16 +285,17 @@ def create_app(
                     status = 200
                     return
                 elif isinstance(event, Failed):
-                    error = api_error(event.error)
+                    error = as_api_error(event.error)
                     status = error.status
                     yield sse(error.body())
                     yield sse("[DONE]")
                     return
         finally:
             job.cancelled.set()
-            count(request, status)
+            self.count(request, status)
 
     async def relay(
+        self,
         request: Request,
         body: ChatRequest | CompletionRequest,
         spec: MethodSpec,
@@ -298,33 +318,34 @@ def create_app(
                 code="invalid_method",
             )
         job = Job(as_prompt(prompt), spec, sampling, events.emit, select_only=True)
-        engine.submit(job)
+        self.engine.submit(job)
         try:
             selected = await events.next()
         except _ClientGone:
             job.cancelled.set()
-            return client_gone(request)
+            return self.client_gone(request)
         if isinstance(selected, Failed):
-            raise api_error(selected.error)
+            raise as_api_error(selected.error)
         assert isinstance(selected, Selected)
-        info = {**selected.info, "upstream": upstream.url}
+        info = {**selected.info, "upstream": self.upstream.url}
         if not body.stream:
-            answer = await upstream.complete(selected.ids, sampling)
-            metrics.first_token(time.perf_counter() - arrived)
+            answer = await self.upstream.complete(selected.ids, sampling)
+            self.metrics.first_token(time.perf_counter() - arrived)
             info["upstream_prompt_tokens"] = (answer.usage or {}).get("prompt_tokens")
             completion_tokens = (answer.usage or {}).get("completion_tokens", 0)
-            count(request, 200)
+            self.count(request, 200)
             use = usage(reply.prompt_tokens, completion_tokens)
             reason = answer.finish_reason or "stop"
             return JSONResponse(completion_object(reply.chat, reply.id, reply.model, answer.text, reason, use, info))
-        pieces = upstream.stream(selected.ids, sampling)
+        pieces = self.upstream.stream(selected.ids, sampling)
         first = await anext(pieces, None)  # upstream errors become this request's status, before streaming
         return StreamingResponse(
-            relay_stream(request, first, pieces, reply, info, body.include_usage(), arrived),
+            self.relay_stream(request, first, pieces, reply, info, body.include_usage(), arrived),
             media_type="text/event-stream",
         )
 
     async def relay_stream(
+        self,
         request: Request,
         first: UpstreamPiece | None,
         pieces: AsyncGenerator[UpstreamPiece, None],
@@ -342,7 +363,7 @@ def create_app(
             while piece is not None:
                 if piece.text:
                     if not timed:
-                        metrics.first_token(time.perf_counter() - arrived)
+                        self.metrics.first_token(time.perf_counter() - arrived)
                         timed = True
                     yield sse(reply.chunk(text=piece.text))
                 reason = piece.finish_reason or reason
@@ -363,13 +384,12 @@ def create_app(
             status = 200
         finally:
             await pieces.aclose()
-            count(request, status)
+            self.count(request, status)
 
-    # ------------------------------------------------------------------------- helpers
 
-    async def read_body(request: Request) -> bytes:
+    async def read_body(self, request: Request) -> bytes:
         """The raw body, refusing more than --max-body-bytes (413) without reading it all."""
-        limit = config.max_body_bytes
+        limit = self.config.max_body_bytes
         declared = request.headers.get("content-length", "")
         too_large = ApiError(413, f"The request body is larger than {limit} bytes.", code="request_too_large")
         if declared.isdigit() and int(declared) > limit:
@@ -381,49 +401,49 @@ def create_app(
                 raise too_large
         return bytes(data)
 
-    def method_of(options: KvsieveOptions) -> MethodSpec:
+    def method_of(self, options: KvsieveOptions) -> MethodSpec:
         """The request's method: its `kvsieve.method` (or the server's) with `kvsieve.set` applied."""
         try:
-            base = lookup_method(options.method) if options.method is not None else config.default_spec
+            base = lookup_method(options.method) if options.method is not None else self.config.default_spec
             return base.with_settings(options.set)
         except KvsieveError as error:
             raise ApiError(400, str(error), param="kvsieve", code="invalid_method") from None
 
-    def sampling_of(body: ChatRequest | CompletionRequest, prompt: PromptIds, spec: MethodSpec, param: str) -> Sampling:
+    def sampling_of(
+        self, body: ChatRequest | CompletionRequest, prompt: PromptIds, spec: MethodSpec, param: str
+    ) -> Sampling:
         """Sampling options, after checking the prompt and answer fit what the method can hold."""
         n = len(prompt.ids)
-        if n > config.max_prompt_tokens:
+        if n > self.config.max_prompt_tokens:
             raise ApiError(
-                400, f"The prompt has {n} tokens; this server accepts at most {config.max_prompt_tokens}.",
+                400, f"The prompt has {n} tokens; this server accepts at most {self.config.max_prompt_tokens}.",
                 param=param, code="prompt_too_long",
             )  # fmt: skip
         limit = body.token_limit()
         # An upstream engine checks its own context; here only the select pass places every prompt token.
-        needed = positions_needed(spec.stages(), n, limit or 1) if upstream is None else (n if spec.select else 0)
-        if needed > config.max_positions:
+        needed = positions_needed(spec.stages(), n, limit or 1) if self.upstream is None else (n if spec.select else 0)
+        if needed > self.config.max_positions:
             raise ApiError(
                 400,
-                f"This model's maximum context length is {config.max_positions} tokens; the request needs {needed} "
-                f"({n} in the prompt). Shorten it, lower max_tokens, or use a method that feeds the prompt in chunks "
-                "with a compressed memory (imdc), which takes any length.",
+                f"This model's maximum context length is {self.config.max_positions} tokens; the request needs "
+                f"{needed} ({n} in the prompt). Shorten it, lower max_tokens, or use a method that feeds the prompt "
+                "in chunks with a compressed memory (imdc), which takes any length.",
                 param=param,
                 code="context_length_exceeded",
             )
-        if not limit and upstream is None and positions_needed(spec.stages(), n, 0) > 0:  # the answer must fit
-            limit = min(config.default_max_tokens, config.max_positions - needed + 1)
+        if not limit and self.upstream is None and positions_needed(spec.stages(), n, 0) > 0:  # the answer must fit
+            limit = min(self.config.default_max_tokens, self.config.max_positions - needed + 1)
         return Sampling(
-            max_new_tokens=limit or config.default_max_tokens,
+            max_new_tokens=limit or self.config.default_max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
             seed=body.seed,
             stop=body.stop_strings(),
         )
 
-    def client_gone(request: Request) -> Response:
-        count(request, CLIENT_CLOSED)
+    def client_gone(self, request: Request) -> Response:
+        self.count(request, CLIENT_CLOSED)
         return Response(status_code=CLIENT_CLOSED)
-
-    return app
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""A2SF (a2sf.md): accumulated attention with a forgetting factor."""
+"""A2SF (arXiv 2407.20485): accumulated attention with a forgetting factor."""
 
 from __future__ import annotations
 

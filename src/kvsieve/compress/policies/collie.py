@@ -1,7 +1,7 @@
 """The IMDC authors' pruner ("ConvPruner" in ZhiYuanZeng/Collie, `collie/models/mem_perceiver/pruner.py`).
 
-IMDC (papers/imdc.md) prunes [sinks | memory | chunk] after every chunk. The paper names SnapKV and
-StreamingLLM as its pruners; the authors' code runs this attention-plus-pooling rule:
+IMDC ("Memorize Step by Step", Zeng et al., EMNLP 2024) prunes [sinks | memory | chunk] after every
+chunk. The paper names SnapKV and StreamingLLM as its pruners; the authors' code runs this attention-plus-pooling rule:
 
 - every query of the chunk votes: its softmax attention over all the keys it sees is summed per
   key (per KV head; query head h votes for KV head h // n_rep, where the reference code's
