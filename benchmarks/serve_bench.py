@@ -291,10 +291,19 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": rows, "ratio": ratios}
 
 
+REUSE_METHODS = (
+    ("full", []),
+    ("snapkv", ["--set", "compress.budget=1024"]),
+    ("gemfilter", ["--set", "select.k=1024"]),
+)
+
+
 def reuse(args: argparse.Namespace) -> dict[str, Any]:
     """First question about an 8K-token document vs a follow-up question about the same document."""
     rows = []
-    for name, sets in (("full", []), ("snapkv", ["--set", "compress.budget=1024"])):
+    for name, sets in REUSE_METHODS:
+        if name not in args.methods.split(","):
+            continue
         with server("--method", name, *sets, "--cache-memory", "4GB") as url:
             for repeat in range(args.repeats):
                 document = essay_text(args.document_tokens, 50_000 + repeat * args.document_tokens)
@@ -321,7 +330,7 @@ def reuse(args: argparse.Namespace) -> dict[str, Any]:
                     f"prefilled), follow-up {follow.ttft:.3f} s ({follow.info['cache']}, "
                     f"{follow.info['prefill_tokens']} prefilled) -> {first.ttft / follow.ttft:.1f}x"
                 )
-    for name in ("full", "snapkv"):
+    for name in {r["method"] for r in rows}:
         mine = [r for r in rows if r["method"] == name]
         print(
             f"{name}: first TTFT {summary([r['first']['ttft'] for r in mine])} s, follow-up "
@@ -416,6 +425,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--document-tokens", type=int, default=8000)
     parser.add_argument("--k", type=int, default=1024, help="GemFilter's k for the upstream part")
+    parser.add_argument("--methods", default="full,snapkv,gemfilter", help="methods of the reuse part")
     parser.add_argument("--stream-tokens", type=int, default=400, help="the running stream's max_tokens (pause)")
     parser.add_argument("--lead", type=float, default=4.0, help="seconds the stream runs before the long prompt")
     parser.add_argument("--serve-args", default="", help="options added to every server, e.g. '--max-step-tokens 0'")

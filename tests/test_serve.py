@@ -23,6 +23,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from kvsieve import Prompt, Sampling, load_model, method, run
+from kvsieve.engine.prefix_cache import BLOCK, reuse_tail
 from kvsieve.serve import ServerThread, create_server
 
 TEMPLATE = (
@@ -236,16 +237,20 @@ def test_reuse_continues_the_stored_document_and_answers_as_the_library_does(ser
     """A second question about a document runs only its new tokens on the stored document, and the
     method still sees the whole prompt: the answer equals `kvsieve.run` on the whole prompt (an
     independent computation, no server and no reuse), for the first question, the second and a
-    repeat, and with the cache bypassed. Methods that cannot continue a prefix say so and still
-    answer as the library does."""
+    repeat, and with the cache bypassed. GemFilter continues its selection pass up to the filter layer
+    and prefills its kept tokens afresh. Methods that cannot continue a prefix say so and still answer
+    as the library does."""
     cases = [
         ("full", {}, True),
         ("snapkv", SMALL, True),
+        ("snapkv", {**SMALL, "compress.policy.window": 12}, True),  # windows longer than the question: cut states
         ("a2sf", {"evict.budget": 24}, True),
         ("h2o", {"evict.budget": 24}, True),
         ("tova", {"evict.budget": 20}, True),
         ("imdc", {"feed.chunk": 32, "feed.memory": 24}, False),
-        ("gemfilter", {"select.k": 40}, False),
+        ("gemfilter", {"select.k": 40}, True),
+        ("gemfilter-snapkv", {"select.k": 60, "compress.budget": 30, "compress.policy.window": 4}, True),
+        ("critiprefill", {"attention.segment": 16, "attention.block": 4, "attention.budget": 32}, False),
     ]
     for i, (name, settings, reusable) in enumerate(cases):
         doc = "world " * (i + 1) + DOC  # a document of its own per method
@@ -264,13 +269,22 @@ def test_reuse_continues_the_stored_document_and_answers_as_the_library_does(ser
                 assert info["cache"] == "not reusable" and info["cached_tokens"] == 0
                 continue
             assert info["cache"] == expected, (name, info)
-            if expected == "hit":
-                assert info["cached_tokens"] == context
-                assert info["prefill_tokens"] == answer.usage.prompt_tokens - context
-                assert answer.usage.prompt_tokens_details.cached_tokens == context
+            # Each request stores the document, or as much of it as leaves its method's scored queries new; a
+            # later one continues the longest stored state that fits, or the first whole blocks of one.
+            longest = answer.usage.prompt_tokens - reuse_tail(method(name, settings))
+            if expected == "miss":
+                stored = [min(context, longest)]
+            else:
+                cached = max(n if n <= longest else longest - longest % BLOCK for n in stored)
+                stored.append(min(context, longest))
+                assert info["cached_tokens"] == answer.usage.prompt_tokens_details.cached_tokens == cached
+                if name.startswith("gemfilter"):  # the full model ran on the kept tokens only
+                    assert info["prefill_tokens"] == settings["select.k"]
+                else:
+                    assert info["prefill_tokens"] == answer.usage.prompt_tokens - cached
         fresh = ask(server, doc, "what is it remember", name, settings, cache=False)
         assert fresh.model_extra["kvsieve"]["cache"] == "bypassed"
-        assert fresh.model_extra["kvsieve"]["prefill_tokens"] == fresh.usage.prompt_tokens or not reusable
+        assert fresh.model_extra["kvsieve"]["prefill_tokens"] == settings.get("select.k", fresh.usage.prompt_tokens)
         assert fresh.choices[0].message.content == answer.choices[0].message.content
 
 

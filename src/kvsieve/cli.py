@@ -208,7 +208,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     context = _read_context(args.context)
     model, tokenizer = _load(args)
     prompt = build_prompt(tokenizer, context, args.question, raw=args.raw)
-    indices, record = select_tokens(model, prompt, spec.select, spec.attention)
+    indices, record, _ = select_tokens(model, prompt, spec.select, spec.attention)
     kept = set(indices.tolist())
     color = sys.stdout.isatty() and not os.environ.get("NO_COLOR") and not args.plain
     on, off = ("\x1b[1;30;43m", "\x1b[0m") if color else ("[[", "]]")
@@ -700,10 +700,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-step-tokens",
         type=int,
-        default=256,
+        default=512,
         help="tokens one engine step runs: a decoding token per running request plus prefill up to this budget, "
         "so a long prompt delays running streams by one slice, not its whole prefill (vLLM's "
-        "max_num_batched_tokens; default 256; 0 = whole prefills)",
+        "max_num_batched_tokens; default 512; 0 = whole prefills)",
     )
     p.add_argument("--max-body", default="4MB", help="largest request body (default 4MB)")
     p.add_argument("--max-prompt-tokens", type=int, default=131072, help="longest prompt (default 131072)")

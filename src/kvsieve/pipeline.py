@@ -185,8 +185,8 @@ def prefill(
             "For a batch, pass a list of prompts to kvsieve.run (or of contexts to kvsieve.generate)."
         )
     start_at = prefix.length if prefix is not None else 0
-    if (prefix is not None or keep) and (select is not None or attention is not None or feed.tag != "full"):
-        raise KvsieveError("Only a one-pass feed without a select stage or prefill kernel continues a stored prefix.")
+    if (prefix is not None or keep) and (attention is not None or (select is None and feed.tag != "full")):
+        raise KvsieveError("Only a select stage or a one-pass feed without a prefill kernel continues a stored prefix.")
     if start_at >= prompt.length or (keep and not start_at < keep < prompt.length):
         raise KvsieveError(f"A stored prefix ({start_at} / {keep} tokens) must leave prompt tokens to run.")
     check_positions(model, stages, prompt.length, reserve)
@@ -201,9 +201,11 @@ def prefill(
     stored = None
     with attention_hooks(kernel=state.kernel):
         if select is not None:
-            state.selected, record = select_tokens(model, Prompt(ids, prompt.context_start, prompt.context_len), select)
+            selected = Prompt(ids, prompt.context_start, prompt.context_len)
+            state.selected, record, stored = select_tokens(model, selected, select, prefix=prefix, keep=keep)
             ids = ids[:, state.selected]
             records.append(record)
+            prefix, keep, start_at = None, 0, 0  # the feed runs the kept tokens afresh
         feed_start = time.perf_counter()
         runs = [run for run in (state.compress, state.evict) if run is not None]
         if isinstance(feed, FullPrefill):
@@ -245,20 +247,41 @@ def prefill(
 
 
 def select_tokens(
-    model: PreTrainedModel, prompt: Prompt, select: Selector, attention: Any = None
-) -> tuple[torch.Tensor, StageRecord]:
-    """The select stage on `prompt`: the kept positions (ascending) and its record.
+    model: PreTrainedModel,
+    prompt: Prompt,
+    select: Selector,
+    attention: Any = None,
+    *,
+    prefix: PromptState | None = None,
+    keep: int = 0,
+) -> tuple[torch.Tensor, StageRecord, PromptState | None]:
+    """The select stage on `prompt`: the kept positions (ascending), its record, and the prefix state `keep` asked for.
 
     `attention` (a prefill kernel stage such as CritiPrefill) runs the selection pass; inside
     `prefill` the run's own kernel is already active. The one place a select stage is called:
-    generation, `kvsieve inspect` and the server's --upstream relay.
+    generation, `kvsieve inspect` and the server's --upstream relay. Context reuse: the selection
+    pass up to the filter layer does not depend on the question, so `prefix` (a stored state of
+    those layers over the prompt's first tokens) is continued, and `keep` > 0 first runs the first
+    `keep` tokens on their own and returns their state.
     """
     start = time.perf_counter()
     kernel = attention.begin() if attention is not None else None
+    ids = prompt.ids.to(model.device)
+    cache, stored = (prefix.cache if prefix is not None else None), None
     with attention_hooks(kernel=kernel):
-        selection = select.select(model, Prompt(prompt.ids.to(model.device), prompt.context_start, prompt.context_len))
+        if keep:
+            cache = cache if cache is not None else DynamicCache(config=model.config)
+            select.first_pass(model, ids[:, cache.get_seq_length() : keep], cache)
+            stored = PromptState(_snapshot(model, cache), keep, keep)
+        selection = select.select(model, Prompt(ids, prompt.context_start, prompt.context_len), cache)
     details = {"kept": len(selection.indices), **selection.details}
-    return selection.indices, StageRecord("select", select.name, time.perf_counter() - start, details)
+    return selection.indices, StageRecord("select", select.name, time.perf_counter() - start, details), stored
+
+
+def _snapshot(model: PreTrainedModel, cache: DynamicCache) -> DynamicCache:
+    """A cache sharing `cache`'s tensors as they are now (later passes replace them, never change them);
+    layers it has not filled yet (those above a select stage's filter layer) stay empty."""
+    return wrap_cache(model, [(layer.keys, layer.values) for layer in cache.layers if layer.is_initialized])
 
 
 def _prefill_prefix(
@@ -279,6 +302,5 @@ def _prefill_prefix(
     with attention_hooks(observers=sum_recorders(alphas, sums, prior), intermediate=True):
         feed.prefill(model, ids, cache=cache)
     length = cache.get_seq_length()
-    layers = [(layer.keys, layer.values) for layer in cache.layers]  # later passes replace them, never change them
     total = PrefixSums(length, sums) if alphas else None
-    return PromptState(wrap_cache(model, layers), length, length, total)
+    return PromptState(_snapshot(model, cache), length, length, total)

@@ -196,9 +196,10 @@ def plain_layer(keys: torch.Tensor, values: torch.Tensor) -> DynamicLayer:
 
 
 def wrap_cache(model: PreTrainedModel, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-    """A DynamicCache of `model` holding exactly these (keys, values) tensors per layer (no copy)."""
+    """A DynamicCache of `model` holding exactly these (keys, values) tensors in its first layers (no copy);
+    the layers after them, if any, stay empty."""
     cache = DynamicCache(config=model.config)
-    for layer, (keys, values) in zip(cache.layers, layers, strict=True):
+    for layer, (keys, values) in zip(cache.layers[: len(layers)], layers, strict=True):
         layer.lazy_initialization(keys, values)
         layer.keys, layer.values = keys, values
     return cache

@@ -22,6 +22,7 @@ from kvsieve.errors import KvsieveError
 from kvsieve.feed import PromptState
 from kvsieve.spec import MethodSpec
 
+BLOCK = 16  # tokens: a stored state cut shorter is cut to a multiple of this (no 3-token "hits")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -40,14 +41,20 @@ def parse_bytes(text: str) -> int:
 
 def reuse_tail(spec: MethodSpec) -> int | None:
     """The fewest new tokens a request must run on top of a stored prefix for `spec` to give exactly
-    what a one-pass prefill of the whole prompt gives; None when the method cannot start from one.
+    what a run of the whole prompt gives; None when the method cannot start from one.
 
-    A select stage chooses with the question's attention over the whole prompt, a prefill kernel
-    (CritiPrefill) and a chunked feed plan their segments and chunks from the whole length: none
-    of them continues a prefix. Compression and eviction need their policies' scored queries
-    among the new tokens (SnapKV: its window); accumulating ones continue the stored sums.
+    A select stage (GemFilter) continues its selection pass up to the filter layer, which does not
+    depend on the question, and needs its voting queries among the new tokens; its feed and later
+    stages then run on the kept tokens afresh. A prefill kernel (CritiPrefill) and a chunked feed
+    plan their segments and chunks from the whole length: they do not continue a prefix. After a
+    one-pass feed, compression and eviction need their policies' scored queries among the new
+    tokens (SnapKV: its window); accumulating ones continue the stored sums.
     """
-    if spec.select is not None or spec.attention is not None or (spec.feed is not None and spec.feed.tag != "full"):
+    if spec.attention is not None:
+        return None
+    if spec.select is not None:
+        return max(1, spec.select.queries)
+    if spec.feed is not None and spec.feed.tag != "full":
         return None
     tail = 1  # the last prompt token's logits give the first answer token
     for stage in (spec.compress, spec.evict):
@@ -60,8 +67,11 @@ def reuse_tail(spec: MethodSpec) -> int | None:
 
 
 def prefix_key(spec: MethodSpec) -> str:
-    """What a stored prefix state depends on: the dense one-pass feed and the accumulated attention
-    sums its policies need. Methods with the same key share states (full attention and SnapKV do)."""
+    """What a stored prefix state depends on: a select stage's pass up to its filter layer, or the dense
+    one-pass feed and the accumulated attention sums its policies need. Methods with the same key
+    share states (full attention and SnapKV do; GemFilter presets with one filter layer do)."""
+    if spec.select is not None:
+        return f"{spec.select.tag} pass to layer {spec.select.layer}"
     policies = [stage.policy for stage in (spec.compress, spec.evict) if stage is not None]
     return "full" + "".join(f"+sums@{alpha:g}" for alpha in accumulating(policies))
 
@@ -79,21 +89,30 @@ class PrefixCache:
         return len(self._states)
 
     def lookup(self, key: str, ids: list[int], longest: int) -> PromptState | None:
-        """A clone of the longest stored state of at most `longest` ids that are a prefix of `ids` (None if none)."""
-        best = None
-        for entry in self._states:
+        """A clone of the stored state that covers the longest start of `ids`, at most `longest` tokens (None if none).
+
+        A state whose ids go on past what `ids` share with them is cut to the shared start, in whole
+        blocks of `BLOCK` tokens: entry i of a causal model's cache depends on tokens 0..i only, so the
+        first m entries are exactly the state of the first m tokens (vLLM matches prefixes block by
+        block the same way). States that carry accumulated attention sums are used whole or not at
+        all: their sums include every stored query.
+        """
+        best, best_length = None, 0
+        for entry, state in self._states.items():
             stored_key, stored_ids = entry
-            if (
-                stored_key == key
-                and len(stored_ids) <= longest
-                and (best is None or len(stored_ids) > len(best[1]))
-            ):
-                if tuple(ids[: len(stored_ids)]) == stored_ids:
-                    best = entry
+            if stored_key != key:
+                continue
+            shared = _shared_start(stored_ids, ids, longest)
+            if shared < len(stored_ids):
+                if state.sums is not None:
+                    continue
+                shared -= shared % BLOCK
+            if shared > best_length:
+                best, best_length = entry, shared
         if best is None:
             return None
         self._states.move_to_end(best)
-        return self._states[best].clone(self.model)
+        return self._states[best].clone(self.model, best_length)
 
     def store(self, key: str, ids: list[int], state: PromptState) -> None:
         """Keep a clone of `state` for `ids`, evicting the least recently used states to fit."""
@@ -107,3 +126,12 @@ class PrefixCache:
             self.bytes -= self._states.popitem(last=False)[1].nbytes
         self._states[key] = state.clone(self.model)
         self.bytes += size
+
+
+def _shared_start(stored: tuple[int, ...], ids: list[int], longest: int) -> int:
+    """How many first tokens `stored` and `ids` share, at most `longest`."""
+    limit = min(len(stored), len(ids), longest)
+    for i in range(limit):
+        if stored[i] != ids[i]:
+            return i
+    return limit

@@ -181,7 +181,7 @@ class Request:
         """Only the select stage (and its kernel); without one the whole prompt is kept."""
         start, ids, details = time.perf_counter(), self.ids, {}
         if self.spec.select is not None:
-            indices, record = select_tokens(model, self.prompt, self.spec.select, self.spec.attention)
+            indices, record, _ = select_tokens(model, self.prompt, self.spec.select, self.spec.attention)
             ids = [ids[i] for i in indices.tolist()]
             details = {k: v for k, v in record.details.items() if isinstance(v, int | float | str)}
         info = {

@@ -60,15 +60,24 @@ class PromptState:
 
     @property
     def nbytes(self) -> int:
-        tensors = [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
+        tensors = [t for layer in self._filled() for t in (layer.keys, layer.values)]
         tensors += [t for layers in (self.sums.sums.values() if self.sums else ()) for t in layers.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def clone(self, model: PreTrainedModel) -> PromptState:
-        """A deep copy: tensors cloned, so neither copy can change the other."""
-        layers = [(layer.keys.clone(), layer.values.clone()) for layer in self.cache.layers]
+    def _filled(self) -> list:
+        """The cache layers that hold entries (a select stage's state fills those up to its filter layer)."""
+        return [layer for layer in self.cache.layers if layer.is_initialized]
+
+    def clone(self, model: PreTrainedModel, length: int | None = None) -> PromptState:
+        """A deep copy, or of the state of the first `length` tokens only (the first entries of every layer:
+        a causal model's entry i depends on tokens 0..i only); tensors cloned, so neither copy can change
+        the other. A cut state has no sums (they include the queries of the tokens cut off)."""
+        length = self.length if length is None else length
+        if length != self.length and (self.sums is not None or self.position != self.length):
+            raise ValueError("Only a plain prefix state (no sums, positions 0..n-1) can be cut shorter.")
+        layers = [(layer.keys[:, :, :length].clone(), layer.values[:, :, :length].clone()) for layer in self._filled()]
         sums = None
         if self.sums is not None:
             copied = {alpha: {j: t.clone() for j, t in by_layer.items()} for alpha, by_layer in self.sums.sums.items()}
             sums = PrefixSums(self.sums.queries, copied)
-        return PromptState(wrap_cache(model, layers), self.position, self.length, sums)
+        return PromptState(wrap_cache(model, layers), length, length, sums)

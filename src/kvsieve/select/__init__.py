@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from transformers import PreTrainedModel
+from transformers import Cache, PreTrainedModel
 
 from kvsieve.prompt import Prompt
 
@@ -26,6 +26,11 @@ class Selection:
 
 
 class Selector(Protocol):
+    """`select` chooses from the whole prompt; with `cache` (layers of the prompt's first tokens that
+    `first_pass` left there) it runs only the rest, so a stored document's pass is not run again."""
+
     name: str
 
-    def select(self, model: PreTrainedModel, prompt: Prompt) -> Selection: ...
+    def select(self, model: PreTrainedModel, prompt: Prompt, cache: Cache | None = None) -> Selection: ...
+
+    def first_pass(self, model: PreTrainedModel, ids: torch.Tensor, cache: Cache) -> None: ...

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from transformers import PreTrainedModel
+from transformers import Cache, PreTrainedModel
 
 from kvsieve.compress.scorers import check_kernel
 from kvsieve.errors import KvsieveError
@@ -92,7 +92,9 @@ class GemFilter:
             )
         return layer
 
-    def select(self, model: PreTrainedModel, prompt: Prompt) -> Selection:
+    def select(self, model: PreTrainedModel, prompt: Prompt, cache: Cache | None = None) -> Selection:
+        """The k kept positions of `prompt`. `cache` holds layers 0..r of the prompt's first tokens (a
+        stored prefix, see `first_pass`): then only the rest runs, and is added to it."""
         layer = self.filter_layer(model)
         n = prompt.length
         k = resolve_count(self.k, n, "k")
@@ -103,12 +105,18 @@ class GemFilter:
                 "chat-template suffix). Raise k, or turn keep_tail off."
             )
         start = time.perf_counter()
-        queries, keys = filter_layer_qk(model, prompt.ids, layer, min(self.queries, n))
+        ids = prompt.ids if cache is None else prompt.ids[:, cache.get_seq_length() :]
+        queries, keys = filter_layer_qk(model, ids, layer, min(self.queries, n), cache)
         indices = self.choose(queries, keys, k, tail_len)
         return Selection(
             indices=indices,
             details={"layer": layer, "k": k, "kept_tail": tail_len, "first_pass_seconds": time.perf_counter() - start},
         )
+
+    def first_pass(self, model: PreTrainedModel, ids: torch.Tensor, cache: Cache) -> None:
+        """Run `ids`, a prompt's first tokens, through layers 0..r into `cache`: the part of the selection
+        pass that does not depend on the question, which later prompts with the same start continue."""
+        filter_layer_qk(model, ids, self.filter_layer(model), 1, cache)
 
     def choose(self, queries: torch.Tensor, keys: torch.Tensor, k: int, tail_len: int) -> torch.Tensor:
         """The k kept positions, ascending, from the filter layer's last queries (h, w, d) and keys."""

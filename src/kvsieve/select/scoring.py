@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers import PreTrainedModel
+from transformers import Cache, PreTrainedModel
 
 from kvsieve.attention import StopForward, attention_hooks
 from kvsieve.errors import KvsieveError
@@ -38,12 +38,14 @@ def resolve_count(value: int | float, total: int, what: str) -> int:
 
 
 def filter_layer_qk(
-    model: PreTrainedModel, ids: torch.Tensor, layer: int, queries: int = 1
+    model: PreTrainedModel, ids: torch.Tensor, layer: int, queries: int = 1, cache: Cache | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run layers 0..layer and return layer `layer`'s last `queries` queries (h, w, d) and keys (kv_heads, n, d).
 
     The forward pass stops inside layer `layer`'s attention (StopForward), so its MLP and all
-    later layers never run, and no KV cache is built.
+    later layers never run. No KV cache is built, unless `cache` is given: then `ids` continue the
+    prompt prefix it holds (layers 0..layer of it), the keys returned are the prefix's and theirs,
+    and the cache keeps both (a state a later prompt with the same prefix continues).
     """
     captured: dict[str, torch.Tensor] = {}
 
@@ -54,7 +56,7 @@ def filter_layer_qk(
 
     with torch.no_grad(), attention_hooks(observers=[capture]):
         try:
-            model.model(input_ids=ids, use_cache=False)
+            model.model(input_ids=ids, past_key_values=cache, use_cache=cache is not None)
         except StopForward:
             pass
     if "query" not in captured:

@@ -40,7 +40,7 @@ def create_server(
     cache_bytes: int = 2_000_000_000,
     max_queue: int = 64,
     max_batch: int = 16,
-    max_step_tokens: int | None = 256,
+    max_step_tokens: int | None = 512,
     max_body_bytes: int = 4_000_000,
     max_prompt_tokens: int = 131_072,
     default_max_tokens: int = 256,

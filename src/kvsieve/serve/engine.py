@@ -37,7 +37,7 @@ class Engine:
         *,
         max_queue: int = 64,
         max_batch: int = 16,
-        max_step_tokens: int | None = 256,
+        max_step_tokens: int | None = 512,
         cache_bytes: int = 0,
     ):
         self.model, self.tokenizer, self.metrics = model, tokenizer, metrics
