@@ -106,7 +106,7 @@ def build_model(arch: str, num_layers: int = 2, max_positions: int = 256, seed: 
 
 
 class FakeTokenizer:
-    """The part of a tokenizer that `kvsieve.pipeline.run` and `decode` use, on raw ids.
+    """The part of a tokenizer that `kvsieve.run` and `decode` use, on raw ids.
 
     `decode` writes each id as "<id>" so every token's text is distinct and a stop string such
     as "<17>" matches exactly one token. `eos_token_id` is None by default (no EOS at all).
