@@ -23,7 +23,9 @@ from kvsieve.engine.scheduler import Scheduler
 from kvsieve.errors import KvsieveError
 
 CASES = [
-    ("a2sf", {"evict.budget": 30}, 50, 14),  # first: decodes alone in buffers, then moves into the batch
+    # first: decodes alone in buffers (H2O's recent half needs the entries back in time order), then joins the batch
+    ("h2o", {"evict.budget": 30}, 50, 14),
+    ("a2sf", {"evict.budget": 30}, 44, 12),
     ("full", {}, 40, 12),
     ("snapkv", {"compress.budget": 24, "compress.policy.window": 4}, 70, 9),
     ("streaming", {"evict.budget": 20}, 33, 12),
@@ -79,8 +81,9 @@ def test_batched_greedy_decoding_equals_each_request_alone(model, monkeypatch):
         spec, prompt, sink = method(name, settings), make_prompt(length, seed=10 + i), Collector()
         scheduler.add(Request(prompt, spec, Sampling(max_new_tokens=new_tokens), sink.emit))
         cases.append((prompt, spec, new_tokens, sink))
-        if i == 0:  # prefilled, then two steps alone
-            scheduler.step(), scheduler.step()
+        if i == 0:  # prefilled, then five steps alone
+            for _ in range(6):
+                scheduler.step()
     drain(scheduler)
     assert sizes[0] == 1 and max(sizes) >= 6  # the first decoded alone, then most really decoded together
     for prompt, spec, new_tokens, sink in cases:
@@ -172,3 +175,29 @@ def test_padded_attention_masks_each_rows_padding():
     for b in range(3):
         alone = dense_attention(query[b : b + 1], keys[b], values[b], None)
         torch.testing.assert_close(out[b : b + 1], alone)
+
+
+def test_finished_and_cancelled_requests_are_freed_at_once(model):
+    """No reference cycle keeps a request (and its caches) alive until the garbage collector runs: a
+    finished one, and one cancelled while its prefill is paused between layers."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        scheduler = Scheduler(model, FakeTokenizer(), max_step_tokens=8)
+        done = Request(make_prompt(20), method("a2sf", {"evict.budget": 16}), Sampling(max_new_tokens=3))
+        paused = Request(make_prompt(200, seed=2), method("snapkv", {"compress.budget": 48}), Sampling())
+        scheduler.add(done)
+        drain(scheduler)
+        scheduler.add(paused)
+        scheduler.step()
+        assert scheduler.prefilling == [paused] and not paused.slices.done  # paused inside its prefill
+        paused.cancelled.set()
+        scheduler.step()
+        assert not scheduler.has_work()
+        refs = [weakref.ref(done), weakref.ref(paused)]
+        del done, paused
+        assert [ref() for ref in refs] == [None, None]
+    finally:
+        gc.enable()

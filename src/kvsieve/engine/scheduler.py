@@ -143,7 +143,9 @@ class Scheduler:
 
     def _drop_cancelled(self) -> None:
         self.waiting = deque(r for r in self.waiting if not r.cancelled.is_set())
-        self.prefilling = [r for r in self.prefilling if not r.cancelled.is_set()]
+        for request in [r for r in self.prefilling if r.cancelled.is_set()]:
+            request.slices.close()
+            self.prefilling.remove(request)
         self._leave([r for r in self.running if r.cancelled.is_set()])
 
     def _leave(self, leaving: list[Request]) -> None:

@@ -64,7 +64,7 @@ class PrefillSlices:
         self.result: Any = None
         self.spent = 0.0  # tokens charged in the current slice
         self._left = float("inf")
-        self._greenlet = greenlet.greenlet(self._main)
+        self._greenlet: greenlet.greenlet | None = greenlet.greenlet(self._main)
         # A copy of the creator's context, as an asyncio task gets: hooks active where the request was
         # made (a caller's attention_hooks) apply to its prefill; what the prefill sets stays its own.
         self._greenlet.gr_context = contextvars.copy_context()
@@ -83,8 +83,23 @@ class PrefillSlices:
         self._left = float("inf") if budget is None else budget
         self.spent = 0.0
         self._greenlet.parent = greenlet.getcurrent()  # pauses return to whoever advanced the slice
-        self._greenlet.switch()
+        try:
+            self._greenlet.switch()
+        finally:
+            if self._greenlet.dead:
+                self._release()
         return self.spent
+
+    def close(self) -> None:
+        """Abandon an unfinished prefill (a cancelled request): unwind it now, so what it holds is freed now."""
+        if self._greenlet is not None and self._greenlet:  # started and not finished
+            self._greenlet.throw()  # GreenletExit: its `with` blocks exit, its tensors are released
+        self._release()
+
+    def _release(self) -> None:
+        """Drop the greenlet and the work: they refer to each other and to the request, a cycle that would
+        keep the request's caches alive until the garbage collector runs."""
+        self._greenlet = self._work = None
 
     def charge(self, tokens: int) -> None:
         """Called before a decoder layer over `tokens` tokens: pause first if the slice cannot pay for it."""
