@@ -305,7 +305,8 @@ def test_api_key_guards_every_endpoint_but_health(tiny):
 
 def test_a_full_queue_answers_429(tiny):
     with start(tiny, max_queue=1, max_batch=1, cache_bytes=0) as small:
-        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 500, "temperature": 0}  # busy long enough
+        # [5, 6, 7] meets EOS after 79 tokens, which let the waiting request in before the third was sent (a race)
+        body = {"model": "tiny", "prompt": [8, 9, 10], "max_tokens": 500, "temperature": 0}  # 500 tokens, no EOS
         with ThreadPoolExecutor(2) as pool:
             running = pool.submit(httpx.post, f"{small.url}/v1/completions", json=body, timeout=60)
             while metric(small, "kvsieve_active_requests") < 1:
