@@ -205,7 +205,7 @@ class Request:
             **self._reuse,
             "prefill_tokens": self._prefill_tokens(done),
             "kv_entries": done.kv_length,
-            "prefill_seconds": round(time.perf_counter() - self.arrived, 6),
+            "prefill_seconds": round(done.seconds, 6),  # from its first slice: queueing not included
             "stages": [json_safe(asdict(record)) for record in done.stages],
         }
         self.emit(Started(self.info))
