@@ -1,4 +1,4 @@
-"""FM vs IM vs IMDC (papers/imdc.md) on the default model: perplexity and passkey retrieval.
+"""FM vs IM vs IMDC ("Memorize Step by Step", Zeng et al., EMNLP 2024) on the default model: perplexity, passkeys.
 
     python benchmarks/imdc.py --ppl-length 16384 --passkey-length 16384 --chunk 1024 --memory 1024 \\
         --schedule linear --pruner collie --out runs/imdc.json

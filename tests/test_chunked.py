@@ -1,4 +1,4 @@
-"""Chunked prefill with a compressed memory (FM / IM / IMDC) and its schedules (papers/imdc.md).
+"""Chunked prefill with a compressed memory (FM / IM / IMDC, Zeng et al., EMNLP 2024) and its schedules.
 
 Expected schedule values below are worked out by hand from the paper's equations, not from the
 code: n = 4 chunks, m_max = 100, so m_0 = m_max / n = 25 (section 4.1) and
