@@ -298,6 +298,12 @@ def test_prompt_longer_than_trained_context_runs_through_the_pipeline(single_thr
         assert stage.stage == "feed" and stage.method == feed.name
         assert stage.details["max_position"] + 8 < 64
         assert result.kv_cache_length == 4 + 24 + 7
+    # The answer goes on from the position after the last chunk: past the trained positions is refused.
+    feed = ChunkedPrefill(chunk=16, memory=24)
+    last = run(model, FakeTokenizer(), prompt, feed=feed, sampling=Sampling(1)).state.prefilled.next_position
+    run(model, FakeTokenizer(), prompt, feed=feed, sampling=Sampling(max_new_tokens=64 - last))  # exactly fills
+    with pytest.raises(KvsieveError, match=f"position {last}, so {65 - last} new tokens would reach position 65"):
+        run(model, FakeTokenizer(), prompt, feed=feed, sampling=Sampling(max_new_tokens=65 - last))
 
 
 def test_decoding_eviction_composes_with_the_feed(single_thread):

@@ -89,6 +89,18 @@ def check_positions(model: PreTrainedModel, stages: dict[str, Any], prompt: int,
     )
 
 
+def _check_answer_room(model: PreTrainedModel, feed: Feed, position: int, reserve: int) -> None:
+    """Refuse to decode past the model's trained positions after a chunked feed, which re-encodes the
+    prompt within sinks + memory + chunk but decodes on from the position after its last chunk."""
+    max_positions = architecture(model).max_positions
+    if position + reserve > max_positions:
+        raise KvsieveError(
+            f"The {feed.name} feed leaves the prompt at position {position}, so {reserve} new tokens would reach "
+            f"position {position + reserve}, past the {max_positions} this model was trained for. Lower "
+            "max_new_tokens, or feed.memory / feed.chunk (the last chunk starts after the sinks and the memory)."
+        )
+
+
 def check_prepared(model: PreTrainedModel) -> None:
     """Refuse a model whose attention does not run through kvsieve (its stages would see nothing)."""
     if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
@@ -226,6 +238,8 @@ def prefill(
         if prefix is not None:
             details["reused_tokens"] = prefix.length
         records.append(StageRecord("feed", feed.name, time.perf_counter() - feed_start, details))
+    if not feed.needs_full_context:  # a chunked feed's own rule: its answer starts after its last chunk
+        _check_answer_room(model, feed, prefilled.next_position, reserve)
     state.prefilled = prefilled
     kept = prefilled.kept_positions  # cache entries among the feed's last attended keys (None: all)
     if state.compress is not None:
