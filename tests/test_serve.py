@@ -161,7 +161,7 @@ BAD = [
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "5"}, 400, None),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, None),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, None),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "bogus": 1}, 400, None),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "kvsieve": {"bogus": 1}}, 400, None),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "kvsieve": {"method": "nope"}}, 400, None),
     (
         {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "kvsieve": {"set": {"compress.x": 1}}},
@@ -183,6 +183,26 @@ BAD = [
     ({"model": "tiny", "prompt": [5] * 2100, "kvsieve": {"method": "imdc"}}, 400, "prompt_too_long"),
     ({"model": "tiny", "prompt": "hello " * 30_000}, 413, "request_too_large"),
 ]
+
+
+def test_vllm_extensions_work_and_unknown_fields_are_ignored(server, caplog):
+    """What vLLM's own clients (its serving benchmark) send: `ignore_eos`, `continuous_usage_stats`, and
+    fields nobody documents, which are ignored and logged once. [5, 6, 7] meets EOS after 79 tokens."""
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 100, "temperature": 0, "vendor_knob": {"x": 1}}
+    with caplog.at_level("WARNING", logger="kvsieve.serve"):
+        stops = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert stops.status_code == 200 and stops.json()["usage"]["completion_tokens"] == 79
+    assert stops.json()["choices"][0]["finish_reason"] == "stop"
+    assert sum("vendor_knob" in record.getMessage() for record in caplog.records) == 1  # logged, once per name
+    streamed = {**body, "ignore_eos": True, "stream": True}
+    streamed["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=streamed, timeout=60) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"] and c["choices"][0]["text"]]
+    assert counts == sorted(counts) and len(counts) >= 50  # the usage so far in every text chunk
+    assert chunks[-1]["usage"]["completion_tokens"] == 100  # on past EOS to max_tokens
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
 
 
 def test_bad_input_gets_4xx_while_a_good_request_completes(server, tiny):

@@ -42,6 +42,7 @@ class Started:
 @dataclass
 class Text:
     piece: str
+    tokens: int  # answer tokens so far (a piece can span several tokens, or wait for the next)
 
 
 @dataclass
@@ -233,7 +234,7 @@ class Request:
         self.row.token = token
         piece = self.answer.add(token)
         if piece:
-            self.emit(Text(piece))
+            self.emit(Text(piece, len(self.answer.tokens)))
         return self.answer.finish is not None
 
     def finish(self, kv_entries: int) -> None:

@@ -240,9 +240,10 @@ class Front:
             job.cancelled.set()
             raise as_api_error(first.error)
         if body.stream:
-            return StreamingResponse(
-                self.stream(request, job, events, reply, body.include_usage()), media_type="text/event-stream"
+            chunks = self.stream(
+                request, job, events, reply, body.include_usage(), body.continuous_usage(), first.info
             )
+            return StreamingResponse(chunks, media_type="text/event-stream")
         try:
             text, done = [], None
             while done is None:
@@ -265,9 +266,18 @@ class Front:
 
     async def stream(
         self,
-        request: Request, job: Job, events: _Events, reply: Reply, include_usage: bool
+        request: Request,
+        job: Job,
+        events: _Events,
+        reply: Reply,
+        include_usage: bool,
+        continuous_usage: bool,
+        started: dict[str, Any],
     ) -> AsyncIterator[bytes]:
-        """Server-sent chunks until the answer is finished; a client that leaves cancels the job."""
+        """Server-sent chunks until the answer is finished; a client that leaves cancels the job.
+
+        `continuous_usage` (vLLM's `stream_options.continuous_usage_stats`) puts the usage so far in every
+        text chunk; `started` is the record the request's prefill reported."""
         status = CLIENT_CLOSED
         try:
             if reply.chat:
@@ -275,7 +285,10 @@ class Front:
             while True:
                 event = await events.next(watch_client=False)  # Starlette watches the client while streaming
                 if isinstance(event, Text):
-                    yield sse(reply.chunk(text=event.piece))
+                    chunk = reply.chunk(text=event.piece)
+                    if continuous_usage:
+                        chunk["usage"] = usage(reply.prompt_tokens, event.tokens, started["cached_tokens"])
+                    yield sse(chunk)
                 elif isinstance(event, Finished):
                     yield sse(reply.chunk(reason=finish_reason(event.reason), extra={"kvsieve": event.info}))
                     if include_usage:
@@ -439,6 +452,7 @@ class Front:
             top_p=body.top_p,
             seed=body.seed,
             stop=body.stop_strings(),
+            ignore_eos=body.ignore_eos,
         )
 
     def client_gone(self, request: Request) -> Response:

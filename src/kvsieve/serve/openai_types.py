@@ -2,19 +2,25 @@
 
 Requests are parsed here rather than by FastAPI's own body validation so that every mistake is
 answered the way OpenAI answers it: a 4xx status with `{"error": {"message", "type", "param",
-"code"}}`. Fields OpenAI documents but kvsieve does not implement (n > 1, logprobs, penalties)
-are refused by name instead of being silently ignored; unknown fields are refused too.
+"code"}}`. Types are strict ("5" is not a number). Fields OpenAI documents but kvsieve does not
+implement (n > 1, logprobs, penalties) are refused by name instead of being silently ignored.
+Fields nobody documents are ignored and logged once per name, as vLLM does, so that clients that
+send their own extensions work; vLLM's `ignore_eos` and `stream_options.continuous_usage_stats`
+are honoured. kvsieve's own `"kvsieve"` object stays strict: a typo there is an error.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+log = logging.getLogger("kvsieve.serve")
 
 MAX_STOP_STRINGS = 4  # as OpenAI documents for `stop`
 _TYPE_TAG = re.compile(r"str|int|float|bool|(list|dict)\[.*\]|[A-Z]\w*")  # union members in pydantic's error paths
@@ -47,6 +53,26 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+_IGNORED: set[str] = set()  # unknown field names already logged
+
+
+class _Tolerant(BaseModel):
+    """Strict types, unknown fields ignored (logged once per name): OpenAI's and vLLM's policy."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_unknown(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in sorted(set(data) - set(cls.model_fields)):
+                where = f"{cls.__name__}.{name}"
+                if where not in _IGNORED:
+                    _IGNORED.add(where)
+                    log.warning("ignoring the unknown request field '%s' (%s); logged once", name, cls.__name__)
+        return data
+
+
 class KvsieveOptions(_Strict):
     """The request's `"kvsieve"` field: which method runs, its settings, and whether to reuse states."""
 
@@ -55,16 +81,17 @@ class KvsieveOptions(_Strict):
     cache: bool = True  # look up and store reusable prompt states (False: a fresh prefill, same procedure)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(_Tolerant):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
 
-class TextPart(_Strict):
+class TextPart(_Tolerant):
     type: Literal["text"]
     text: str
 
 
-class Message(_Strict):
+class Message(_Tolerant):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
@@ -73,7 +100,7 @@ class Message(_Strict):
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
-class _Sampling(_Strict):
+class _Sampling(_Tolerant):
     """Fields shared by both endpoints, with OpenAI's defaults (temperature 1 samples)."""
 
     model: str
@@ -89,6 +116,7 @@ class _Sampling(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: bool | int | None = None
+    ignore_eos: bool = False  # vLLM's extension: decode on past EOS tokens up to max_tokens
     kvsieve: KvsieveOptions = Field(default_factory=KvsieveOptions)
 
     @field_validator("stop")
@@ -128,6 +156,9 @@ class _Sampling(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
 
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
@@ -152,7 +183,7 @@ class CompletionRequest(_Sampling):
         return self.max_tokens
 
 
-def parse_body(raw: bytes, model: type[_Strict]) -> Any:
+def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     """The request body as `model`, or a 400 naming the first problem and its field."""
     try:
         data = json.loads(raw)
