@@ -70,6 +70,24 @@ def test_tiny_top_p_equals_greedy(make_model):
     assert greedy.stages[-1].method == "greedy"
 
 
+def test_top_k_one_equals_greedy_and_min_tokens_holds_eos_back(make_model, monkeypatch):
+    import kvsieve.engine.scheduler
+
+    model = make_model("llama")
+    prompt = make_prompt(24)
+    greedy = run(model, FakeTokenizer(), prompt, sampling=Sampling(max_new_tokens=10))
+    for seed in (0, 1):
+        top_one = Sampling(max_new_tokens=10, temperature=1.5, top_k=1, seed=seed)
+        assert run(model, FakeTokenizer(), prompt, sampling=top_one).tokens == greedy.tokens
+    first = greedy.tokens[0]  # make the greedy first token the EOS
+    monkeypatch.setattr(kvsieve.engine.scheduler, "eos_token_ids", lambda model, tokenizer: {first})
+    assert run(model, FakeTokenizer(), prompt, sampling=Sampling(max_new_tokens=10)).tokens == [first]
+    held = run(model, FakeTokenizer(), prompt, sampling=Sampling(max_new_tokens=10, min_tokens=3)).tokens
+    assert len(held) >= 3 and first not in held[:3]
+    with pytest.raises(KvsieveError, match="min_tokens"):
+        run(model, FakeTokenizer(), prompt, sampling=Sampling(max_new_tokens=2, min_tokens=3))
+
+
 def test_next_token_top_p_keeps_the_smallest_prefix_reaching_p():
     # probs (temperature 1): 0.5, 0.3, 0.2 -> top_p 0.6 keeps tokens 0 and 1, never token 2.
     logits = torch.log(torch.tensor([0.5, 0.3, 0.2]))

@@ -174,6 +174,7 @@ BAD = [
         "invalid_method",
     ),
     ({"model": "tiny", "prompt": [1, 999]}, 400, None),  # a token id outside the vocabulary
+    ({"model": "tiny", "prompt": [1, 2], "max_tokens": 2, "min_tokens": 3}, 400, "invalid_value"),
     (  # only the engine, with the model, finds a filter layer beyond the model's 3: still the client's 400
         {"model": "tiny", "prompt": [5] * 60, "kvsieve": {"method": "gemfilter", "set": {"select.layer": 7}}},
         400,
@@ -186,8 +187,9 @@ BAD = [
 
 
 def test_vllm_extensions_work_and_unknown_fields_are_ignored(server, caplog):
-    """What vLLM's own clients (its serving benchmark) send: `ignore_eos`, `continuous_usage_stats`, and
-    fields nobody documents, which are ignored and logged once. [5, 6, 7] meets EOS after 79 tokens."""
+    """What vLLM's own clients (its serving benchmark) send: `ignore_eos`, `continuous_usage_stats`,
+    `min_tokens`, `top_k`, and fields nobody documents, which are ignored and logged once. [5, 6, 7]
+    meets EOS after 79 tokens."""
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 100, "temperature": 0, "vendor_knob": {"x": 1}}
     with caplog.at_level("WARNING", logger="kvsieve.serve"):
         stops = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
@@ -195,6 +197,8 @@ def test_vllm_extensions_work_and_unknown_fields_are_ignored(server, caplog):
     assert stops.status_code == 200 and stops.json()["usage"]["completion_tokens"] == 79
     assert stops.json()["choices"][0]["finish_reason"] == "stop"
     assert sum("vendor_knob" in record.getMessage() for record in caplog.records) == 1  # logged, once per name
+    held = httpx.post(f"{server.url}/v1/completions", json={**body, "min_tokens": 90, "top_k": -1}, timeout=60)
+    assert held.json()["usage"]["completion_tokens"] >= 90  # no EOS before 90 tokens
     streamed = {**body, "ignore_eos": True, "stream": True}
     streamed["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=streamed, timeout=60) as response:

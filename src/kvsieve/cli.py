@@ -118,6 +118,8 @@ def _add_sampling(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-new-tokens", type=int, default=64, help="maximum tokens to generate (default 64)")
     group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    group.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (default 0: all)")
+    group.add_argument("--min-tokens", type=int, default=0, help="no EOS before this many new tokens (default 0)")
     group.add_argument("--seed", type=int, help="random seed for sampling")
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     group.add_argument(
@@ -128,7 +130,16 @@ def _add_sampling(parser: argparse.ArgumentParser) -> None:
 def _sampling(args: argparse.Namespace):
     from kvsieve.decode import Sampling
 
-    return Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed, tuple(args.stop), args.ignore_eos)
+    return Sampling(
+        args.max_new_tokens,
+        args.temperature,
+        args.top_p,
+        args.seed,
+        tuple(args.stop),
+        args.ignore_eos,
+        top_k=args.top_k,
+        min_tokens=args.min_tokens,
+    )
 
 
 def _read_context(source: str) -> str:

@@ -9,7 +9,7 @@ length instead (`step`).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +26,8 @@ class Sampling:
 
     `ignore_eos` decodes on past EOS tokens up to `max_new_tokens` (stop strings still apply), so
     that every method of a benchmark decodes, and is timed over, the same number of steps.
+    `top_k` > 0 samples among the k likeliest tokens only; `min_tokens` keeps EOS from being
+    picked before that many tokens (vLLM's sampling extensions).
     """
 
     max_new_tokens: int = 64
@@ -34,6 +36,8 @@ class Sampling:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    top_k: int = 0
+    min_tokens: int = 0
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
@@ -44,6 +48,12 @@ class Sampling:
             raise KvsieveError(f"top_p must be in (0, 1], got {self.top_p}.")
         if any(not s for s in self.stop):
             raise KvsieveError("Stop strings must be non-empty.")
+        if self.top_k < 0:
+            raise KvsieveError(f"top_k must be >= 0 (0 = all tokens), got {self.top_k}.")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise KvsieveError(
+                f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}."
+            )
 
 
 @dataclass
@@ -63,11 +73,20 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
     return {i for i in ids if i is not None}
 
 
-def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
-    """Pick the next token from (vocab,) logits."""
+def next_token(
+    logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None, banned: Iterable[int] = ()
+) -> int:
+    """Pick the next token from (vocab,) logits, never one of `banned` (EOS before `min_tokens`)."""
+    banned = list(banned)
+    if banned:
+        logits = logits.clone()
+        logits[banned] = float("-inf")
     if sampling.temperature == 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float().cpu() / sampling.temperature, dim=-1)
+    logits = logits.float().cpu()
+    if 0 < sampling.top_k < logits.shape[0]:
+        logits = logits.masked_fill(logits < torch.topk(logits, sampling.top_k).values[-1], float("-inf"))
+    probs = torch.softmax(logits / sampling.temperature, dim=-1)
     if sampling.top_p < 1:
         sorted_probs, order = probs.sort(descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the first token always survives).

@@ -215,7 +215,7 @@ class Request:
         self._first_token_at = time.perf_counter()
         evict = done.state.evict
         self.row = Row(0, done.prefilled.next_position, evict)
-        self.add_token(next_token(done.prefilled.last_logits, self.sampling, self._generator))
+        self.sample(done.prefilled.last_logits)
 
     def _prefill_tokens(self, done: Prefill) -> int:
         """Tokens the full model prefilled: the kept ones after a select stage, the new ones after a reused prefix."""
@@ -227,7 +227,8 @@ class Request:
 
     def sample(self, logits: torch.Tensor) -> bool:
         """Pick the next token from (vocab,) logits; True when the answer is complete."""
-        return self.add_token(next_token(logits, self.sampling, self._generator))
+        early = len(self.answer.tokens) < self.sampling.min_tokens
+        return self.add_token(next_token(logits, self.sampling, self._generator, self.answer.eos if early else ()))
 
     def add_token(self, token: int) -> bool:
         """Record `token`, emit the text it makes final; True when the answer is complete."""

@@ -446,14 +446,21 @@ class Front:
             )
         if not limit and self.upstream is None and positions_needed(spec.stages(), n, 0) > 0:  # the answer must fit
             limit = min(self.config.default_max_tokens, self.config.max_positions - needed + 1)
-        return Sampling(
+        sampling = Sampling(
             max_new_tokens=limit or self.config.default_max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
             seed=body.seed,
             stop=body.stop_strings(),
             ignore_eos=body.ignore_eos,
+            top_k=max(body.top_k, 0),
+            min_tokens=body.min_tokens,
         )
+        try:
+            sampling.validate()
+        except KvsieveError as error:
+            raise ApiError(400, str(error), code="invalid_value") from None
+        return sampling
 
     def client_gone(self, request: Request) -> Response:
         self.count(request, CLIENT_CLOSED)

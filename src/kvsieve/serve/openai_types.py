@@ -116,7 +116,9 @@ class _Sampling(_Tolerant):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: bool | int | None = None
-    ignore_eos: bool = False  # vLLM's extension: decode on past EOS tokens up to max_tokens
+    ignore_eos: bool = False  # vLLM's extensions: decode on past EOS tokens up to max_tokens,
+    top_k: int = Field(-1, ge=-1)  # sample among the k likeliest tokens (-1 or 0: all),
+    min_tokens: int = Field(0, ge=0)  # and no EOS before this many tokens
     kvsieve: KvsieveOptions = Field(default_factory=KvsieveOptions)
 
     @field_validator("stop")
