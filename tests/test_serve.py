@@ -442,3 +442,20 @@ def test_every_preset_answers_as_the_library(server, tiny):
                 model="tiny", prompt=ids, max_tokens=12, temperature=0, extra_body=extra
             )
             assert out.choices[0].text == reference(tiny, ids, name, settings, tokens=12), (name, settings)
+
+
+def test_tokenize_detokenize_and_one_model(server, tiny):
+    """vLLM's /tokenize and /detokenize, and OpenAI's GET /v1/models/{id}."""
+    ids = ids_of(tiny, "the pass key is hello")
+    text = httpx.post(f"{server.url}/tokenize", json={"model": "tiny", "prompt": "the pass key is hello"}).json()
+    assert text["tokens"] == tiny[1]("the pass key is hello")["input_ids"] and text["count"] == len(text["tokens"])
+    assert text["max_model_len"] == 512
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "hello"}]}).json()
+    assert chat["tokens"] == ids_of(tiny, "<s> question hello </s> answer")  # the chat template applied
+    back = httpx.post(f"{server.url}/detokenize", json={"tokens": ids}).json()
+    assert back == {"prompt": "the pass key is hello"}
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": [1, 999]}).status_code == 400
+    assert httpx.post(f"{server.url}/tokenize", json={"prompt": "a", "messages": []}).status_code == 400
+    assert client(server).models.retrieve("tiny").id == "tiny"
+    missing = httpx.get(f"{server.url}/v1/models/other")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"

@@ -1,8 +1,9 @@
 """The HTTP front: OpenAI's endpoints on FastAPI. It validates, queues, streams; the engine computes.
 
-POST /v1/chat/completions and /v1/completions (stream or not), GET /v1/models, /health and
-/metrics. Every failure is OpenAI's error object with a 4xx/5xx status, and the server goes on
-serving. With an API key every endpoint but /health needs `Authorization: Bearer KEY`.
+POST /v1/chat/completions and /v1/completions (stream or not), GET /v1/models (and /v1/models/{id}),
+vLLM's POST /tokenize and /detokenize, GET /health and /metrics. Every failure is OpenAI's error
+object with a 4xx/5xx status, and the server goes on serving. With an API key every endpoint but
+/health needs `Authorization: Bearer KEY`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from kvsieve.serve.openai_types import (
     ApiError,
     ChatRequest,
     CompletionRequest,
+    DetokenizeRequest,
     KvsieveOptions,
+    TokenizeRequest,
     chunk_object,
     completion_object,
     finish_reason,
@@ -52,7 +55,15 @@ from kvsieve.spec import MethodSpec
 log = logging.getLogger("kvsieve.serve")
 
 CLIENT_CLOSED = 499  # nginx's status for a request whose client went away
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/tokenize",
+    "/detokenize",
+    "/health",
+    "/metrics",
+)
 
 
 @dataclass(frozen=True)
@@ -159,14 +170,20 @@ def create_app(
 
     @app.get("/v1/models", dependencies=[Depends(front.authorize)])
     async def models() -> JSONResponse:
-        card = {
-            "id": config.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "kvsieve",
-            "max_model_len": config.max_positions,
-        }
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [front.model_card()]})
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(front.authorize)])
+    async def model(model_id: str) -> JSONResponse:
+        front.check_model(model_id)
+        return JSONResponse(front.model_card())
+
+    @app.post("/tokenize", dependencies=[Depends(front.authorize)])
+    async def tokenize(request: Request) -> JSONResponse:
+        return JSONResponse(await front.tokenize(request))
+
+    @app.post("/detokenize", dependencies=[Depends(front.authorize)])
+    async def detokenize(request: Request) -> JSONResponse:
+        return JSONResponse(await front.detokenize(request))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(front.authorize)])
     async def chat_completions(request: Request) -> Response:
@@ -209,14 +226,46 @@ class Front:
         self.metrics.request_done(path if path in ENDPOINTS else "other", status)
 
 
+    def model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "kvsieve",
+            "max_model_len": self.config.max_positions,
+        }
+
+    def check_model(self, name: str | None) -> None:
+        """404 for a model this server does not have (None: the request named none)."""
+        if name is not None and name != self.config.model_name:
+            raise ApiError(
+                404, f"The model '{name}' does not exist; this server has '{self.config.model_name}'.",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        """vLLM's /tokenize: the ids a completion prompt or chat messages become (the chat template applied)."""
+        body = parse_body(await self.read_body(request), TokenizeRequest)
+        self.check_model(body.model)
+        if body.messages is not None:
+            prompt = await run_in_threadpool(chat_prompt, self.tokenizer, body.messages)
+        else:
+            prompt = await run_in_threadpool(completion_prompt, self.tokenizer, body.prompt, self.config.vocab_size)
+        self.count(request, 200)
+        return {"count": len(prompt.ids), "max_model_len": self.config.max_positions, "tokens": prompt.ids}
+
+    async def detokenize(self, request: Request) -> dict[str, Any]:
+        """vLLM's /detokenize: the text of token ids (ids outside the vocabulary: 400)."""
+        body = parse_body(await self.read_body(request), DetokenizeRequest)
+        self.check_model(body.model)
+        ids = completion_prompt(self.tokenizer, body.tokens, self.config.vocab_size).ids
+        self.count(request, 200)
+        return {"prompt": self.tokenizer.decode(ids)}
+
     async def serve(self, request: Request, chat: bool) -> Response:
         arrived = time.perf_counter()
         body = parse_body(await self.read_body(request), ChatRequest if chat else CompletionRequest)
-        if body.model != self.config.model_name:
-            raise ApiError(
-                404, f"The model '{body.model}' does not exist; this server has '{self.config.model_name}'.",
-                param="model", code="model_not_found",
-            )  # fmt: skip
+        self.check_model(body.model)
         spec = self.method_of(body.kvsieve)
         if chat:
             prompt = await run_in_threadpool(chat_prompt, self.tokenizer, body.messages)

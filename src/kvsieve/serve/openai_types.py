@@ -185,6 +185,27 @@ class CompletionRequest(_Sampling):
         return self.max_tokens
 
 
+class TokenizeRequest(_Tolerant):
+    """vLLM's /tokenize: a completion `prompt`, or chat `messages` (rendered with the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either 'prompt' (text) or 'messages' (chat), not both")
+        return self
+
+
+class DetokenizeRequest(_Tolerant):
+    """vLLM's /detokenize: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int] = Field(min_length=1)
+
+
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     """The request body as `model`, or a 400 naming the first problem and its field."""
     try:
