@@ -86,6 +86,8 @@ def test_top_k_one_equals_greedy_and_min_tokens_holds_eos_back(make_model, monke
     assert len(held) >= 3 and first not in held[:3]
     with pytest.raises(KvsieveError, match="min_tokens"):
         run(model, FakeTokenizer(), prompt, sampling=Sampling(max_new_tokens=2, min_tokens=3))
+    with pytest.raises(KvsieveError, match="64 bits"):
+        run(model, FakeTokenizer(), prompt, sampling=Sampling(temperature=1.0, seed=2**70))
 
 
 def test_next_token_top_p_keeps_the_smallest_prefix_reaching_p():

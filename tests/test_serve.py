@@ -175,6 +175,9 @@ BAD = [
     ),
     ({"model": "tiny", "prompt": [1, 999]}, 400, None),  # a token id outside the vocabulary
     ({"model": "tiny", "prompt": [1, 2], "max_tokens": 2, "min_tokens": 3}, 400, "invalid_value"),
+    ({"model": "tiny", "prompt": [5, 6], "seed": 2**70}, 400, "invalid_value"),  # before any model work
+    (b'{"model": "tiny", "prompt": ' + b"[" * 30_000 + b"]" * 30_000 + b"}", 400, "invalid_json"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', 400, "invalid_json"),
     (  # only the engine, with the model, finds a filter layer beyond the model's 3: still the client's 400
         {"model": "tiny", "prompt": [5] * 60, "kvsieve": {"method": "gemfilter", "set": {"select.layer": 7}}},
         400,

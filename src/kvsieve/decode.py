@@ -48,6 +48,8 @@ class Sampling:
             raise KvsieveError(f"top_p must be in (0, 1], got {self.top_p}.")
         if any(not s for s in self.stop):
             raise KvsieveError("Stop strings must be non-empty.")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise KvsieveError(f"seed must fit in 64 bits (a torch.Generator's range), got {self.seed}.")
         if self.top_k < 0:
             raise KvsieveError(f"top_k must be >= 0 (0 = all tokens), got {self.top_k}.")
         if not 0 <= self.min_tokens <= self.max_new_tokens:

@@ -107,7 +107,7 @@ class _Sampling(_Tolerant):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # what a torch.Generator takes
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -212,8 +212,14 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ApiError(400, f"The request body is not valid JSON: {error}.", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "The request body nests too deeply.", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, "The request body must be a JSON object.", code="invalid_json")
+    try:  # "\ud800" is valid JSON but no text: a lone surrogate cannot be encoded, let alone tokenized
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ApiError(400, f"The request holds invalid Unicode ({error.reason}).", code="invalid_json") from None
     try:
         return model.model_validate(data)
     except ValidationError as error:
