@@ -290,9 +290,23 @@ def test_k_not_above_tail_raises(make_model):
     assert len(GemFilter(k=3, layer=0, keep_tail=False).select(model, prompt).indices) == 3
 
 
-def test_k_larger_than_prompt_raises_through_run(make_model):
-    with pytest.raises(KvsieveError, match="exceeds"):
-        run(make_model("llama"), FakeTokenizer(), make_prompt(20), select=GemFilter(k=21, layer=0))
+def test_k_at_least_the_prompt_keeps_it_whole_and_says_so(make_model):
+    """A prompt shorter than k runs whole (as full attention does), with a note instead of an error."""
+    model, prompt = make_model("llama"), make_prompt(20)
+    kept = run(model, FakeTokenizer(), prompt, select=GemFilter(k=21, layer=0), sampling=Sampling(max_new_tokens=6))
+    full = run(model, FakeTokenizer(), prompt, sampling=Sampling(max_new_tokens=6))
+    assert kept.tokens == full.tokens and kept.selected_indices == list(range(20))
+    assert "every token kept" in kept.stages[0].details["note"]
+
+
+def test_a_prompt_without_a_question_keeps_its_query_window(make_model):
+    """Token-id prompts carry no question/context split: the voting queries' window is kept as the tail."""
+    model = make_model("llama")
+    ids = make_prompt(60).ids
+    no_split = Prompt(ids, 0, 60)
+    kept = GemFilter(k=16, layer=0, queries=5).select(model, no_split).indices.tolist()
+    assert kept[-5:] == list(range(55, 60)) and kept != list(range(44, 60))
+    assert GemFilter(k=16, layer=0, queries=5, keep_tail=False).select(model, no_split).details["kept_tail"] == 0
 
 
 def test_default_layer_is_the_middle_and_calibration_is_asked_for(make_model, isolated_cache):

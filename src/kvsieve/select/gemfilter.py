@@ -97,8 +97,13 @@ class GemFilter:
         stored prefix, see `first_pass`): then only the rest runs, and is added to it."""
         layer = self.filter_layer(model)
         n = prompt.length
+        if isinstance(self.k, int) and self.k >= n:  # nothing to leave out: the whole prompt, and the record says so
+            note = f"k={self.k} >= the prompt's {n} tokens: every token kept, no selection pass"
+            details = {"layer": layer, "k": n, "kept_tail": 0, "first_pass_seconds": 0.0, "note": note}
+            return Selection(indices=torch.arange(n, device=prompt.ids.device), details=details)
         k = resolve_count(self.k, n, "k")
-        tail_len = prompt.tail_len if self.keep_tail else 0
+        # Without a question/context split (a token-id or completion prompt) the query window is the tail.
+        tail_len = (prompt.tail_len or min(self.queries, k - 1)) if self.keep_tail else 0
         if k <= tail_len:
             raise KvsieveError(
                 f"k={k} leaves no room besides the prompt's tail ({tail_len} tokens of question and "
