@@ -373,6 +373,13 @@ def test_upstream_relays_the_selected_token_ids(tiny):
             client(front).completions.create(model="tiny", prompt=ids, extra_body={"kvsieve": {"method": "snapkv"}})
 
 
+def test_an_upstream_that_refuses_the_servers_key_is_a_502(tiny):
+    """The upstream's 401 is this server's configuration fault, not the client's."""
+    with start(tiny, cache_bytes=0, api_key="upstream-secret") as upstream, start(tiny, upstream=upstream.url) as front:
+        answer = httpx.post(f"{front.url}/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2})
+        assert answer.status_code == 502 and "KVSIEVE_UPSTREAM_API_KEY" in answer.json()["error"]["message"]
+
+
 def test_load_8_clients_mixed_methods_and_bad_requests(server, tiny):
     """8 concurrent clients x 5 requests (plus one bad request each): every good answer is its own prompt's."""
     methods = [("full", {}), ("snapkv", SMALL), ("a2sf", {"evict.budget": 20}), ("streaming", {"evict.budget": 16})]

@@ -529,6 +529,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         upstream=args.upstream,
         upstream_model=args.upstream_model,
         upstream_api_key=os.environ.get("KVSIEVE_UPSTREAM_API_KEY"),
+        upstream_timeout=args.upstream_timeout,
     )
     import uvicorn
 
@@ -724,6 +725,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="run only the select stage here and send the kept token ids to this OpenAI-compatible server "
         "(vLLM, SGLang, kvsieve); its API key comes from $KVSIEVE_UPSTREAM_API_KEY",
+    )
+    p.add_argument(
+        "--upstream-timeout",
+        type=float,
+        default=600,
+        help="seconds to wait for the upstream's answer before 504 (default 600)",
     )
     p.add_argument("--upstream-model", help="model name for the upstream (default: the first it lists)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

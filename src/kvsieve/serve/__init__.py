@@ -47,6 +47,7 @@ def create_server(
     upstream: str | None = None,
     upstream_model: str | None = None,
     upstream_api_key: str | None = None,
+    upstream_timeout: float = 600,
 ) -> FastAPI:
     """The server's ASGI app for a kvsieve-prepared model; its engine thread starts with the app."""
     metrics = Metrics()
@@ -69,7 +70,11 @@ def create_server(
         max_prompt_tokens=max_prompt_tokens,
         default_max_tokens=default_max_tokens,
     )
-    relay = Upstream(upstream, api_key=upstream_api_key, model=upstream_model) if upstream else None
+    relay = (
+        Upstream(upstream, api_key=upstream_api_key, model=upstream_model, timeout=upstream_timeout)
+        if upstream
+        else None
+    )
     return create_app(engine, tokenizer, config, metrics, relay)
 
 

@@ -97,23 +97,38 @@ class Upstream:
                     choices = chunk.get("choices") or [{}]
                     yield UpstreamPiece(choices[0].get("text", ""), choices[0].get("finish_reason"), chunk.get("usage"))
         except httpx.HTTPError as error:
-            raise ApiError(502, f"The upstream at {self.url} failed: {error!r}", type="upstream_error") from None
+            raise _unreachable(self.url, error) from None
 
     async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
             response = await self._client.request(method, path, **kwargs)
         except httpx.HTTPError as error:
-            raise ApiError(502, f"The upstream at {self.url} failed: {error!r}", type="upstream_error") from None
+            raise _unreachable(self.url, error) from None
         if response.status_code != 200:
             raise _upstream_error(response)
         return response.json()
 
 
+def _unreachable(url: str, error: httpx.HTTPError) -> ApiError:
+    """No answer from the upstream: 504 when it timed out (--upstream-timeout), else 502."""
+    if isinstance(error, httpx.TimeoutException):
+        return ApiError(504, f"The upstream at {url} did not answer in time: {error!r}.", type="upstream_error")
+    return ApiError(502, f"The upstream at {url} failed: {error!r}", type="upstream_error")
+
+
 def _upstream_error(response: httpx.Response) -> ApiError:
-    """The upstream's own error status and message, passed on (4xx stays the client's fault)."""
+    """The upstream's own error status and message: the client's 4xx passed on, but a refusal of kvsieve's
+    own credentials (401 / 403) and the upstream's 5xx are this server's fault (502)."""
     try:
         message = response.json()["error"]["message"]
     except (ValueError, KeyError, TypeError):
         message = response.text[:300]
+    if response.status_code in (401, 403):
+        return ApiError(
+            502,
+            f"The upstream refused kvsieve's credentials ({response.status_code}: {message}); give the server its "
+            "key in KVSIEVE_UPSTREAM_API_KEY.",
+            type="upstream_error",
+        )
     status = response.status_code if 400 <= response.status_code < 500 else 502
     return ApiError(status, f"Upstream: {message}", type="upstream_error")
