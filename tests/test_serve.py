@@ -374,10 +374,13 @@ def test_upstream_relays_the_selected_token_ids(tiny):
 
 
 def test_an_upstream_that_refuses_the_servers_key_is_a_502(tiny):
-    """The upstream's 401 is this server's configuration fault, not the client's."""
+    """The upstream's 401 is this server's configuration fault, not the client's; /health reports it."""
     with start(tiny, cache_bytes=0, api_key="upstream-secret") as upstream, start(tiny, upstream=upstream.url) as front:
         answer = httpx.post(f"{front.url}/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2})
         assert answer.status_code == 502 and "KVSIEVE_UPSTREAM_API_KEY" in answer.json()["error"]["message"]
+        assert httpx.get(f"{front.url}/health").status_code == 503  # /health says the upstream is not usable
+    with start(tiny, cache_bytes=0) as upstream, start(tiny, upstream=upstream.url) as front:
+        assert httpx.get(f"{front.url}/health").json() == {"status": "ok", "model": "tiny", "upstream": upstream.url}
 
 
 def test_load_8_clients_mixed_methods_and_bad_requests(server, tiny):

@@ -162,7 +162,13 @@ def create_app(
     async def health() -> JSONResponse:
         if not engine.alive:
             raise ApiError(503, "The engine thread has stopped.", type="server_error")
-        return JSONResponse({"status": "ok", "model": config.model_name})
+        if upstream is None:
+            return JSONResponse({"status": "ok", "model": config.model_name})
+        try:
+            await upstream.check()
+        except ApiError as error:  # this server is up, but cannot answer without its upstream
+            raise ApiError(503, f"Upstream unavailable: {error.message}", type="upstream_error") from None
+        return JSONResponse({"status": "ok", "model": config.model_name, "upstream": upstream.url})
 
     @app.get("/metrics", dependencies=[Depends(front.authorize)])
     async def prometheus() -> PlainTextResponse:

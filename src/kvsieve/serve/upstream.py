@@ -40,6 +40,10 @@ class Upstream:
     async def close(self) -> None:
         await self._client.aclose()
 
+    async def check(self) -> None:
+        """Ask the upstream for its models (5 s at most); the ApiError of `_call` if it does not answer them."""
+        await self._call("GET", "/v1/models", timeout=5)
+
     async def model(self) -> str:
         """The model name to send: --upstream-model, else the first model the upstream lists."""
         if self._model is None:
