@@ -224,6 +224,18 @@ def test_a_prompt_of_two_rows_is_refused(make_model):
         run(make_model("llama"), FakeTokenizer(), Prompt(ids=ids[0], context_start=0, context_len=10))
 
 
+def test_one_position_rule_composes_selection_with_the_later_stages():
+    from kvsieve import ChunkedPrefill, Evict, StreamingLLM
+    from kvsieve.pipeline import positions_needed
+
+    reencode = Evict(StreamingLLM(reencode=True), 16)
+    assert positions_needed({"evict": reencode}, 8, 1000) == 16 + 1  # budget + interval, not the stream's length
+    # After GemFilter, the kept 8 tokens follow the same rule: the 60-token scoring pass is the bound.
+    assert positions_needed({"select": GemFilter(k=8), "evict": reencode}, 60, 1000) == 60
+    assert positions_needed({"select": GemFilter(k=8)}, 60, 1000) == 1008
+    assert positions_needed({"feed": ChunkedPrefill()}, 100_000, 10) == 0  # checked after the feed ran
+
+
 def test_prompt_beyond_max_positions_is_refused(make_model):
     model = make_model("llama", max_positions=64)
     with pytest.raises(KvsieveError, match="positions") as info:

@@ -51,15 +51,17 @@ def positions_needed(stages: dict[str, Any], prompt: int, reserve: int) -> int:
     """The positions a run of `stages` on `prompt` tokens then `reserve` new tokens places (0: no bound).
 
     The one position rule of every entry point (generate, the evaluations, the server). A chunked
-    feed re-encodes positions, so it takes any length; a select stage's scoring pass places every
-    prompt token, then the kept ones and the answer; a one-pass feed places the prompt and the
-    answer, except that a re-encoding eviction (StreamingLLM's `reencode`) feeds every new token
-    at the cache's length, which stays within the budget (plus the interval's growth).
+    feed re-encodes positions, so it takes any length (its answer is checked after it ran); a
+    select stage's scoring pass places every prompt token, then the later stages run on the kept
+    ones by this same rule; a one-pass feed places the prompt and the answer, except that a
+    re-encoding eviction (StreamingLLM's `reencode`) feeds every new token at the cache's length,
+    which stays within the budget (plus the interval's growth).
     """
     select, feed, evict = (stages.get(k) for k in ("select", "feed", "evict"))
     if select is not None:
         kept = round(select.k * prompt) if isinstance(select.k, float) else select.k
-        return max(prompt, min(kept, prompt) + reserve)
+        after = {name: stage for name, stage in stages.items() if name != "select"}
+        return max(prompt, positions_needed(after, min(kept, prompt), reserve))
     if feed is not None and not feed.needs_full_context:
         return 0
     if evict is None or not evict.reencodes:
@@ -174,10 +176,11 @@ def prefill(
     stage objects are never changed, so one configuration may serve concurrent runs. Shared by
     generation and by evaluations that continue the cache their own way (perplexity).
 
-    Context reuse (one-pass feed, no select stage or prefill kernel: `engine.prefix_cache.reuse_tail`):
-    `prefix` is a stored state of the prompt's first `prefix.length` tokens, which then are not
-    run again; `keep` > 0 runs the first `keep` tokens as a pass of their own and returns their
-    state in `Prefill.stored`. Either way compression and eviction score the whole prompt.
+    Context reuse (a select stage or a one-pass feed, no prefill kernel: `engine.prefix_cache.reuse_tail`):
+    `prefix` is a stored state of the prompt's first `prefix.length` tokens (the one-pass feed's
+    cache, or the select stage's pass up to its filter layer), which then are not run again;
+    `keep` > 0 runs the first `keep` tokens as a pass of their own and returns their state in
+    `Prefill.stored`. Either way selection, compression and eviction see the whole prompt.
     """
     stages = resolve_method(
         method, {"select": select, "feed": feed, "attention": attention, "compress": compress, "evict": evict}
