@@ -20,9 +20,12 @@ import pytest
 import torch
 from conftest import build_model
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import DynamicCache, PreTrainedTokenizerFast
 
 from kvsieve import Prompt, Sampling, load_model, method, run
+from kvsieve.attention import attention_hooks
+from kvsieve.compress.stages import Compress
+from kvsieve.decode import TextStream, extend, step
 from kvsieve.engine.prefix_cache import BLOCK, reuse_tail
 from kvsieve.serve import ServerThread, create_server
 
@@ -313,6 +316,72 @@ def test_reuse_continues_the_stored_document_and_answers_as_the_library_does(ser
         assert fresh.model_extra["kvsieve"]["cache"] == "bypassed"
         assert fresh.model_extra["kvsieve"]["prefill_tokens"] == settings.get("select.k", fresh.usage.prompt_tokens)
         assert fresh.choices[0].message.content == answer.choices[0].message.content
+
+
+def compressed_context_reference(tiny, context: list[int], question: list[int], policy, reuse: int, budget: int) -> str:
+    """The reuse-budget path assembled from the library's parts: the context alone compressed to `reuse` by
+    `policy`, the question run on it at its own positions and the cache compressed to `budget` with the
+    question's window, then 8 greedy tokens."""
+    model, tokenizer = tiny
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        alone = Compress(policy, reuse).begin()
+        with attention_hooks(last_pass=alone.observers()):
+            extend(model, cache, torch.tensor([context]), 0)
+        alone.compress(cache)
+        asked = Compress(policy, budget).begin()
+        with attention_hooks(last_pass=asked.observers()):
+            logits = extend(model, cache, torch.tensor([question]), len(context))[-1]
+        asked.compress(cache)
+        answer, position = TextStream(tokenizer, Sampling(8), {tokenizer.eos_token_id}), len(context) + len(question)
+        while answer.add(token := int(logits.argmax())) is not None and answer.finish is None:
+            logits, position = step(model, cache, torch.tensor([[token]]), position), position + 1
+    return answer.text
+
+
+def test_a_reuse_budget_stores_the_context_compressed_and_every_request_continues_it(tiny):
+    """--reuse-budget 30: the stored document keeps 30 entries per layer and KV head, chosen by the method's
+    own policy from the document's own queries; every request, the first included, runs its question on
+    that state and compresses with the question's window. The answers equal the same steps assembled from
+    the library's parts, the record says their context was chosen without the question, and the stored
+    state takes the bytes of 30 entries, not of the document's."""
+    model, _ = tiny
+    settings = SMALL  # SnapKV, budget 24, window 4
+    with start(tiny, cache_bytes=50_000_000, reuse_budget=30) as server:
+        context = ids_of(tiny, f"<s> question {DOC} </s>")
+        for question, expected in [
+            ("what is the pass key", "miss"),
+            ("what is it remember", "hit"),
+            ("what is the pass key", "hit"),
+        ]:
+            answer = ask(server, DOC, question, "snapkv", settings)
+            info = answer.model_extra["kvsieve"]
+            asked = ids_of(tiny, f"<s> question {question} </s> answer")
+            policy = method("snapkv", settings).compress.policy
+            assert answer.choices[0].message.content == compressed_context_reference(
+                tiny, context, asked, policy, 30, 24
+            ), question
+            assert info["cache"] == expected
+            assert info["query_aware"] is False and info["context_entries"] == 30
+            assert info["stages"][0]["details"]["context_entries"] == 30
+        entry_bytes = (
+            2
+            * model.config.num_hidden_layers
+            * model.config.num_key_value_heads
+            * 4
+            * (model.config.hidden_size // model.config.num_attention_heads)
+        )
+        assert metric(server, "kvsieve_prefix_cache_bytes") == 30 * entry_bytes
+        # An accumulating policy's stored sums are cut to the kept entries: a first request and a repeat agree.
+        h2o = [ask(server, "world " + DOC, "what is it remember", "h2o", {"evict.budget": 24}) for _ in range(2)]
+        assert [a.model_extra["kvsieve"]["cache"] for a in h2o] == ["miss", "hit"]
+        assert h2o[0].choices[0].message.content == h2o[1].choices[0].message.content
+        assert h2o[1].model_extra["kvsieve"]["context_entries"] == 30
+        exact = ask(server, DOC, "what is the pass key", "full", {})  # full attention has no scorer: kept whole
+        assert exact.model_extra["kvsieve"]["query_aware"] is True
+        assert exact.choices[0].message.content == reference(
+            tiny, context + ids_of(tiny, "<s> question what is the pass key </s> answer")
+        )
 
 
 def test_api_key_guards_every_endpoint_but_health(tiny):

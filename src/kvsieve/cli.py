@@ -502,12 +502,13 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     """Serve the model on OpenAI's API (see README "Serving")."""
-    from kvsieve.engine.prefix_cache import parse_bytes
+    from kvsieve.engine.prefix_cache import parse_bytes, parse_reuse_budget
     from kvsieve.models import DEFAULT_MODEL
     from kvsieve.serve import create_server
 
     spec = _spec(args)  # a bad method fails before the model loads
     cache_bytes = parse_bytes(args.cache_memory)
+    reuse_budget = parse_reuse_budget(args.reuse_budget)
     api_key = args.api_key or os.environ.get("KVSIEVE_API_KEY") or None
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         _err(f"kvsieve: warning: serving on {args.host} without --api-key: anyone who can reach it can use it.")
@@ -520,6 +521,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         spec=spec,
         api_key=api_key,
         cache_bytes=cache_bytes,
+        reuse_budget=reuse_budget,
         max_queue=args.max_queue,
         max_batch=args.max_batch,
         max_step_tokens=args.max_step_tokens or None,
@@ -706,6 +708,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--cache-memory",
         default="2GB",
         help="bytes of reusable prompt states kept, LRU (default 2GB; 0 turns reuse off)",
+    )
+    p.add_argument(
+        "--reuse-budget",
+        default="whole",
+        help="KV entries a stored context keeps: 'whole' (default: exact reuse, every answer as generate gives it), "
+        "a count (2048) or a fraction of the context (0.5), compressed by the method's own policy before the "
+        "question is known (smaller states, more of them fit; the record says query_aware=false)",
     )
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting before 429 (default 64)")
     p.add_argument("--max-batch", type=int, default=16, help="requests prefilling or decoding at once (default 16)")

@@ -169,6 +169,7 @@ def prefill(
     reserve: int = 0,
     prefix: PromptState | None = None,
     keep: int = 0,
+    store_with: Compress | None = None,
 ) -> Prefill:
     """Run select -> feed -> compress (and start `evict`) on `prompt`; `reserve` positions follow it.
 
@@ -181,6 +182,9 @@ def prefill(
     cache, or the select stage's pass up to its filter layer), which then are not run again;
     `keep` > 0 runs the first `keep` tokens as a pass of their own and returns their state in
     `Prefill.stored`. Either way selection, compression and eviction see the whole prompt.
+    `store_with` (a one-pass feed only) compresses the stored state with its policy, which sees the
+    prefix's own queries only (no question), to its budget; this run then goes on from that
+    compressed state too, so the first request on a prefix answers as every later one does.
     """
     stages = resolve_method(
         method, {"select": select, "feed": feed, "attention": attention, "compress": compress, "evict": evict}
@@ -202,6 +206,8 @@ def prefill(
     start_at = prefix.length if prefix is not None else 0
     if (prefix is not None or keep) and (attention is not None or (select is None and feed.tag != "full")):
         raise KvsieveError("Only a select stage or a one-pass feed without a prefill kernel continues a stored prefix.")
+    if store_with is not None and (select is not None or not keep):
+        raise KvsieveError("store_with compresses the prefix state that `keep` stores after a one-pass feed.")
     if start_at >= prompt.length or (keep and not start_at < keep < prompt.length):
         raise KvsieveError(f"A stored prefix ({start_at} / {keep} tokens) must leave prompt tokens to run.")
     check_positions(model, stages, prompt.length, reserve)
@@ -226,20 +232,29 @@ def prefill(
         if isinstance(feed, FullPrefill):
             cache = prefix.cache if prefix is not None else DynamicCache(config=model.config)
             sums = prefix.sums if prefix is not None else None
+            position = prefix.position if prefix is not None else 0
             if keep:
-                stored = _prefill_prefix(model, feed, ids[:, start_at:keep], cache, sums, runs)
-                start_at, sums = keep, stored.sums
+                stored = _prefill_prefix(model, feed, ids[:, start_at:keep], cache, position, sums, runs, store_with)
+                start_at, sums, position = keep, stored.sums, keep
+                if stored.compressed:  # go on from the state later requests will start from
+                    cache = _snapshot(model, stored.cache)
+            context_entries = cache.get_seq_length()
+            if context_entries < position:  # a compressed prefix: budgets are still of the prompt's tokens
+                for run in runs:
+                    run.resolve_budget(ids.shape[1])
             observers = [observer for run in runs for observer in run.observers(sums)]
             # One pass: the first pruning stage cuts each layer right after its attention (lower peak).
             finishers = [runs[0].finisher(cache)] if runs else []
             with attention_hooks(last_pass=observers, finishers=finishers):
-                prefilled = feed.prefill(model, ids[:, start_at:], cache=cache)
+                prefilled = feed.prefill(model, ids[:, start_at:], cache=cache, position=position)
         else:
             with attention_hooks(last_pass=[observer for run in runs for observer in run.observers()]):
                 prefilled = feed.prefill(model, ids)
         details = {"tokens": ids.shape[1] - (prefix.length if prefix is not None else 0), **prefilled.details}
         if prefix is not None:
             details["reused_tokens"] = prefix.length
+        if isinstance(feed, FullPrefill) and context_entries < position:
+            details["context_entries"] = context_entries  # the compressed context the question's pass saw
         records.append(StageRecord("feed", feed.name, time.perf_counter() - feed_start, details))
     if not feed.needs_full_context:  # a chunked feed's own rule: its answer starts after its last chunk
         _check_answer_room(model, feed, prefilled.next_position, reserve)
@@ -306,18 +321,30 @@ def _prefill_prefix(
     feed: FullPrefill,
     ids: torch.Tensor,
     cache: DynamicCache,
+    position: int,
     prior: PrefixSums | None,
     runs: list[CompressRun | EvictRun],
+    store_with: Compress | None,
 ) -> PromptState:
-    """Run `ids` onto `cache` as a pass of their own and return the prefix state they end in.
+    """Run `ids` onto `cache` (at `position`) as a pass of their own and return the prefix state they end in.
 
-    Accumulating policies get their sums recorded (continuing `prior`'s); nothing is pruned, so
-    the state is what any later prompt that starts with these tokens would compute.
+    Accumulating policies get their sums recorded (continuing `prior`'s); nothing is pruned in
+    `cache`, so without `store_with` the state is what any later prompt that starts with these
+    tokens would compute. With it, the returned state (not `cache`) is compressed to its budget by
+    its policy's scores of this pass (the prefix's own queries: query-agnostic), sums gathered alike.
     """
     alphas = accumulating([run.config.policy for run in runs])
+    squeeze = store_with.begin() if store_with is not None else None
     sums: dict[float, dict[int, torch.Tensor]] = {}
-    with attention_hooks(observers=sum_recorders(alphas, sums, prior), intermediate=True):
-        feed.prefill(model, ids, cache=cache)
-    length = cache.get_seq_length()
-    total = PrefixSums(length, sums) if alphas else None
-    return PromptState(_snapshot(model, cache), length, length, total)
+    observers = sum_recorders(alphas, sums, prior) + (squeeze.observers(prior) if squeeze is not None else [])
+    with attention_hooks(observers=observers, intermediate=True):
+        feed.prefill(model, ids, cache=cache, position=position)
+    length = position + ids.shape[1]
+    state = PromptState(_snapshot(model, cache), length, length, PrefixSums(length, sums) if alphas else None)
+    if squeeze is not None:
+        squeeze.resolve_budget(length)
+        squeeze.compress(state.cache)
+        for by_layer in sums.values():
+            for layer, kept in enumerate(squeeze.kept_positions):
+                by_layer[layer] = by_layer[layer].gather(1, kept)
+    return state

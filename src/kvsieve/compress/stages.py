@@ -203,6 +203,11 @@ class CompressRun:
         the `prior` sums of a stored prefix."""
         return score_observers(self.config.policy, self.scores, prior)
 
+    def resolve_budget(self, tokens: int) -> None:
+        """Take a fractional budget of `tokens` prompt tokens rather than of the entries the cache holds
+        (a compressed prefix holds fewer entries than the tokens it covers)."""
+        self.total = tokens
+
     def finisher(self, cache: Cache) -> Finisher:
         """Prune each layer of `cache` (a one-pass prefill's) right after that layer's attention."""
 
@@ -309,6 +314,10 @@ class EvictRun:
         """Observers for the feed's last pass: they start the running scores from the prompt (or last chunk),
         continuing the `prior` sums of a stored prefix."""
         return score_observers(self.config.policy, self.scores, prior)
+
+    def resolve_budget(self, tokens: int) -> None:
+        """Take a fractional budget of `tokens` prompt tokens rather than of the entries the cache holds."""
+        self._resolve(tokens)
 
     def finisher(self, cache: Cache) -> Finisher:
         """Prune each layer of `cache` (a one-pass prefill's) to the budget right after that layer's attention."""

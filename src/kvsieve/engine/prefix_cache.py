@@ -17,7 +17,7 @@ from collections import OrderedDict
 
 from transformers import PreTrainedModel
 
-from kvsieve.compress.stages import accumulating
+from kvsieve.compress.stages import Compress, accumulating
 from kvsieve.errors import KvsieveError
 from kvsieve.feed import PromptState
 from kvsieve.spec import MethodSpec
@@ -66,22 +66,63 @@ def reuse_tail(spec: MethodSpec) -> int | None:
     return tail
 
 
-def prefix_key(spec: MethodSpec) -> str:
+def reuse_compress(spec: MethodSpec, budget: int | float | None) -> Compress | None:
+    """How a stored state of `spec`'s prefixes is compressed at reuse budget `budget` (None: kept whole).
+
+    By the method's own scorer (its compress policy, else its eviction policy) over the prefix's
+    own queries, before any question is known. Kept whole where there is no scorer (full
+    attention), where a select stage needs every key to select from (GemFilter), and where
+    positions are re-encoded (StreamingLLM's `reencode` counts on positions 0 .. n-1).
+    """
+    if budget is None or spec.select is not None:
+        return None
+    stage = spec.compress or spec.evict
+    if stage is None or (spec.evict is not None and spec.evict.reencodes):
+        return None
+    return Compress(stage.policy, budget)
+
+
+def prefix_key(spec: MethodSpec, budget: int | float | None = None) -> str:
     """What a stored prefix state depends on: a select stage's pass up to its filter layer, or the dense
-    one-pass feed and the accumulated attention sums its policies need. Methods with the same key
-    share states (full attention and SnapKV do; GemFilter presets with one filter layer do)."""
+    one-pass feed, the accumulated attention sums its policies need and the reuse compression
+    (`reuse_compress`). Methods with the same key share states (full attention and SnapKV do at the
+    whole reuse budget; GemFilter presets with one filter layer do)."""
     if spec.select is not None:
         return f"{spec.select.tag} pass to layer {spec.select.layer}"
     policies = [stage.policy for stage in (spec.compress, spec.evict) if stage is not None]
-    return "full" + "".join(f"+sums@{alpha:g}" for alpha in accumulating(policies))
+    key = "full" + "".join(f"+sums@{alpha:g}" for alpha in accumulating(policies))
+    squeeze = reuse_compress(spec, budget)
+    return key if squeeze is None else f"{key}+{squeeze.policy!r}@{budget!r}"
+
+
+def parse_reuse_budget(text: str) -> int | float | None:
+    """--reuse-budget: 'whole' (None), a count of entries ('2048') or a fraction of the context ('0.5')."""
+    if text.strip().lower() in ("whole", "all", "none", ""):
+        return None
+    try:
+        value = float(text) if any(c in text for c in ".eE") else int(text)
+    except ValueError:
+        value = 0
+    if isinstance(value, float) and value == 1.0:
+        return None
+    if value <= 0 or (isinstance(value, float) and value > 1):
+        raise KvsieveError(
+            f"--reuse-budget '{text}' is not 'whole', a count of KV entries (e.g. 2048) or a fraction of the "
+            "context in (0, 1] (e.g. 0.5)."
+        )
+    return value
 
 
 class PrefixCache:
-    """LRU of prompt states keyed by (`prefix_key`, token ids), at most `max_bytes` in all."""
+    """LRU of prompt states keyed by (`prefix_key`, token ids), at most `max_bytes` in all.
 
-    def __init__(self, model: PreTrainedModel, max_bytes: int):
+    `budget` is the reuse budget: None stores every entry of a prefix (exact, as vLLM's prefix
+    caching), a count or fraction stores it compressed by `reuse_compress`."""
+
+    def __init__(self, model: PreTrainedModel, max_bytes: int, budget: int | float | None = None):
         self.model = model
         self.max_bytes = max_bytes
+        self.budget = budget
         self.bytes = 0
         self._states: OrderedDict[tuple[str, tuple[int, ...]], PromptState] = OrderedDict()
 
@@ -94,8 +135,8 @@ class PrefixCache:
         A state whose ids go on past what `ids` share with them is cut to the shared start, in whole
         blocks of `BLOCK` tokens: entry i of a causal model's cache depends on tokens 0..i only, so the
         first m entries are exactly the state of the first m tokens (vLLM matches prefixes block by
-        block the same way). States that carry accumulated attention sums are used whole or not at
-        all: their sums include every stored query.
+        block the same way). States that carry accumulated attention sums, or were compressed, are used
+        whole or not at all: their sums include every stored query, their entries were chosen by all of them.
         """
         best, best_length = None, 0
         for entry, state in self._states.items():
@@ -104,7 +145,7 @@ class PrefixCache:
                 continue
             shared = _shared_start(stored_ids, ids, longest)
             if shared < len(stored_ids):
-                if state.sums is not None:
+                if state.sums is not None or state.compressed:
                     continue
                 shared -= shared % BLOCK
             if shared > best_length:

@@ -25,7 +25,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvsieve.decode import Sampling, TextStream, next_token
 from kvsieve.engine.batch import Row
-from kvsieve.engine.prefix_cache import PrefixCache, prefix_key, reuse_tail
+from kvsieve.engine.prefix_cache import PrefixCache, prefix_key, reuse_compress, reuse_tail
 from kvsieve.engine.slices import PrefillSlices
 from kvsieve.pipeline import Prefill, RunState, StageRecord, prefill, select_tokens
 from kvsieve.prompt import Prompt
@@ -156,25 +156,42 @@ class Request:
     def _prefill(self, model: PreTrainedModel, cache: PrefixCache | None) -> Prefill:
         """The method's stages on the prompt, from a stored prefix where one fits (`reuse_tail`)."""
         tail = reuse_tail(self.spec)
-        status, hit, keep = "off", None, 0
+        status, hit, keep, squeeze = "off", None, 0, None
         if cache is not None and not self.use_cache:
             status = "bypassed"
         elif cache is not None and tail is None:
             status = "not reusable"
         elif cache is not None:
             ids, longest = self.ids, self.prompt.length - tail
-            key = prefix_key(self.spec)
+            key, squeeze = prefix_key(self.spec, cache.budget), reuse_compress(self.spec, cache.budget)
             hit = cache.lookup(key, ids, longest)
             split = self.boundary if 0 < self.boundary <= longest else longest
             status = "hit" if hit is not None else "miss"
             if split > (hit.length if hit is not None else 0):
                 keep = split
-        self._reuse = {"cache": status, "cached_tokens": hit.length if hit is not None else 0}
+        context = hit.compressed and hit.kv_entries if hit is not None else False  # the run prunes the hit's cache
         done = prefill(
-            model, self.prompt, **self.spec.stages(), reserve=self.sampling.max_new_tokens, prefix=hit, keep=keep
+            model,
+            self.prompt,
+            **self.spec.stages(),
+            reserve=self.sampling.max_new_tokens,
+            prefix=hit,
+            keep=keep,
+            store_with=squeeze if keep else None,
         )
         if done.stored is not None:
-            cache.store(prefix_key(self.spec), self.ids[:keep], done.stored)
+            context = done.stored.compressed and done.stored.kv_entries
+        self._reuse = {
+            "cache": status,
+            "cached_tokens": hit.length if hit is not None else 0,
+            # Whether the compression that chose the answer's context saw the question: not when the context
+            # came from a state compressed without it (--reuse-budget), which then holds `context_entries`.
+            "query_aware": not context,
+        }
+        if context:
+            self._reuse["context_entries"] = context
+        if done.stored is not None:
+            cache.store(key, self.ids[:keep], done.stored)
             done.stored = None  # the cache holds its own copy
         return done
 

@@ -46,7 +46,12 @@ class Feed(Protocol):
 
 @dataclass
 class PromptState:
-    """A prompt prefix as the feed left it (no compression yet), ready to be extended by more tokens."""
+    """A prompt prefix as the feed left it, ready to be extended by more tokens.
+
+    Exact (the default) it holds an entry per token at positions 0 .. length-1; a compressed
+    state (the server's --reuse-budget) holds fewer entries, kept by a policy that saw only the
+    prefix's own queries, and the next token still goes at `position`.
+    """
 
     cache: DynamicCache
     position: int  # logical position of the next token
@@ -57,6 +62,11 @@ class PromptState:
     def kv_entries(self) -> int:
         """Entries per layer and KV head (layer 0), the unit of every budget."""
         return self.cache.get_seq_length()
+
+    @property
+    def compressed(self) -> bool:
+        """Whether entries were dropped (fewer entries than tokens)."""
+        return self.kv_entries < self.length
 
     @property
     def nbytes(self) -> int:
@@ -72,12 +82,16 @@ class PromptState:
         """A deep copy, or of the state of the first `length` tokens only (the first entries of every layer:
         a causal model's entry i depends on tokens 0..i only); tensors cloned, so neither copy can change
         the other. A cut state has no sums (they include the queries of the tokens cut off)."""
-        length = self.length if length is None else length
-        if length != self.length and (self.sums is not None or self.position != self.length):
-            raise ValueError("Only a plain prefix state (no sums, positions 0..n-1) can be cut shorter.")
-        layers = [(layer.keys[:, :, :length].clone(), layer.values[:, :, :length].clone()) for layer in self._filled()]
+        whole = length is None or length == self.length
+        if not whole and (self.sums is not None or self.position != self.length or self.compressed):
+            raise ValueError("Only a plain prefix state (no sums or dropped entries, positions 0..n-1) can be cut.")
+        length = self.length if whole else length
+        entries = self.kv_entries if whole else length
+        layers = [
+            (layer.keys[:, :, :entries].clone(), layer.values[:, :, :entries].clone()) for layer in self._filled()
+        ]
         sums = None
         if self.sums is not None:
             copied = {alpha: {j: t.clone() for j, t in by_layer.items()} for alpha, by_layer in self.sums.sums.items()}
             sums = PrefixSums(self.sums.queries, copied)
-        return PromptState(wrap_cache(model, layers), length, length, sums)
+        return PromptState(wrap_cache(model, layers), self.position if whole else length, length, sums)

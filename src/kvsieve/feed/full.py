@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from transformers import Cache, PreTrainedModel
+from transformers import Cache, DynamicCache, PreTrainedModel
 
+from kvsieve.decode import extend
 from kvsieve.feed import Prefilled
 from kvsieve.spec import component
 
@@ -23,11 +24,15 @@ class FullPrefill:
     def name(self) -> str:
         return self.tag
 
-    def prefill(self, model: PreTrainedModel, ids: torch.Tensor, cache: Cache | None = None) -> Prefilled:
+    def prefill(
+        self, model: PreTrainedModel, ids: torch.Tensor, cache: Cache | None = None, position: int | None = None
+    ) -> Prefilled:
         """Prefill `ids` (1, L) into `cache` (an empty one the caller may already watch, or a new one), or
-        onto a cache that holds a prompt prefix already (its entries at positions 0 .. P-1): then `ids`
-        go at P .. P + L - 1."""
-        start = cache.get_seq_length() if cache is not None else 0
+        onto a cache that holds a prompt prefix already: then `ids` go at `position` .. `position` + L - 1,
+        by default right after the cache's entries (a plain prefix at positions 0 .. P-1; a compressed
+        one holds fewer entries than the positions it covers)."""
+        cache = cache if cache is not None else DynamicCache(config=model.config)
+        start = cache.get_seq_length() if position is None else position
         with torch.no_grad():
-            out = model(input_ids=ids.to(model.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return Prefilled(cache=out.past_key_values, last_logits=out.logits[0, -1], next_position=start + ids.shape[1])
+            logits = extend(model, cache, ids, start)
+        return Prefilled(cache=cache, last_logits=logits[-1], next_position=start + ids.shape[1])

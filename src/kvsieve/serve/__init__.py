@@ -38,6 +38,7 @@ def create_server(
     spec: MethodSpec | str = "full",
     api_key: str | None = None,
     cache_bytes: int = 2_000_000_000,
+    reuse_budget: int | float | None = None,
     max_queue: int = 64,
     max_batch: int = 16,
     max_step_tokens: int | None = 512,
@@ -59,6 +60,7 @@ def create_server(
         max_batch=max_batch,
         max_step_tokens=max_step_tokens,
         cache_bytes=0 if upstream else cache_bytes,
+        reuse_budget=reuse_budget,
     )
     config = ServeConfig(
         model_name=model_name,

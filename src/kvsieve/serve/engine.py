@@ -39,9 +39,10 @@ class Engine:
         max_batch: int = 16,
         max_step_tokens: int | None = 512,
         cache_bytes: int = 0,
+        reuse_budget: int | float | None = None,
     ):
         self.model, self.tokenizer, self.metrics = model, tokenizer, metrics
-        prefix_cache = PrefixCache(model, cache_bytes) if cache_bytes > 0 else None
+        prefix_cache = PrefixCache(model, cache_bytes, reuse_budget) if cache_bytes > 0 else None
         self.scheduler = Scheduler(
             model, tokenizer, max_step_tokens=max_step_tokens, max_batch=max_batch, prefix_cache=prefix_cache
         )
