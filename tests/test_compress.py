@@ -25,6 +25,7 @@ from kvsieve.attention import attention_hooks
 from kvsieve.compress.cache import resolve_budget
 from kvsieve.compress.scorers import accumulated_attention, keep_indices, window_attention
 from kvsieve.errors import KvsieveError
+from kvsieve.models import with_cache
 from kvsieve.registry import method
 
 ALL_METHODS = [SnapKV(window=4), H2O(), A2SF(alpha=0.3), StreamingLLM(sinks=2), LocalWindow(), TOVA(), KNorm()]
@@ -161,7 +162,9 @@ def test_decoding_continues_from_the_logical_position(make_model):
         tokens = [int(out.logits[0, -1].argmax())]
         for step in range(3):
             out = model(
-                input_ids=torch.tensor([[tokens[-1]]]), position_ids=torch.tensor([[30 + step]]), past_key_values=cache
+                input_ids=torch.tensor([[tokens[-1]]]),
+                position_ids=torch.tensor([[30 + step]]),
+                **with_cache(model, cache),
             )
             tokens.append(int(out.logits[0, -1].argmax()))
     assert result.tokens == tokens

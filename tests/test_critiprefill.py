@@ -21,6 +21,7 @@ from kvsieve.attention.critiprefill import (
 )
 from kvsieve.engine.offline import run
 from kvsieve.errors import KvsieveError
+from kvsieve.models import with_cache
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -157,7 +158,7 @@ def test_chunk_after_cache_with_full_budget_matches_and_small_budget_runs(make_m
             first = model(ids[:, :37], use_cache=True)
             with attention_hooks(kernel=CritiPrefill(segment=16, block=4, budget=budget).begin()):
                 chunk = model(
-                    ids[:, 37:], position_ids=torch.arange(37, 150)[None], past_key_values=first.past_key_values
+                    ids[:, 37:], position_ids=torch.arange(37, 150)[None], **with_cache(model, first.past_key_values)
                 )
             assert torch.isfinite(chunk.logits).all()
             if exact:

@@ -18,6 +18,7 @@ from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 from kvsieve.attention import attention_hooks
 from kvsieve.compress.stages import EvictRun
 from kvsieve.errors import KvsieveError
+from kvsieve.models import with_cache
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,11 @@ def extend(
     ids = ids.to(model.device)
     positions = torch.arange(position, position + ids.shape[1], device=ids.device)[None]
     out = model(
-        input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep
+        input_ids=ids,
+        position_ids=positions,
+        **with_cache(model, cache),
+        use_cache=True,
+        logits_to_keep=logits_to_keep,
     )
     return out.logits[0]
 

@@ -17,14 +17,17 @@ modules, rotary embedding and head counts. Everything else in kvsieve asks it.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import huggingface_hub
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, Cache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from kvsieve.attention import ATTENTION_NAME
@@ -109,6 +112,21 @@ def architecture(model: PreTrainedModel) -> Architecture:
         layers=body.layers,
         rotary_emb=body.rotary_emb,
     )
+
+
+def with_cache(module: torch.nn.Module, cache: Cache | None) -> dict[str, Cache | None]:
+    """The keyword that hands `cache` to `module`'s forward, as its transformers version names it.
+
+    transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name warns and
+    goes in 5.40); earlier 5.x releases know only `past_key_values`. Every call of a model with a
+    cache goes through here, so kvsieve never passes a deprecated argument.
+    """
+    return {_cache_keyword(type(module).forward): cache}
+
+
+@functools.cache
+def _cache_keyword(forward: Callable) -> str:
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 def prepare(model: PreTrainedModel) -> PreTrainedModel:

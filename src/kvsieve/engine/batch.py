@@ -37,6 +37,7 @@ from kvsieve.attention import attention_hooks
 from kvsieve.compress.cache import wrap_cache
 from kvsieve.compress.stages import EvictRun
 from kvsieve.decode import step
+from kvsieve.models import with_cache
 
 SPARE = 128  # columns of room for new tokens when a buffer is (re)allocated
 
@@ -183,7 +184,7 @@ class DecodeBatch:
         observers = [self._observe] if any(row.evict is not None for row in self.rows) else []
         with torch.no_grad(), attention_hooks(observers=observers, key_starts=key_starts):
             out = self.model(
-                input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1
+                input_ids=ids, position_ids=positions, **with_cache(self.model, cache), use_cache=True, logits_to_keep=1
             )
         for row in self.rows:
             row.position += 1

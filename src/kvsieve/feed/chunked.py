@@ -66,7 +66,7 @@ from kvsieve.feed.schedules import (
     num_chunks,
     retention_ratio,
 )
-from kvsieve.models import architecture
+from kvsieve.models import architecture, with_cache
 from kvsieve.spec import component, option
 
 # chunk_logits(logits (c_i, vocab) of the chunk's tokens, index of the chunk's first token)
@@ -236,7 +236,7 @@ class ChunkedPrefill:
                         out = model(
                             input_ids=chunk_ids,
                             position_ids=chunk_positions[None],
-                            past_key_values=cache,
+                            **with_cache(model, cache),
                             use_cache=True,
                             logits_to_keep=0 if chunk_logits is not None else 1,
                         )
@@ -247,7 +247,7 @@ class ChunkedPrefill:
                         model.model(
                             input_ids=chunk_ids,
                             position_ids=chunk_positions[None],
-                            past_key_values=cache,
+                            **with_cache(model.model, cache),
                             use_cache=True,
                         )
                 # Layer j's keys are now [sinks | memory_j | chunk], at these positions and prompt indices.

@@ -19,6 +19,7 @@ from transformers import Cache, PreTrainedModel
 
 from kvsieve.attention import StopForward, attention_hooks
 from kvsieve.errors import KvsieveError
+from kvsieve.models import with_cache
 
 
 def resolve_count(value: int | float, total: int, what: str) -> int:
@@ -56,7 +57,7 @@ def filter_layer_qk(
 
     with torch.no_grad(), attention_hooks(observers=[capture]):
         try:
-            model.model(input_ids=ids, past_key_values=cache, use_cache=cache is not None)
+            model.model(input_ids=ids, **with_cache(model.model, cache), use_cache=cache is not None)
         except StopForward:
             pass
     if "query" not in captured:
