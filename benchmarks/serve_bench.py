@@ -347,7 +347,7 @@ REWORDED = {
     "needle": "According to the document, what is the best thing to do in San Francisco?",
     "passkey": "Which number is the pass key in the text above? Reply with just the number.",
 }
-CHAT_METHODS = "snapkv,h2o,a2sf,streaming,local,tova,knorm,gemfilter,gemfilter-snapkv"
+CHAT_METHODS = "snapkv,h2o,a2sf,streaming,local,tova,knorm"  # every compress/evict preset
 
 
 def chat(args: argparse.Namespace) -> dict[str, Any]:
@@ -363,7 +363,8 @@ def chat(args: argparse.Namespace) -> dict[str, Any]:
     lengths = [int(n) for n in args.lengths.split(",")]
     for name in args.methods.split(","):
         with server("--method", name, "--cache-memory", "4GB") as url:
-            for probe, length, depth in [(p, n, d) for p in ("needle", "passkey") for n in lengths for d in DEPTHS]:
+            depths = [float(d) for d in args.depths.split(",")]
+            for probe, length, depth in [(p, n, d) for p in ("needle", "passkey") for n in lengths for d in depths]:
                 case, _ = prompt_case(tokenizer, probe, length, depth)
                 row = {"method": name, "probe": probe, "length": length, "depth": depth}
                 for label, question, options in [
@@ -399,7 +400,6 @@ def chat(args: argparse.Namespace) -> dict[str, Any]:
 
 
 CHAT_LABELS = ("first", "repeat", "reworded", "generate", "generate_reworded")
-DEPTHS = (0.1, 0.5, 0.9)
 
 
 def upstream(args: argparse.Namespace) -> dict[str, Any]:
@@ -495,6 +495,7 @@ def main() -> None:
         help=f"methods of the reuse part (full,snapkv,gemfilter) or the chat part ({CHAT_METHODS})",
     )
     parser.add_argument("--lengths", default="4096,8000", help="prompt tokens of the chat part's probes")
+    parser.add_argument("--depths", default="0.25,0.75", help="needle depths of the chat part's probes")
     parser.add_argument("--stream-tokens", type=int, default=400, help="the running stream's max_tokens (pause)")
     parser.add_argument("--lead", type=float, default=4.0, help="seconds the stream runs before the long prompt")
     parser.add_argument("--serve-args", default="", help="options added to every server, e.g. '--max-step-tokens 0'")

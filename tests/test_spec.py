@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -10,11 +11,12 @@ from kvsieve import A2SF, REGISTRY, TOVA, CritiPrefill, Evict, KvsieveError, Met
 from kvsieve.select.gemfilter import GemFilter
 from kvsieve.spec import component, components, parse_settings
 
-EXPECTED = ["full", "gemfilter", "critiprefill", "critiprefill-code", "fm", "im", "imdc", "snapkv", "h2o", "a2sf"]
-EXPECTED += ["streaming", "local", "tova", "knorm", "gemfilter-critiprefill", "gemfilter-snapkv"]
+EXPECTED = ["full", "gemfilter", "gemfilter-paper", "critiprefill", "critiprefill-code", "fm", "im", "imdc", "snapkv"]
+EXPECTED += ["snapkv-paper", "h2o", "a2sf", "a2sf-paper", "streaming", "local", "tova", "knorm"]
+EXPECTED += ["gemfilter-critiprefill", "gemfilter-snapkv"]
 
 
-def test_registry_holds_the_sixteen_methods_with_their_stages():
+def test_registry_holds_the_presets_with_their_stages_and_provenance():
     assert list(REGISTRY) == EXPECTED
     assert method("gemfilter").select.k == 1024 and method("critiprefill").attention == CritiPrefill()
     recommended = method("gemfilter").select  # beyond the paper, chosen by the needle study
@@ -25,13 +27,18 @@ def test_registry_holds_the_sixteen_methods_with_their_stages():
     assert method("imdc").feed.decremental and method("imdc").feed.schedule == "linear"
     assert method("fm").feed.schedule == "fixed" and not method("fm").feed.decremental
     assert method("snapkv").compress.policy == SnapKV(kernel=63) and method("snapkv").evict is None
-    assert method("a2sf").evict.policy == A2SF()  # the study's best (alpha 0.9, kernel 63) stays an option
+    assert method("a2sf").evict.policy == A2SF(alpha=0.9, kernel=63)  # the study's best at the preset budget
+    assert method("a2sf-paper").evict.policy == A2SF() and method("snapkv-paper").compress.policy == SnapKV()
+    assert method("gemfilter-paper").select == GemFilter()
+    assert all(spec.summary.endswith("]") for spec in REGISTRY.values() if spec.name != "full")  # provenance
     assert (SnapKV().kernel, A2SF().alpha, A2SF().kernel) == (5, 0.2, 1)  # the classes keep the papers' values
     assert method("h2o").evict.policy.name == "h2o" and method("h2o").compress is None
     assert method("tova").evict.policy == TOVA()
-    both = method("gemfilter-critiprefill")  # measured with the paper's scoring
-    assert both.select == GemFilter() and both.attention == CritiPrefill()
-    assert method("gemfilter-snapkv").select.k == 2048 and method("gemfilter-snapkv").compress.budget == 1024
+    both = method("gemfilter-critiprefill")  # combinations build on the tuned presets' stages
+    assert both.select == method("gemfilter").select and both.attention == CritiPrefill()
+    snap = method("gemfilter-snapkv")
+    assert snap.select == replace(method("gemfilter").select, k=2048) and snap.compress.budget == 1024
+    assert snap.compress.policy == method("snapkv").compress.policy
 
 
 @pytest.mark.parametrize("name", EXPECTED)
