@@ -336,6 +336,16 @@ def test_report_contains_every_configuration_that_was_run(model, chat_tokenizer,
         assert (out.parent / "figures" / name).stat().st_size > 5000
     assert "figures/needle_all.png" in text and "figures/scaling.png" in text
     assert sorted(p.name for p in (out.parent / "results").iterdir()) == ["bench.json", "niah.json", "ppl.json"]
+    # At a glance: the methods with probe rows and bench rows, hits counted from the rows, provenance from the
+    # registry, and the quality-against-cost figure.
+    niah_rows = json.loads((runs / "niah.json").read_text())["rows"]
+    hits = {m: sum(r["hit"] for r in niah_rows if r["method"] == m) for m in ("full", "gemfilter")}
+    glance = text[text.index("## Every preset at a glance") : text.index("## Quality and cost")]
+    cases = len([r for r in niah_rows if r["method"] == "gemfilter"])
+    tuned = "kvsieve's tuning, docs/STUDIES.md"
+    assert f"| gemfilter | {tuned} | {hits['gemfilter']}/{cases} | 2.00 / 2.00 / 2.00 |" in glance
+    assert f"| full | - | {hits['full']}/{cases} | 1.00 / 1.00 / 1.00 |" in glance and "| h2o |" not in glance
+    assert (out.parent / "figures" / "pareto.png").stat().st_size > 5000 and "figures/pareto.png" in glance
 
 
 def test_report_merges_runs_that_add_methods(tmp_path, monkeypatch):

@@ -198,6 +198,67 @@ class Report:
             f"{self.baseline}, which are always taken within one run.",
         ]
 
+    def points(self) -> list[dict[str, Any]]:
+        """One point per method run on both a probe and the bench: its hits over every probe case, and its
+        time to first token, peak memory and KV entries against the baseline's at the longest bench length."""
+        if not self.bench_summary or not self.niah_docs:
+            return []
+        length = max(s["length"] for s in self.bench_summary)
+        kv = {r["method"]: r["prefill_kv_length"] for r in self.bench["rows"] if r["requested_length"] == length}
+        points = []
+        for method in self.methods:
+            rows = [r for d in self.niah_docs for r in d["rows"] if r["method"] == method]
+            cost = self._cost(method, length)
+            if not rows or cost is None or not cost["speedup"] or method not in kv or not kv.get(self.baseline):
+                continue
+            points.append(
+                {
+                    "method": method,
+                    "length": length,
+                    "hits": sum(r["hit"] for r in rows),
+                    "cases": len(rows),
+                    "speedup": cost["speedup"][1],
+                    "memory_ratio": cost["memory_ratio"][1],
+                    "kv_ratio": kv[method] / kv[self.baseline],
+                }
+            )
+        return points
+
+    def glance(self, figure: Path | None, root: Path) -> list[str]:
+        """Each method in one row: probe hits per length, then its cost against the baseline at the longest length."""
+        points = {p["method"]: p for p in self.points()}
+        if not points:
+            return []
+        length = next(iter(points.values()))["length"]
+        lengths = sorted({r["length"] for d in self.niah_docs for r in d["rows"]})
+        probes = [d["settings"]["probe"] for d in self.niah_docs]
+        head = ["method", "provenance", *(f"{p} hits @{n}" for p in probes for n in lengths)]
+        head += [f"TTFT speedup vs {self.baseline} @{length} (min/med/max)", f"peak memory vs {self.baseline}"]
+        head += [f"KV entries vs {self.baseline}"]
+        lines = [
+            "",
+            "## Every preset at a glance",
+            "",
+            "Hits are cases whose answer holds the reference as whole words, over the depths run; cost columns come "
+            f"from the bench at {length} prompt tokens (medians of ratios taken within a repeat).",
+            "",
+        ]
+        if figure is not None:
+            lines += [f"![quality against speed and memory]({figure.relative_to(root).as_posix()})", ""]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for method, point in points.items():
+            summary = REGISTRY[method].summary if method in REGISTRY else ""
+            provenance = summary[summary.rfind("[") + 1 : -1] if summary.endswith("]") else "-"
+            cells = [method, provenance]
+            for doc in self.niah_docs:
+                for n in lengths:
+                    mine = [r for r in doc["rows"] if r["method"] == method and r["length"] == n]
+                    cells.append(f"{sum(r['hit'] for r in mine)}/{len(mine)}" if mine else "-")
+            cost = self._cost(method, length)
+            cells += [_spread(cost["speedup"]), f"{point['memory_ratio']:.3f}", f"{point['kv_ratio']:.3f}"]
+            lines.append("| " + " | ".join(cells) + " |")
+        return lines
+
     def side_by_side(self) -> list[str]:
         lines = ["", "## Quality and cost side by side", ""]
         probes = [d["settings"]["probe"] for d in self.niah_docs]
@@ -348,6 +409,43 @@ class Report:
         return lines
 
 
+def plot_pareto(points: list[dict[str, Any]], path: Path, baseline: str = "full") -> Path:
+    """Probe accuracy against time-to-first-token speedup (left) and against peak memory (right), one point per
+    method, both against `baseline` at the bench's longest length; marker area is the KV cache kept."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    length = points[0]["length"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2), sharey=True)
+    panels = [
+        ("speedup", f"time-to-first-token speedup vs {baseline} at {length} tokens (log; right is faster)"),
+        ("memory_ratio", f"peak memory vs {baseline} at {length} tokens (weights included; left is smaller)"),
+    ]
+    for ax, (key, label) in zip(axes, panels, strict=True):
+        for i, point in enumerate(points):
+            accuracy = point["hits"] / point["cases"]
+            ax.scatter(point[key], accuracy, s=30 + 400 * point["kv_ratio"], alpha=0.55, color=f"C{i % 10}")
+            ax.annotate(
+                point["method"],
+                (point[key], accuracy),
+                fontsize=7,
+                xytext=(5, 2 + 7 * (i % 3)),
+                textcoords="offset points",
+            )
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_xscale("log")
+    axes[0].set_ylabel("needle + passkey hits (share of cases)")
+    fig.suptitle(f"What each preset trades (marker area: KV entries kept after prefill, vs {baseline}'s)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def kvpress_section(document: dict[str, Any], link: str) -> list[str]:
     """The optional comparison with NVIDIA's kvpress (benchmarks/kvpress_compare.py)."""
     versions = document["versions"]
@@ -418,6 +516,8 @@ def write_report(
         for d in report.niah_docs
     }
     scaling = plot_scaling(report.bench_summary, figures / "scaling.png") if bench_docs else None
+    points = report.points()
+    pareto = plot_pareto(points, figures / "pareto.png", baseline) if points else None
     commands = [d["command"] for d in report.documents]
     kinds = ["niah"] * len(niah_docs) + ["ppl"] * len(ppl_docs) + ["bench"] * len(bench_docs)
     inputs = " ".join(f"--{kind} {p.relative_to(root).as_posix()}" for kind, p in zip(kinds, copied, strict=True))
@@ -428,6 +528,7 @@ def write_report(
     lines = [
         *report.header(commands),
         *report.speed_note(),
+        *report.glance(pareto, root),
         *report.side_by_side(),
         *report.choosing(),
         *report.niah_section(heatmaps, root),
