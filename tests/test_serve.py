@@ -384,6 +384,96 @@ def test_a_reuse_budget_stores_the_context_compressed_and_every_request_continue
         )
 
 
+def greedy_reference(tiny, ids: list[int], steps: int, adjust=lambda logits, prompt, answer: logits, eos=True):
+    """Greedy answer and each chosen token's raw log-probability, from whole forward passes with no cache;
+    `adjust` changes the logits before the choice (the penalties as OpenAI and CTRL define them)."""
+    model, tokenizer = tiny
+    answer, logprobs = [], []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(input_ids=torch.tensor([ids + answer])).logits[0, -1].float()
+            token = int(adjust(logits.clone(), ids, answer).argmax())
+            logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+            answer.append(token)
+            if eos and token == tokenizer.eos_token_id:
+                break
+    return answer, logprobs
+
+
+def test_logprobs_are_the_models_raw_log_probabilities_in_both_formats(server, tiny):
+    """logprobs / top_logprobs: each answer token's log-probability under the model's raw distribution (checked
+    against whole forward passes), the greedy token first among its alternatives, streamed and not alike."""
+    prompt = ids_of(tiny, "the pass key is hello world remember it what is the pass key")
+    answer, expected = greedy_reference(tiny, prompt, 6)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 3, "ignore_eos": True}
+    whole = httpx.post(f"{server.url}/v1/completions", json=body).json()["choices"][0]
+    logprobs = whole["logprobs"]
+    assert logprobs["tokens"] == [tiny[1].decode([t]) for t in answer] == whole["text"].split()
+    assert logprobs["token_logprobs"] == pytest.approx(expected, abs=1e-4)
+    for token, top, chosen in zip(*(logprobs[k] for k in ("tokens", "top_logprobs", "token_logprobs")), strict=True):
+        assert len(top) == 3 and max(top, key=top.get) == token and top[token] == pytest.approx(chosen)
+    for token, offset in zip(logprobs["tokens"], logprobs["text_offset"], strict=True):
+        assert whole["text"][offset:].lstrip().startswith(token)  # where the text grows by the token
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    pieces = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+    assert [t for piece in pieces for t in piece["tokens"]] == logprobs["tokens"]
+    assert [o for piece in pieces for o in piece["text_offset"]] == logprobs["text_offset"]
+    messages = [{"role": "user", "content": "what is the pass key"}]
+    chat = (
+        client(server)
+        .chat.completions.create(
+            model="tiny", messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2
+        )
+        .choices[0]
+    )
+    answer, expected = greedy_reference(tiny, ids_of(tiny, "<s> question what is the pass key </s> answer"), 5)
+    content = chat.logprobs.content
+    words = [tiny[1].decode([t]) for t in answer if t != tiny[1].eos_token_id]
+    assert [c.token for c in content] == words
+    assert [c.logprob for c in content] == pytest.approx(expected[: len(words)], abs=1e-4)
+    assert all(c.top_logprobs[0].token == c.token and len(c.top_logprobs) == 2 for c in content)
+    assert content[0].bytes == list(content[0].token.encode())
+    plain = client(server).chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_penalties_change_the_choice_as_openai_and_ctrl_define_them(server, tiny):
+    """presence / frequency penalties over the answer so far and the repetition penalty over prompt and
+    answer: the greedy answers equal a reference that applies the definitions to whole forward passes."""
+    prompt = ids_of(tiny, "remember it remember it the pass key is")
+
+    def counts(logits, answer):
+        return torch.bincount(torch.tensor(answer, dtype=torch.long), minlength=logits.shape[0]).float()
+
+    def frequency(logits, ids, answer):
+        return logits - 1.5 * counts(logits, answer) if answer else logits
+
+    def presence(logits, ids, answer):
+        return logits - 2.0 * (counts(logits, answer) > 0).float() if answer else logits
+
+    def repetition(logits, ids, answer):
+        seen = sorted(set(ids + answer))
+        logits[seen] = torch.where(logits[seen] > 0, logits[seen] / 1.8, logits[seen] * 1.8)
+        return logits
+
+    plain = greedy_reference(tiny, prompt, 40, eos=False)[0]
+    for field, value, adjust in [
+        ("frequency_penalty", 1.5, frequency),
+        ("presence_penalty", 2.0, presence),
+        ("repetition_penalty", 1.8, repetition),
+    ]:
+        answer, _ = greedy_reference(tiny, prompt, 40, adjust, eos=False)
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True, field: value}
+        text = httpx.post(f"{server.url}/v1/completions", json=body).json()["choices"][0]["text"]
+        assert text == tiny[1].decode(answer, skip_special_tokens=True), field
+        assert answer != plain, f"{field} changed nothing here: the test would not see it ignored"
+    for field, value in [("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0)]:
+        body = {"model": "tiny", "prompt": prompt, field: value}
+        answer = httpx.post(f"{server.url}/v1/completions", json=body)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == field
+
+
 def test_api_key_guards_every_endpoint_but_health(tiny):
     with start(tiny, api_key="s3cret", cache_bytes=0) as guarded:
         for path in ("/v1/models", "/metrics"):

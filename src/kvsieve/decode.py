@@ -9,7 +9,7 @@ length instead (`step`).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +28,9 @@ class Sampling:
     `ignore_eos` decodes on past EOS tokens up to `max_new_tokens` (stop strings still apply), so
     that every method of a benchmark decodes, and is timed over, the same number of steps.
     `top_k` > 0 samples among the k likeliest tokens only; `min_tokens` keeps EOS from being
-    picked before that many tokens (vLLM's sampling extensions).
+    picked before that many tokens (vLLM's sampling extensions). Penalties change the logits
+    before any choice, greedy included (`penalize`). `logprobs` (None: off) asks for each answer
+    token's log-probability and that many likeliest alternatives (`TokenLogprob`).
     """
 
     max_new_tokens: int = 64
@@ -39,6 +41,10 @@ class Sampling:
     ignore_eos: bool = False
     top_k: int = 0
     min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
@@ -57,6 +63,55 @@ class Sampling:
             raise KvsieveError(
                 f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}."
             )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise KvsieveError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}.")
+        if not 0 < self.repetition_penalty <= 2:
+            raise KvsieveError(f"repetition_penalty must be in (0, 2] (1 = off), got {self.repetition_penalty}.")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise KvsieveError(f"logprobs asks for 0 to {MAX_LOGPROBS} alternatives per token, got {self.logprobs}.")
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+
+MAX_LOGPROBS = 20  # alternatives per token, as vLLM allows
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An answer token's log-probability under the model (its raw distribution, before penalties,
+    temperature and truncation, as vLLM reports by default) and the `top` likeliest tokens'."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """`token`'s entry from (vocab,) raw logits, with the `top` likeliest alternatives."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    best = torch.topk(logprobs, top) if top else None
+    alternatives = list(zip(best.indices.tolist(), best.values.tolist(), strict=True)) if best is not None else []
+    return TokenLogprob(token, float(logprobs[token]), alternatives)
+
+
+def penalize(logits: torch.Tensor, sampling: Sampling, prompt: torch.Tensor, output: Sequence[int]) -> torch.Tensor:
+    """(vocab,) logits with OpenAI's presence and frequency penalties over the answer so far (minus
+    penalty x [count > 0] and penalty x count) and the repetition penalty over prompt and answer
+    (CTRL's, as transformers and vLLM apply it: positive logits divided by it, negative multiplied)."""
+    logits = logits.float().clone()
+    counts = torch.bincount(torch.tensor(list(output), dtype=torch.long), minlength=logits.shape[0])
+    counts = counts[: logits.shape[0]].to(logits.device)
+    logits -= sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0)
+    if sampling.repetition_penalty != 1:
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[prompt.to(logits.device)] = True
+        seen |= counts > 0
+        scaled = torch.where(logits > 0, logits / sampling.repetition_penalty, logits * sampling.repetition_penalty)
+        logits = torch.where(seen, scaled, logits)
+    return logits
 
 
 @dataclass

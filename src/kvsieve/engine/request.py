@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvsieve.decode import Sampling, TextStream, next_token
+from kvsieve.decode import Sampling, TextStream, TokenLogprob, next_token, penalize, token_logprob
 from kvsieve.engine.batch import Row
 from kvsieve.engine.prefix_cache import PrefixCache, prefix_key, reuse_compress, reuse_tail
 from kvsieve.engine.slices import PrefillSlices
@@ -43,6 +43,7 @@ class Started:
 class Text:
     piece: str
     tokens: int  # answer tokens so far (a piece can span several tokens, or wait for the next)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of this piece's tokens, when asked for
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Finished:
     reason: str  # "eos", "stop" or "length"
     completion_tokens: int
     info: dict[str, Any]
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of answer tokens no Text reported
 
 
 @dataclass
@@ -136,6 +138,7 @@ class Request:
         self.error: Exception | None = None
         self._generator: torch.Generator | None = None
         self._reuse: dict[str, Any] = {}
+        self._logprobs: list[TokenLogprob] = []  # sampled tokens' entries not yet emitted
         self._first_token_at = 0.0
 
     @property
@@ -243,17 +246,29 @@ class Request:
     # ------------------------------------------------------------------------- decoding
 
     def sample(self, logits: torch.Tensor) -> bool:
-        """Pick the next token from (vocab,) logits; True when the answer is complete."""
-        early = len(self.answer.tokens) < self.sampling.min_tokens
-        return self.add_token(next_token(logits, self.sampling, self._generator, self.answer.eos if early else ()))
+        """Pick the next token from (vocab,) raw logits (penalties applied here); True when the answer is complete."""
+        sampling, answer = self.sampling, self.answer
+        chosen = penalize(logits, sampling, self.prompt.ids[0], answer.tokens) if sampling.penalized else logits
+        early = len(answer.tokens) < sampling.min_tokens
+        token = next_token(chosen, sampling, self._generator, answer.eos if early else ())
+        if sampling.logprobs is not None:
+            self._logprobs.append(token_logprob(logits, token, sampling.logprobs))
+        return self.add_token(token)
 
     def add_token(self, token: int) -> bool:
         """Record `token`, emit the text it makes final; True when the answer is complete."""
         self.row.token = token
         piece = self.answer.add(token)
         if piece:
-            self.emit(Text(piece, len(self.answer.tokens)))
+            self.emit(Text(piece, len(self.answer.tokens), self._take_logprobs()))
         return self.answer.finish is not None
+
+    def _take_logprobs(self) -> list[TokenLogprob]:
+        """The log-probabilities of the tokens not yet reported (an EOS that ended the answer is not one)."""
+        taken, self._logprobs = self._logprobs, []
+        if self.answer.finish == "eos" and taken and taken[-1].token in self.answer.eos:
+            taken.pop()
+        return taken
 
     def finish(self, kv_entries: int) -> None:
         """The answer is complete with `kv_entries` cache entries left: build the result, emit Finished."""
@@ -277,7 +292,8 @@ class Request:
             selected_text=None if selected is None else self.tokenizer.decode(done.ids[0]),
             state=done.state,
         )
-        self.emit(Finished(answer.finish, len(answer.tokens), {**self.info, "kv_entries_at_end": kv_entries}))
+        info = {**self.info, "kv_entries_at_end": kv_entries}
+        self.emit(Finished(answer.finish, len(answer.tokens), info, self._take_logprobs()))
 
     def fail(self, error: Exception) -> None:
         self.error = error

@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
-from kvsieve.decode import Sampling
+from kvsieve.decode import Sampling, TokenLogprob
 from kvsieve.engine.request import Event, Failed, Finished, Selected, Text
 from kvsieve.engine.request import Request as Job
 from kvsieve.errors import KvsieveError
@@ -43,6 +43,7 @@ from kvsieve.serve.openai_types import (
     chunk_object,
     completion_object,
     finish_reason,
+    logprobs_object,
     new_id,
     parse_body,
     sse,
@@ -231,7 +232,6 @@ class Front:
         path = request.url.path
         self.metrics.request_done(path if path in ENDPOINTS else "other", status)
 
-
     def model_card(self) -> dict[str, Any]:
         return {
             "id": self.config.model_name,
@@ -296,28 +296,40 @@ class Front:
             raise as_api_error(first.error)
         if body.stream:
             chunks = self.stream(
-                request, job, events, reply, body.include_usage(), body.continuous_usage(), first.info
-            )
+                request, job, events, reply, body.include_usage(), body.continuous_usage(), first.info,
+                sampling.logprobs is not None,
+            )  # fmt: skip
             return StreamingResponse(chunks, media_type="text/event-stream")
         try:
-            text, done = [], None
+            text, entries, done = [], [], None
             while done is None:
                 event = await events.next()
                 if isinstance(event, Failed):
                     raise as_api_error(event.error)
                 if isinstance(event, Text):
                     text.append(event.piece)
+                    entries += event.logprobs
                 elif isinstance(event, Finished):
                     done = event
+                    entries += event.logprobs
         except _ClientGone:
             return self.client_gone(request)
         finally:
             job.cancelled.set()  # frees the slot if the engine still holds it; harmless otherwise
         self.count(request, 200)
         use = usage(reply.prompt_tokens, done.completion_tokens, done.info["cached_tokens"])
+        logprobs = self.logprobs(chat, entries) if sampling.logprobs is not None else None
+        reason = finish_reason(done.reason)
         return JSONResponse(
-            completion_object(chat, reply.id, reply.model, "".join(text), finish_reason(done.reason), use, done.info)
+            completion_object(chat, reply.id, reply.model, "".join(text), reason, use, done.info, logprobs)
         )
+
+    def logprobs(self, chat: bool, entries: list[TokenLogprob], before: list[int] | None = None) -> dict[str, Any]:
+        """`entries` in the endpoint's logprobs format, each token as the text it decodes to; a completion's
+        text offsets are where the answer's text (after the `before` tokens reported already) grows by it."""
+        tokens, earlier = [e.token for e in entries], before or []
+        offsets = [] if chat else [len(self.tokenizer.decode(earlier + tokens[:i])) for i in range(len(tokens))]
+        return logprobs_object(chat, entries, lambda token: self.tokenizer.decode([token]), offsets)
 
     async def stream(
         self,
@@ -328,24 +340,30 @@ class Front:
         include_usage: bool,
         continuous_usage: bool,
         started: dict[str, Any],
+        with_logprobs: bool,
     ) -> AsyncIterator[bytes]:
         """Server-sent chunks until the answer is finished; a client that leaves cancels the job.
 
         `continuous_usage` (vLLM's `stream_options.continuous_usage_stats`) puts the usage so far in every
-        text chunk; `started` is the record the request's prefill reported."""
-        status = CLIENT_CLOSED
+        text chunk; `started` is the record the request's prefill reported; `with_logprobs` puts each
+        chunk's tokens' log-probabilities in it."""
+        status, reported = CLIENT_CLOSED, []  # tokens whose log-probabilities were sent
         try:
             if reply.chat:
                 yield sse(reply.chunk(role=True))
             while True:
                 event = await events.next(watch_client=False)  # Starlette watches the client while streaming
                 if isinstance(event, Text):
-                    chunk = reply.chunk(text=event.piece)
+                    logprobs = self.logprobs(reply.chat, event.logprobs, reported) if with_logprobs else None
+                    reported += [e.token for e in event.logprobs]
+                    chunk = reply.chunk(text=event.piece, logprobs=logprobs)
                     if continuous_usage:
                         chunk["usage"] = usage(reply.prompt_tokens, event.tokens, started["cached_tokens"])
                     yield sse(chunk)
                 elif isinstance(event, Finished):
-                    yield sse(reply.chunk(reason=finish_reason(event.reason), extra={"kvsieve": event.info}))
+                    logprobs = self.logprobs(reply.chat, event.logprobs, reported) if with_logprobs else None
+                    reason = finish_reason(event.reason)
+                    yield sse(reply.chunk(reason=reason, extra={"kvsieve": event.info}, logprobs=logprobs))
                     if include_usage:
                         use = usage(reply.prompt_tokens, event.completion_tokens, event.info["cached_tokens"])
                         yield sse(reply.chunk(use=use))
@@ -454,7 +472,6 @@ class Front:
             await pieces.aclose()
             self.count(request, status)
 
-
     async def read_body(self, request: Request) -> bytes:
         """The raw body, refusing more than --max-body-bytes (413) without reading it all."""
         limit = self.config.max_body_bytes
@@ -510,6 +527,10 @@ class Front:
             ignore_eos=body.ignore_eos,
             top_k=max(body.top_k, 0),
             min_tokens=body.min_tokens,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            logprobs=body.logprob_alternatives(),
         )
         try:
             sampling.validate()

@@ -3,7 +3,7 @@
 Requests are parsed here rather than by FastAPI's own body validation so that every mistake is
 answered the way OpenAI answers it: a 4xx status with `{"error": {"message", "type", "param",
 "code"}}`. Types are strict ("5" is not a number). Fields OpenAI documents but kvsieve does not
-implement (n > 1, logprobs, penalties) are refused by name instead of being silently ignored.
+implement (n > 1, echo) are refused by name instead of being silently ignored.
 Fields nobody documents are ignored and logged once per name, as vLLM does, so that clients that
 send their own extensions work; vLLM's `ignore_eos` and `stream_options.continuous_usage_stats`
 are honoured. kvsieve's own `"kvsieve"` object stays strict: a typo there is an error.
@@ -16,9 +16,12 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kvsieve.decode import MAX_LOGPROBS, TokenLogprob
 
 log = logging.getLogger("kvsieve.serve")
 
@@ -113,12 +116,12 @@ class _Sampling(_Tolerant):
     stream_options: StreamOptions | None = None
     n: int = 1
     user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: bool | int | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
     ignore_eos: bool = False  # vLLM's extensions: decode on past EOS tokens up to max_tokens,
     top_k: int = Field(-1, ge=-1)  # sample among the k likeliest tokens (-1 or 0: all),
-    min_tokens: int = Field(0, ge=0)  # and no EOS before this many tokens
+    min_tokens: int = Field(0, ge=0)  # no EOS before this many tokens,
+    repetition_penalty: float = Field(1.0, gt=0, le=2)  # and CTRL's repetition penalty (1: off)
     kvsieve: KvsieveOptions = Field(default_factory=KvsieveOptions)
 
     @field_validator("stop")
@@ -138,20 +141,6 @@ class _Sampling(_Tolerant):
             raise ValueError("kvsieve returns one choice per request; n must be 1")
         return value
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalty(cls, value: float) -> float:
-        if value != 0:
-            raise ValueError("penalties are not supported by kvsieve; leave them at 0")
-        return value
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, value: bool | int | None) -> bool | int | None:
-        if value:
-            raise ValueError("logprobs are not supported by kvsieve")
-        return value
-
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
@@ -165,6 +154,18 @@ class _Sampling(_Tolerant):
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def logprob_alternatives(self) -> int | None:
+        """Alternatives per answer token when log-probabilities are asked for, else None."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -173,6 +174,10 @@ class ChatRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: str | list[int] = Field(min_length=1)
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def logprob_alternatives(self) -> int | None:
+        return self.logprobs
 
     @field_validator("echo")
     @classmethod
@@ -258,14 +263,45 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
+def logprobs_object(
+    chat: bool, entries: list[TokenLogprob], text_of: Callable[[int], str], offsets: list[int]
+) -> dict[str, Any]:
+    """Answer tokens' log-probabilities in the endpoint's format: chat's `{"content": [{token, logprob,
+    bytes, top_logprobs}]}`, or completions' `{tokens, token_logprobs, top_logprobs, text_offset}`, where
+    `offsets` are where each token's text starts in the answer."""
+    if chat:
+
+        def item(token: int, logprob: float) -> dict[str, Any]:
+            text = text_of(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {
+            "content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
+        }
+    return {
+        "tokens": [text_of(e.token) for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{text_of(t): lp for t, lp in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
 def completion_object(
-    chat: bool, rid: str, model: str, text: str, reason: str, use: dict[str, Any], info: dict[str, Any]
+    chat: bool,
+    rid: str,
+    model: str,
+    text: str,
+    reason: str,
+    use: dict[str, Any],
+    info: dict[str, Any],
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A whole chat.completion or text_completion response, with kvsieve's record of the stages."""
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+        choice["logprobs"] = logprobs
     else:
-        choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+        choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
     return {
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",
@@ -287,6 +323,7 @@ def chunk_object(
     reason: str | None = None,
     extra: dict[str, Any] | None = None,
     use: dict[str, Any] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One streamed chunk: a text delta, the opening role delta, the finish reason, or (with no
     choices) the usage chunk that `stream_options.include_usage` asks for."""
@@ -295,8 +332,10 @@ def chunk_object(
         if text is not None:
             delta["content"] = text
         choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason}
+        if logprobs is not None:
+            choice["logprobs"] = logprobs
     else:
-        choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+        choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
     chunk: dict[str, Any] = {
         "id": rid,
         "object": "chat.completion.chunk" if chat else "text_completion",
