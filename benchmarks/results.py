@@ -19,7 +19,7 @@ from kvsieve.registry import REGISTRY
 
 RUN = Path("runs/results")
 LENGTHS = "4096,8000"
-DEPTHS = "0.1,0.5,0.9"
+DEPTHS = "0.25,0.75"
 
 
 def commands(methods: str) -> list[list[str]]:
