@@ -474,6 +474,32 @@ def test_penalties_change_the_choice_as_openai_and_ctrl_define_them(server, tiny
         assert answer.status_code == 400 and answer.json()["error"]["param"] == field
 
 
+def test_logit_bias_and_the_openai_fields_clients_send_by_default(server, tiny):
+    """logit_bias moves the choice; LangChain's defaults (tools: [], tool_choice "none", response_format text,
+    logit_bias null, parallel_tool_calls) are accepted and change nothing; tool use is a 400 naming tools."""
+    prompt = ids_of(tiny, "the pass key is")
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    plain = httpx.post(f"{server.url}/v1/completions", json=body).json()["choices"][0]["text"]
+    forced = httpx.post(f"{server.url}/v1/completions", json={**body, "logit_bias": {"7": 100}}).json()
+    assert forced["choices"][0]["text"] == " ".join([tiny[1].decode([7])] * 4) != plain
+    defaults = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "logit_bias": None}
+    same = httpx.post(f"{server.url}/v1/completions", json={**body, **defaults, "parallel_tool_calls": True})
+    assert same.json()["choices"][0]["text"] == plain
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+    for bad in [
+        {"tools": [tool]},
+        {"tools": [tool], "tool_choice": "required"},
+        {"logit_bias": {"7": 101}},
+        {"logit_bias": {"seven": 1}},
+        {"logit_bias": {"100000": 1}},
+        {"response_format": {"type": "json_schema"}},
+        {"response_format": {"type": "xml"}},
+    ]:
+        answer = httpx.post(f"{server.url}/v1/completions", json={**body, **bad})
+        assert answer.status_code == 400, bad
+        assert answer.json()["error"]["param"] == next(iter(bad)) or "tool" in answer.json()["error"]["message"], bad
+
+
 def test_api_key_guards_every_endpoint_but_health(tiny):
     with start(tiny, api_key="s3cret", cache_bytes=0) as guarded:
         for path in ("/v1/models", "/metrics"):

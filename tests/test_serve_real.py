@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
@@ -33,3 +35,36 @@ def test_passkey_document_is_reused_for_the_next_question(smollm):
         fresh = ask("Repeat the pass key, digits only.", cache=False)  # exact prefix caching: the same answer
         assert follow.choices[0].message.content == fresh.choices[0].message.content
         assert case.answer in follow.choices[0].message.content
+
+
+def test_structured_output_keeps_the_answer_within_json_and_its_schema(smollm):
+    """response_format json_object gives JSON and json_schema JSON of that schema (xgrammar masks every other
+    token), where the same request without it answers in prose; an unusable schema is a 400."""
+    model, tokenizer = smollm
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+        "required": ["city", "population"],
+        "additionalProperties": False,
+    }
+    with ServerThread(create_server(model, tokenizer, model_name=DEFAULT_MODEL, cache_bytes=0)) as server:
+        chat = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0).chat.completions
+        messages = [{"role": "user", "content": "Tell me about Paris and how many people live there."}]
+
+        def ask(**options) -> openai.types.chat.ChatCompletion:
+            return chat.create(model=DEFAULT_MODEL, messages=messages, max_tokens=60, temperature=0, **options)
+
+        prose = ask().choices[0].message.content
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(prose)
+        anything = ask(response_format={"type": "json_object"}).choices[0]
+        assert anything.finish_reason == "stop"
+        json.loads(anything.message.content)
+        shaped = ask(response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+        answer = json.loads(shaped.choices[0].message.content)
+        assert set(answer) == {"city", "population"} and isinstance(answer["population"], int)
+        with pytest.raises(openai.BadRequestError, match="schema"):
+            ask(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
+        with pytest.raises(openai.BadRequestError, match="tool"):
+            ask(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+        assert ask(tools=[], tool_choice="none", logit_bias=None, parallel_tool_calls=False).choices[0].message.content

@@ -28,8 +28,9 @@ class Sampling:
     `ignore_eos` decodes on past EOS tokens up to `max_new_tokens` (stop strings still apply), so
     that every method of a benchmark decodes, and is timed over, the same number of steps.
     `top_k` > 0 samples among the k likeliest tokens only; `min_tokens` keeps EOS from being
-    picked before that many tokens (vLLM's sampling extensions). Penalties change the logits
-    before any choice, greedy included (`penalize`). `logprobs` (None: off) asks for each answer
+    picked before that many tokens (vLLM's sampling extensions). Penalties and logit biases change
+    the logits before any choice, greedy included (`adjust`); a `grammar` then masks the tokens
+    that would leave it (`kvsieve.structured`). `logprobs` (None: off) asks for each answer
     token's log-probability and that many likeliest alternatives (`TokenLogprob`).
     """
 
@@ -44,7 +45,9 @@ class Sampling:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     logprobs: int | None = None
+    grammar: str | None = None  # "json" (any JSON value) or a JSON Schema text: kvsieve.structured
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
@@ -70,10 +73,15 @@ class Sampling:
             raise KvsieveError(f"repetition_penalty must be in (0, 2] (1 = off), got {self.repetition_penalty}.")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise KvsieveError(f"logprobs asks for 0 to {MAX_LOGPROBS} alternatives per token, got {self.logprobs}.")
+        if any(not -100 <= bias <= 100 for _, bias in self.logit_bias):
+            raise KvsieveError("logit_bias values must be in [-100, 100].")
 
     @property
-    def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+    def adjusts(self) -> bool:
+        """Whether `adjust` changes anything."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias
+        )
 
 
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM allows
@@ -97,10 +105,11 @@ def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     return TokenLogprob(token, float(logprobs[token]), alternatives)
 
 
-def penalize(logits: torch.Tensor, sampling: Sampling, prompt: torch.Tensor, output: Sequence[int]) -> torch.Tensor:
+def adjust(logits: torch.Tensor, sampling: Sampling, prompt: torch.Tensor, output: Sequence[int]) -> torch.Tensor:
     """(vocab,) logits with OpenAI's presence and frequency penalties over the answer so far (minus
-    penalty x [count > 0] and penalty x count) and the repetition penalty over prompt and answer
-    (CTRL's, as transformers and vLLM apply it: positive logits divided by it, negative multiplied)."""
+    penalty x [count > 0] and penalty x count), the repetition penalty over prompt and answer
+    (CTRL's, as transformers and vLLM apply it: positive logits divided by it, negative multiplied)
+    and the logit biases added."""
     logits = logits.float().clone()
     counts = torch.bincount(torch.tensor(list(output), dtype=torch.long), minlength=logits.shape[0])
     counts = counts[: logits.shape[0]].to(logits.device)
@@ -111,6 +120,8 @@ def penalize(logits: torch.Tensor, sampling: Sampling, prompt: torch.Tensor, out
         seen |= counts > 0
         scaled = torch.where(logits > 0, logits / sampling.repetition_penalty, logits * sampling.repetition_penalty)
         logits = torch.where(seen, scaled, logits)
+    for token, bias in sampling.logit_bias:
+        logits[token] += bias
     return logits
 
 

@@ -23,13 +23,14 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvsieve.decode import Sampling, TextStream, TokenLogprob, next_token, penalize, token_logprob
+from kvsieve.decode import Sampling, TextStream, TokenLogprob, adjust, next_token, token_logprob
 from kvsieve.engine.batch import Row
 from kvsieve.engine.prefix_cache import PrefixCache, prefix_key, reuse_compress, reuse_tail
 from kvsieve.engine.slices import PrefillSlices
 from kvsieve.pipeline import Prefill, RunState, StageRecord, prefill, select_tokens
 from kvsieve.prompt import Prompt
 from kvsieve.spec import MethodSpec
+from kvsieve.structured import Constraint
 
 
 @dataclass
@@ -139,6 +140,7 @@ class Request:
         self._generator: torch.Generator | None = None
         self._reuse: dict[str, Any] = {}
         self._logprobs: list[TokenLogprob] = []  # sampled tokens' entries not yet emitted
+        self.constraint: Constraint | None = None  # the answer's grammar (Sampling.grammar)
         self._first_token_at = 0.0
 
     @property
@@ -153,6 +155,8 @@ class Request:
         """Set the prefill up (it runs in the scheduler's slices); nothing is computed yet."""
         self.tokenizer = tokenizer
         self.answer = TextStream(tokenizer, self.sampling, eos)
+        if self.sampling.grammar is not None:
+            self.constraint = Constraint(tokenizer, model.config.vocab_size, self.sampling.grammar)
         work = (lambda: self._select(model)) if self.select_only else (lambda: self._prefill(model, cache))
         self.slices = PrefillSlices(model, work)
 
@@ -248,9 +252,13 @@ class Request:
     def sample(self, logits: torch.Tensor) -> bool:
         """Pick the next token from (vocab,) raw logits (penalties applied here); True when the answer is complete."""
         sampling, answer = self.sampling, self.answer
-        chosen = penalize(logits, sampling, self.prompt.ids[0], answer.tokens) if sampling.penalized else logits
+        chosen = adjust(logits, sampling, self.prompt.ids[0], answer.tokens) if sampling.adjusts else logits
+        if self.constraint is not None:
+            chosen = self.constraint.mask(chosen)
         early = len(answer.tokens) < sampling.min_tokens
         token = next_token(chosen, sampling, self._generator, answer.eos if early else ())
+        if self.constraint is not None:
+            self.constraint.accept(token)
         if sampling.logprobs is not None:
             self._logprobs.append(token_logprob(logits, token, sampling.logprobs))
         return self.add_token(token)

@@ -52,6 +52,7 @@ from kvsieve.serve.openai_types import (
 from kvsieve.serve.prompts import PromptIds, chat_prompt, completion_prompt
 from kvsieve.serve.upstream import Upstream, UpstreamPiece
 from kvsieve.spec import MethodSpec
+from kvsieve.structured import compile_grammar
 
 log = logging.getLogger("kvsieve.serve")
 
@@ -530,12 +531,25 @@ class Front:
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty,
+            logit_bias=body.biases(),
             logprobs=body.logprob_alternatives(),
+            grammar=body.grammar(),
         )
         try:
             sampling.validate()
         except KvsieveError as error:
             raise ApiError(400, str(error), code="invalid_value") from None
+        unknown = [token for token, _ in sampling.logit_bias if token >= self.config.vocab_size]
+        if unknown:
+            raise ApiError(
+                400, f"logit_bias names token ids {unknown} beyond this model's {self.config.vocab_size} tokens.",
+                param="logit_bias", code="invalid_value",
+            )  # fmt: skip
+        if sampling.grammar is not None:
+            try:  # compiled once per grammar; the request's decoding then only matches against it
+                compile_grammar(self.tokenizer, self.config.vocab_size, sampling.grammar)
+            except KvsieveError as error:
+                raise ApiError(400, str(error), param="response_format", code="invalid_value") from None
         return sampling
 
     def client_gone(self, request: Request) -> Response:

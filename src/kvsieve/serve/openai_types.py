@@ -22,6 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvsieve.decode import MAX_LOGPROBS, TokenLogprob
+from kvsieve.structured import ANY_JSON
 
 log = logging.getLogger("kvsieve.serve")
 
@@ -89,6 +90,26 @@ class StreamOptions(_Tolerant):
     continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
 
+class JsonSchemaFormat(_Tolerant):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Tolerant):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a json_schema object: {"name": ..., "schema": {...}}')
+        return self
+
+
 class TextPart(_Tolerant):
     type: Literal["text"]
     text: str
@@ -122,7 +143,46 @@ class _Sampling(_Tolerant):
     top_k: int = Field(-1, ge=-1)  # sample among the k likeliest tokens (-1 or 0: all),
     min_tokens: int = Field(0, ge=0)  # no EOS before this many tokens,
     repetition_penalty: float = Field(1.0, gt=0, le=2)  # and CTRL's repetition penalty (1: off)
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     kvsieve: KvsieveOptions = Field(default_factory=KvsieveOptions)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids as strings, got '{key}'")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        return value
+
+    @model_validator(mode="after")
+    def _no_tool_use(self) -> _Sampling:
+        """Tools that may not be called are fine; calling them needs a tool-call parser kvsieve does not have
+        (vLLM answers the same 400 when it runs without one)."""
+        if self.tools and self.tool_choice != "none":
+            raise ValueError(
+                "tool calls are not supported: kvsieve has no tool-call parser. Send no tools, or tool_choice "
+                '"none"; for JSON answers use response_format {"type": "json_object"} or "json_schema"'
+            )
+        if isinstance(self.tool_choice, dict) or self.tool_choice not in (None, "none", "auto"):
+            raise ValueError('tool_choice must be "none" (or "auto" with no tools): kvsieve calls no tools')
+        return self
+
+    def grammar(self) -> str | None:
+        """The answer's grammar for `Sampling.grammar`: None (text), any JSON, or the schema's text."""
+        if self.response_format is None or self.response_format.type == "text":
+            return None
+        if self.response_format.type == "json_object":
+            return ANY_JSON
+        return json.dumps(self.response_format.json_schema.schema_)
+
+    def biases(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(token), bias) for token, bias in (self.logit_bias or {}).items())
 
     @field_validator("stop")
     @classmethod
