@@ -138,6 +138,13 @@ def test_extra_body_chooses_the_method(server, tiny, name, settings):
     assert info["method"] == name and info["cache"] == "bypassed" and info["kv_entries"] <= 28
     assert [s["stage"] for s in info["stages"]][0] in ("feed", "select")
     assert out.choices[0].text == reference(tiny, ids, name, settings)
+    resolved = method(name, settings).to_dict()  # the record echoes every stage's resolved settings
+    assert info["settings"] == {
+        stage: resolved[stage] for stage in ("select", "feed", "attention", "compress", "evict")
+    }
+    if resolved["evict"] is not None:  # and says how eviction started, beside the prefill stages
+        evict = info["stages"][-1]
+        assert evict["stage"] == "evict" and evict["details"]["budget"] == settings["evict.budget"]
 
 
 def test_metrics_move_with_each_request(server, tiny):
@@ -173,6 +180,20 @@ BAD = [
     ),
     (
         {"model": "tiny", "prompt": [1, 2], "kvsieve": {"method": "snapkv", "set": {"compress.budget": -3}}},
+        400,
+        "invalid_method",
+    ),
+    (  # JSON has types: a string where a number belongs is refused, not converted as on the command line
+        {"model": "tiny", "prompt": [1, 2], "kvsieve": {"method": "snapkv", "set": {"compress.budget": "0.25"}}},
+        400,
+        "invalid_method",
+    ),
+    (  # a setting only the model can refuse: 4 dense layers of a 3-layer model
+        {
+            "model": "tiny",
+            "prompt": [5] * 60,
+            "kvsieve": {"method": "critiprefill", "set": {"attention.dense_layers": 4}},
+        },
         400,
         "invalid_method",
     ),

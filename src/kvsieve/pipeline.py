@@ -198,6 +198,9 @@ def prefill(
             "full feed (a chunked feed already re-encodes positions while it prefills)."
         )
     check_prepared(model)
+    for stage in stages.values():  # settings that depend on the model (CritiPrefill's dense layers)
+        if hasattr(stage, "check_model"):
+            stage.check_model(architecture(model))
     if prompt.ids.ndim != 2 or prompt.ids.shape[0] != 1:
         raise KvsieveError(
             f"A prompt is one row of token ids, shape (1, n); got {tuple(prompt.ids.shape)}. "

@@ -197,6 +197,26 @@ def _type_name(hint: Any) -> str:
     }.get(hint, str(hint))
 
 
+def json_type_error(spec: MethodSpec, path: str, value: Any) -> str | None:
+    """Why JSON `value` does not fit field `path` of `spec` as it is (a string where a number or a flag
+    belongs: JSON has types, unlike the command line, whose strings are converted), else None."""
+    parts = [p for p in str(path).split(".") if p]
+    obj = getattr(spec, parts[0], None) if parts and parts[0] in STAGES else None
+    for part in parts[1:-1]:
+        obj = getattr(obj, part, None)
+    if len(parts) < 2 or not isinstance(value, str) or not dataclasses.is_dataclass(obj):
+        return None
+    field = next((f for f in _fields(type(obj)) if f.name == parts[-1]), None)
+    if field is None or field.metadata.get("kind") is not None:  # unknown: with_settings says so; components by name
+        return None
+    hint = _hints(type(obj))[field.name]
+    members = typing.get_args(hint) if _is_union(hint) else (hint,)
+    texts = [m for m in members if m is str or typing.get_origin(m) is Literal]
+    if texts:
+        return None
+    return f"{path}: expected {_type_name(hint)} as a JSON value, got the string {value!r}."
+
+
 @dataclass(frozen=True)
 class FieldInfo:
     """One settable field: its dotted path, type in words, default and meaning."""

@@ -54,6 +54,7 @@ runs dense; `reset()` does it explicitly. Concurrent requests each use their own
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +62,9 @@ import torch.nn.functional as F
 from kvsieve.attention.dense import bottom_right_causal_mask, dense_attention
 from kvsieve.errors import KvsieveError
 from kvsieve.spec import component, option
+
+if TYPE_CHECKING:
+    from kvsieve.models import Architecture
 
 
 @dataclass(frozen=True)
@@ -286,6 +290,14 @@ class CritiPrefill:
     @property
     def name(self) -> str:
         return self.tag
+
+    def check_model(self, arch: Architecture) -> None:
+        """Refuse settings this model cannot have (called by `kvsieve.pipeline.prefill`)."""
+        if self.dense_layers > arch.num_layers:
+            raise KvsieveError(
+                f"CritiPrefill dense_layers={self.dense_layers}, but this model has {arch.num_layers} layers; "
+                f"give at most {arch.num_layers} (all dense)."
+            )
 
     def begin(self) -> CritiPrefillRun:
         """A fresh kernel for one request: `kernel(layer, query, key, value, scaling) -> (b, h, q, d)`."""

@@ -232,7 +232,13 @@ class Request:
             "kv_entries": done.kv_length,
             "prefill_seconds": round(done.seconds, 6),  # from its first slice: queueing not included
             "stages": [json_safe(asdict(record)) for record in done.stages],
+            "settings": {
+                stage: value for stage, value in self.spec.to_dict().items() if stage not in ("name", "summary")
+            },
         }
+        if self.spec.evict is not None:  # eviction started on the prefilled cache; it goes on while decoding
+            started = StageRecord("evict", self.spec.evict.name, 0.0, done.evict_details)
+            self.info["stages"].append(json_safe(asdict(started)))
         self.emit(Started(self.info))
         if self.sampling.seed is not None:
             self._generator = torch.Generator().manual_seed(self.sampling.seed)

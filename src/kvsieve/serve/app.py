@@ -51,7 +51,7 @@ from kvsieve.serve.openai_types import (
 )
 from kvsieve.serve.prompts import PromptIds, chat_prompt, completion_prompt
 from kvsieve.serve.upstream import Upstream, UpstreamPiece
-from kvsieve.spec import MethodSpec
+from kvsieve.spec import MethodSpec, json_type_error
 from kvsieve.structured import compile_grammar
 
 log = logging.getLogger("kvsieve.serve")
@@ -491,6 +491,9 @@ class Front:
         """The request's method: its `kvsieve.method` (or the server's) with `kvsieve.set` applied."""
         try:
             base = lookup_method(options.method) if options.method is not None else self.config.default_spec
+            for path, value in options.set.items():
+                if (problem := json_type_error(base, path, value)) is not None:
+                    raise KvsieveError(problem)
             return base.with_settings(options.set)
         except KvsieveError as error:
             raise ApiError(400, str(error), param="kvsieve", code="invalid_method") from None
