@@ -148,6 +148,17 @@ def test_extra_body_chooses_the_method(server, tiny, name, settings):
 
 
 def test_metrics_move_with_each_request(server, tiny):
+    listed = 'kvsieve_requests_total{endpoint="/v1/models",status="200"}'
+    before = metric(server, listed)
+    httpx.get(f"{server.url}/v1/models")
+    assert metric(server, listed) == before + 1  # every request counted, GETs included
+    httpx.get(f"{server.url}/v1/models/tiny")
+    httpx.get(f"{server.url}/v1/models/nope")  # one label per route, not per URL
+    assert metric(server, 'kvsieve_requests_total{endpoint="/v1/models/{model_id:path}",status="404"}') >= 1
+    unrouted = 'kvsieve_requests_total{endpoint="other",status="404"}'
+    scanned = metric(server, unrouted)
+    httpx.get(f"{server.url}/wp-admin/setup.php")
+    assert metric(server, unrouted) == scanned + 1
     done = 'kvsieve_requests_total{endpoint="/v1/completions",status="200"}'
     before = [metric(server, m) for m in (done, "kvsieve_time_to_first_token_seconds_count")]
     generated = metric(server, "kvsieve_generation_tokens_total")

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
@@ -32,7 +32,7 @@ from kvsieve.pipeline import positions_needed
 from kvsieve.prompt import Prompt
 from kvsieve.registry import method as lookup_method
 from kvsieve.serve.engine import Engine
-from kvsieve.serve.metrics import Metrics
+from kvsieve.serve.metrics import CONTENT_TYPE, CountRequests, Metrics
 from kvsieve.serve.openai_types import (
     ApiError,
     ChatRequest,
@@ -57,15 +57,6 @@ from kvsieve.structured import compile_grammar
 log = logging.getLogger("kvsieve.serve")
 
 CLIENT_CLOSED = 499  # nginx's status for a request whose client went away
-ENDPOINTS = (
-    "/v1/chat/completions",
-    "/v1/completions",
-    "/v1/models",
-    "/tokenize",
-    "/detokenize",
-    "/health",
-    "/metrics",
-)
 
 
 @dataclass(frozen=True)
@@ -144,9 +135,10 @@ def create_app(
 
     app = FastAPI(title="kvsieve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
+    app.add_middleware(CountRequests, metrics=metrics)
+
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
-        front.count(request, error.status)
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -173,8 +165,8 @@ def create_app(
         return JSONResponse({"status": "ok", "model": config.model_name, "upstream": upstream.url})
 
     @app.get("/metrics", dependencies=[Depends(front.authorize)])
-    async def prometheus() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models", dependencies=[Depends(front.authorize)])
     async def models() -> JSONResponse:
@@ -228,11 +220,6 @@ class Front:
                 401, "Missing or wrong API key: send the header Authorization: Bearer <key>.", code="invalid_api_key"
             )
 
-    def count(self, request: Request, status: int) -> None:
-        """Requests by endpoint and status; unknown paths share one label (no label per scanned URL)."""
-        path = request.url.path
-        self.metrics.request_done(path if path in ENDPOINTS else "other", status)
-
     def model_card(self) -> dict[str, Any]:
         return {
             "id": self.config.model_name,
@@ -258,7 +245,6 @@ class Front:
             prompt = await run_in_threadpool(chat_prompt, self.tokenizer, body.messages)
         else:
             prompt = await run_in_threadpool(completion_prompt, self.tokenizer, body.prompt, self.config.vocab_size)
-        self.count(request, 200)
         return {"count": len(prompt.ids), "max_model_len": self.config.max_positions, "tokens": prompt.ids}
 
     async def detokenize(self, request: Request) -> dict[str, Any]:
@@ -266,7 +252,6 @@ class Front:
         body = parse_body(await self.read_body(request), DetokenizeRequest)
         self.check_model(body.model)
         ids = completion_prompt(self.tokenizer, body.tokens, self.config.vocab_size).ids
-        self.count(request, 200)
         return {"prompt": self.tokenizer.decode(ids)}
 
     async def serve(self, request: Request, chat: bool) -> Response:
@@ -291,7 +276,7 @@ class Front:
             first = await events.next()
         except _ClientGone:
             job.cancelled.set()
-            return self.client_gone(request)
+            return Response(status_code=CLIENT_CLOSED)
         if isinstance(first, Failed):
             job.cancelled.set()
             raise as_api_error(first.error)
@@ -314,10 +299,9 @@ class Front:
                     done = event
                     entries += event.logprobs
         except _ClientGone:
-            return self.client_gone(request)
+            return Response(status_code=CLIENT_CLOSED)
         finally:
             job.cancelled.set()  # frees the slot if the engine still holds it; harmless otherwise
-        self.count(request, 200)
         use = usage(reply.prompt_tokens, done.completion_tokens, done.info["cached_tokens"])
         logprobs = self.logprobs(chat, entries) if sampling.logprobs is not None else None
         reason = finish_reason(done.reason)
@@ -379,7 +363,7 @@ class Front:
                     return
         finally:
             job.cancelled.set()
-            self.count(request, status)
+            request.state.outcome = status  # the status line said 200 before the stream's end
 
     async def relay(
         self,
@@ -410,7 +394,7 @@ class Front:
             selected = await events.next()
         except _ClientGone:
             job.cancelled.set()
-            return self.client_gone(request)
+            return Response(status_code=CLIENT_CLOSED)
         if isinstance(selected, Failed):
             raise as_api_error(selected.error)
         assert isinstance(selected, Selected)
@@ -420,7 +404,6 @@ class Front:
             self.metrics.first_token(time.perf_counter() - arrived)
             info["upstream_prompt_tokens"] = (answer.usage or {}).get("prompt_tokens")
             completion_tokens = (answer.usage or {}).get("completion_tokens", 0)
-            self.count(request, 200)
             use = usage(reply.prompt_tokens, completion_tokens)
             reason = answer.finish_reason or "stop"
             return JSONResponse(completion_object(reply.chat, reply.id, reply.model, answer.text, reason, use, info))
@@ -471,7 +454,7 @@ class Front:
             status = 200
         finally:
             await pieces.aclose()
-            self.count(request, status)
+            request.state.outcome = status  # the status line said 200 before the stream's end
 
     async def read_body(self, request: Request) -> bytes:
         """The raw body, refusing more than --max-body-bytes (413) without reading it all."""
@@ -554,10 +537,6 @@ class Front:
             except KvsieveError as error:
                 raise ApiError(400, str(error), param="response_format", code="invalid_value") from None
         return sampling
-
-    def client_gone(self, request: Request) -> Response:
-        self.count(request, CLIENT_CLOSED)
-        return Response(status_code=CLIENT_CLOSED)
 
 
 @dataclass(frozen=True)

@@ -49,18 +49,18 @@ class Engine:
         self._queue: queue.Queue[Request] = queue.Queue(maxsize=max_queue)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvsieve-engine", daemon=True)
-        metrics.gauges.update(
-            {
-                "queue_depth": ("requests waiting for the engine", lambda: self._queue.qsize()),
-                "active_requests": (
-                    "requests prefilling or decoding",
-                    lambda: len(self.scheduler.prefilling) + len(self.scheduler.running),
-                ),
-                "kv_entries": ("KV entries per layer and KV head held by the decoding requests", self.kv_entries),
-                "prefix_cache_bytes": ("bytes of stored prompt states", lambda: self._cache_stat("bytes")),
-                "prefix_cache_states": ("stored prompt states", lambda: self._cache_stat("states")),
-            }
-        )
+        for name, text, read in [
+            ("queue_depth", "requests waiting for the engine", lambda: self._queue.qsize()),
+            (
+                "active_requests",
+                "requests prefilling or decoding",
+                lambda: len(self.scheduler.prefilling) + len(self.scheduler.running),
+            ),
+            ("kv_entries", "KV entries per layer and KV head held by the decoding requests", self.kv_entries),
+            ("prefix_cache_bytes", "bytes of stored prompt states", lambda: self._cache_stat("bytes")),
+            ("prefix_cache_states", "stored prompt states", lambda: self._cache_stat("states")),
+        ]:
+            metrics.gauge(name, text, read)
 
     # ------------------------------------------------------------------------- front side
 
