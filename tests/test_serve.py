@@ -26,6 +26,7 @@ from kvsieve import Prompt, Sampling, load_model, method, run
 from kvsieve.attention import attention_hooks
 from kvsieve.compress.stages import Compress
 from kvsieve.decode import TextStream, extend, step
+from kvsieve.engine import request as request_module
 from kvsieve.engine.prefix_cache import BLOCK, reuse_tail
 from kvsieve.serve import ServerThread, create_server
 
@@ -530,6 +531,25 @@ def test_logit_bias_and_the_openai_fields_clients_send_by_default(server, tiny):
         answer = httpx.post(f"{server.url}/v1/completions", json={**body, **bad})
         assert answer.status_code == 400, bad
         assert answer.json()["error"]["param"] == next(iter(bad)) or "tool" in answer.json()["error"]["message"], bad
+
+
+def test_a_bug_in_one_step_answers_500_and_the_engine_goes_on(server, tiny, monkeypatch):
+    """An unexpected error while a request is between the scheduler's lists (its first token is sampled as its
+    prefill ends) still reaches that request as a 500, and the next request is served. Temperatures too small
+    to divide by are greedy (vLLM's rule), not NaN probabilities."""
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}
+    greedy = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
+    tiny_temperature = httpx.post(f"{server.url}/v1/completions", json={**body, "temperature": 1e-98}, timeout=30)
+    assert tiny_temperature.json()["choices"][0]["text"] == greedy
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(request_module, "next_token", broken)
+    failed = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
+    monkeypatch.undo()
+    assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()["choices"][0]["text"] == greedy
 
 
 def test_api_key_guards_every_endpoint_but_health(tiny):

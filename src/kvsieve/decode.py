@@ -85,6 +85,7 @@ class Sampling:
 
 
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM allows
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy (vLLM's rule): dividing by them overflows the logits
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ def next_token(
     if banned:
         logits = logits.clone()
         logits[banned] = float("-inf")
-    if sampling.temperature == 0:
+    if sampling.temperature < GREEDY_BELOW:
         return int(torch.argmax(logits))
     logits = logits.float().cpu()
     if 0 < sampling.top_k < logits.shape[0]:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvsieve.engine.prefix_cache import PrefixCache
-from kvsieve.engine.request import Event, Failed, Finished, Request, Started, Text
+from kvsieve.engine.request import Event, Failed, Finished, Request, Selected, Started, Text
 from kvsieve.engine.scheduler import Scheduler
 from kvsieve.serve.metrics import Metrics
 from kvsieve.serve.openai_types import ApiError
@@ -47,6 +47,7 @@ class Engine:
             model, tokenizer, max_step_tokens=max_step_tokens, max_batch=max_batch, prefix_cache=prefix_cache
         )
         self._queue: queue.Queue[Request] = queue.Queue(maxsize=max_queue)
+        self._open: set[Request] = set()  # taken by the engine thread, not yet answered (its own)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvsieve-engine", daemon=True)
         for name, text, read in [
@@ -122,6 +123,8 @@ class Engine:
                 self.metrics.token_latency(now - last)
             elif isinstance(event, Finished):
                 self.metrics.add("generation_tokens", event.completion_tokens)
+            if isinstance(event, Finished | Failed | Selected):
+                self._open.discard(request)
             last = now
             emit(event)
 
@@ -147,13 +150,16 @@ class Engine:
                 request = self._queue.get(timeout=0.05) if block else self._queue.get_nowait()
             except queue.Empty:
                 return
+            self._open = {r for r in self._open if not r.cancelled.is_set()}  # the scheduler drops those silently
+            self._open.add(request)
             self.scheduler.add(request)
             block = False
 
     def _fail_all(self, error: Exception) -> None:
-        """Answer every request in the scheduler with `error` and start over with an empty one."""
+        """Answer every request the engine took and has not answered with `error` (wherever the step left it:
+        in the scheduler's lists or between them), and start over with an empty scheduler."""
         scheduler = self.scheduler
-        for request in [*scheduler.waiting, *scheduler.prefilling, *scheduler.running]:
+        for request in list(self._open):
             request.emit(Failed(error))
         self.scheduler = Scheduler(
             self.model,
