@@ -12,11 +12,14 @@ running request decodes a token at every step.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import FakeTokenizer, build_model, make_prompt
 
 from kvsieve import Sampling, method, run
+from kvsieve.engine import request as request_module
 from kvsieve.engine.batch import DecodeBatch
 from kvsieve.engine.request import Failed, Finished, Request, Started, Text
 from kvsieve.engine.scheduler import Scheduler
@@ -105,6 +108,25 @@ def test_a_list_of_prompts_runs_as_one_batch_with_each_prompts_answer(model):
     for prompt, result in zip(prompts, together, strict=True):
         alone = run(model, FakeTokenizer(), prompt, method=spec, sampling=Sampling(max_new_tokens=9))
         assert result.tokens == alone.tokens and result.kv_cache_length == alone.kv_cache_length == 24
+
+
+@pytest.mark.parametrize(
+    "name,settings", [("full", {}), ("a2sf", {"evict.budget": 24}), ("gemfilter", {"select.k": 30})]
+)
+def test_n_answers_share_one_prefill_and_each_is_the_answer_its_seed_gives(model, name, settings, monkeypatch):
+    """n > 1: the prompt is prefilled once, and answer i (decoded from its own copy of the cache and of the
+    eviction state, batched with the others) is exactly the one answer a run seeded seed + i gives."""
+    prompt, spec = make_prompt(40, seed=3), method(name, settings)
+    prefills = []
+    prefill = request_module.prefill
+    monkeypatch.setattr(request_module, "prefill", lambda *a, **k: prefills.append(1) or prefill(*a, **k))
+    sampling = Sampling(max_new_tokens=10, temperature=1.0, seed=7, n=3)
+    answers = run(model, FakeTokenizer(), prompt, method=spec, sampling=sampling)
+    assert len(prefills) == 1 and len(answers) == 3
+    for i, answer in enumerate(answers):
+        alone = run(model, FakeTokenizer(), prompt, method=spec, sampling=replace(sampling, n=1, seed=7 + i))
+        assert answer.tokens == alone.tokens and answer.kv_cache_length == alone.kv_cache_length
+    assert len({tuple(a.tokens) for a in answers}) > 1  # sampled apart
 
 
 @pytest.mark.parametrize(

@@ -182,7 +182,7 @@ BAD = [
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, None),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "5"}, 400, None),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, None),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, None),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 17}, 400, None),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "kvsieve": {"bogus": 1}}, 400, None),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "kvsieve": {"method": "nope"}}, 400, None),
     (
@@ -550,6 +550,39 @@ def test_a_bug_in_one_step_answers_500_and_the_engine_goes_on(server, tiny, monk
     assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
     monkeypatch.undo()
     assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()["choices"][0]["text"] == greedy
+
+
+def test_n_answers_come_from_one_prefill_whole_and_streamed(server, tiny):
+    """n = 3: three choices indexed 0..2 from one prefill (the prefilled-token counter moves once), usage
+    counting every answer; streamed, each index opens, streams and finishes, and the texts agree."""
+    prompt = ids_of(tiny, DOC + " what is it")
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 11, "n": 3}
+    body |= {"ignore_eos": True, "kvsieve": {"cache": False}}
+    prefilled = metric(server, "kvsieve_prefill_tokens_total")
+    whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    assert metric(server, "kvsieve_prefill_tokens_total") == prefilled + len(prompt)
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2]
+    assert whole["usage"]["completion_tokens"] == 18  # 6 tokens for each answer
+    texts = [c["text"] for c in whole["choices"]]
+    assert len(set(texts)) > 1
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=streamed, timeout=60) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    pieces = {
+        i: "".join(c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["index"] == i)
+        for i in range(3)
+    }
+    assert [pieces[i] for i in range(3)] == texts
+    assert sorted(c["choices"][0]["index"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]) == [
+        0,
+        1,
+        2,
+    ]
+    assert chunks[-1]["usage"]["completion_tokens"] == 18
+    chat = client(server).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=3, temperature=0, n=2
+    )
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content  # greedy
 
 
 def test_api_key_guards_every_endpoint_but_health(tiny):

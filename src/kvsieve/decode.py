@@ -48,6 +48,7 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     logprobs: int | None = None
     grammar: str | None = None  # "json" (any JSON value) or a JSON Schema text: kvsieve.structured
+    n: int = 1  # answers sampled from the one prefill (each from its own copy of the prefilled cache)
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
@@ -73,18 +74,19 @@ class Sampling:
             raise KvsieveError(f"repetition_penalty must be in (0, 2] (1 = off), got {self.repetition_penalty}.")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise KvsieveError(f"logprobs asks for 0 to {MAX_LOGPROBS} alternatives per token, got {self.logprobs}.")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise KvsieveError(f"n (answers per prompt) must be in [1, {MAX_CHOICES}], got {self.n}.")
         if any(not -100 <= bias <= 100 for _, bias in self.logit_bias):
             raise KvsieveError("logit_bias values must be in [-100, 100].")
 
     @property
     def adjusts(self) -> bool:
         """Whether `adjust` changes anything."""
-        return bool(
-            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias
-        )
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias)
 
 
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM allows
+MAX_CHOICES = 16  # answers per prompt (n)
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (vLLM's rule): dividing by them overflows the logits
 
 

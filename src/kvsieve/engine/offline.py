@@ -37,11 +37,12 @@ def run(
     sampling: Sampling | None = None,
     stream: Callable[[str], None] | None = None,
     max_batch: int = 16,
-) -> GenerationResult | list[GenerationResult]:
+) -> GenerationResult | list[GenerationResult] | list[list[GenerationResult]]:
     """Generate from built `Prompt`s through `method`'s stages (or stages given one by one).
 
     A list of prompts runs as a batch of at most `max_batch` at a time; `stream` receives the
     answer's text as it becomes final (one prompt only). The first failure raises its error.
+    With `sampling.n` > 1 each prompt gives a list of its n answers, all decoded from one prefill.
     """
     sampling = sampling or Sampling()
     sampling.validate()
@@ -49,8 +50,8 @@ def run(
         method, {"select": select, "feed": feed, "attention": attention, "compress": compress, "evict": evict}
     )
     prompts = [prompt] if isinstance(prompt, Prompt) else list(prompt)
-    if stream is not None and len(prompts) != 1:
-        raise ValueError("stream= takes the text of one prompt; run a list of prompts without it.")
+    if stream is not None and (len(prompts) != 1 or sampling.n > 1):
+        raise ValueError("stream= takes the text of one answer; run a list of prompts (or n > 1) without it.")
     emit = _text_to(stream) if stream is not None else None
     scheduler = Scheduler(model, tokenizer, max_batch=max_batch)
     requests = [Request(p, spec, sampling, emit) for p in prompts]
@@ -61,7 +62,10 @@ def run(
     for request in requests:
         if request.error is not None:
             raise request.error
-    results = [request.result for request in requests]
+    if sampling.n > 1:  # each prompt's n answers, sampled from its one prefill
+        results = [[answer.result for answer in (request, *request.forks)] for request in requests]
+    else:
+        results = [request.result for request in requests]
     return results[0] if isinstance(prompt, Prompt) else results
 
 

@@ -14,6 +14,7 @@ the kept token ids (`Selected`).
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections.abc import Callable
@@ -21,8 +22,9 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 
+from kvsieve.compress.cache import wrap_cache
 from kvsieve.decode import Sampling, TextStream, TokenLogprob, adjust, next_token, token_logprob
 from kvsieve.engine.batch import Row
 from kvsieve.engine.prefix_cache import PrefixCache, prefix_key, reuse_compress, reuse_tail
@@ -45,6 +47,7 @@ class Text:
     piece: str
     tokens: int  # answer tokens so far (a piece can span several tokens, or wait for the next)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of this piece's tokens, when asked for
+    index: int = 0  # which of the request's n answers
 
 
 @dataclass
@@ -53,6 +56,7 @@ class Finished:
     completion_tokens: int
     info: dict[str, Any]
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of answer tokens no Text reported
+    index: int = 0  # which of the request's n answers
 
 
 @dataclass
@@ -141,6 +145,10 @@ class Request:
         self._reuse: dict[str, Any] = {}
         self._logprobs: list[TokenLogprob] = []  # sampled tokens' entries not yet emitted
         self.constraint: Constraint | None = None  # the answer's grammar (Sampling.grammar)
+        self.index = 0  # which of the n answers this request decodes (forks: 1 .. n-1)
+        self.forks: list[Request] = []  # the other n-1 answers, forked when the prefill is done
+        self.decode_cache: Cache | None = None  # the cache this answer decodes from
+        self.model: PreTrainedModel | None = None
         self._first_token_at = 0.0
 
     @property
@@ -153,12 +161,17 @@ class Request:
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, eos: set[int], cache: PrefixCache | None
     ) -> None:
         """Set the prefill up (it runs in the scheduler's slices); nothing is computed yet."""
-        self.tokenizer = tokenizer
-        self.answer = TextStream(tokenizer, self.sampling, eos)
-        if self.sampling.grammar is not None:
-            self.constraint = Constraint(tokenizer, model.config.vocab_size, self.sampling.grammar)
+        self.model, self.tokenizer = model, tokenizer
+        self._begin_answer(eos)
         work = (lambda: self._select(model)) if self.select_only else (lambda: self._prefill(model, cache))
         self.slices = PrefillSlices(model, work)
+
+    def _begin_answer(self, eos: set[int]) -> None:
+        """A fresh answer: its text, grammar state and log-probabilities."""
+        self.answer = TextStream(self.tokenizer, self.sampling, eos)
+        if self.sampling.grammar is not None:
+            self.constraint = Constraint(self.tokenizer, self.model.config.vocab_size, self.sampling.grammar)
+        self._logprobs = []
 
     def _prefill(self, model: PreTrainedModel, cache: PrefixCache | None) -> Prefill:
         """The method's stages on the prompt, from a stored prefix where one fits (`reuse_tail`)."""
@@ -243,9 +256,25 @@ class Request:
         if self.sampling.seed is not None:
             self._generator = torch.Generator().manual_seed(self.sampling.seed)
         self._first_token_at = time.perf_counter()
-        evict = done.state.evict
-        self.row = Row(0, done.prefilled.next_position, evict)
-        self.sample(done.prefilled.last_logits)
+        self.decode_cache = done.prefilled.cache
+        self.row = Row(0, done.prefilled.next_position, done.state.evict)
+        logits = done.prefilled.last_logits
+        self.forks = [self._fork(index, logits) for index in range(1, self.sampling.n)]
+        self.sample(logits)
+
+    def _fork(self, index: int, logits: torch.Tensor) -> Request:
+        """Answer `index` of n from the same prefill: a copy of the prefilled cache and eviction state, its
+        own answer and sampling generator (seeded seed + index), its first token picked from `logits`."""
+        fork = copy.copy(self)  # the prompt, method, record and events are shared
+        fork.index, fork.forks = index, []
+        fork._begin_answer(self.answer.eos)
+        if self.sampling.seed is not None:
+            fork._generator = torch.Generator().manual_seed((self.sampling.seed + index) % 2**64)
+        layers = [(layer.keys.clone(), layer.values.clone()) for layer in self.decode_cache.layers]
+        fork.decode_cache = wrap_cache(self.model, layers)
+        fork.row = Row(0, self.row.position, copy.deepcopy(self.row.evict))
+        fork.sample(logits)
+        return fork
 
     def _prefill_tokens(self, done: Prefill) -> int:
         """Tokens the full model prefilled: the kept ones after a select stage, the new ones after a reused prefix."""
@@ -274,7 +303,7 @@ class Request:
         self.row.token = token
         piece = self.answer.add(token)
         if piece:
-            self.emit(Text(piece, len(self.answer.tokens), self._take_logprobs()))
+            self.emit(Text(piece, len(self.answer.tokens), self._take_logprobs(), self.index))
         return self.answer.finish is not None
 
     def _take_logprobs(self) -> list[TokenLogprob]:
@@ -307,7 +336,7 @@ class Request:
             state=done.state,
         )
         info = {**self.info, "kv_entries_at_end": kv_entries}
-        self.emit(Finished(answer.finish, len(answer.tokens), info, self._take_logprobs()))
+        self.emit(Finished(answer.finish, len(answer.tokens), info, self._take_logprobs(), self.index))
 
     def fail(self, error: Exception) -> None:
         self.error = error

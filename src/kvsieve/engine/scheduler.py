@@ -124,15 +124,16 @@ class Scheduler:
         return None
 
     def _start_decoding(self, request: Request) -> None:
+        """The prefill is done: each of the request's answers (n: it and its forks) joins the batch."""
         request.prefill_done()
         if request.select_only:
             return
-        cache = request.prefilled.prefilled.cache
-        if request.answer.finish is not None:  # the first token ended it
-            request.finish(cache.get_seq_length())
-            return
-        self.batch.add(request.row, cache)
-        self.running.append(request)
+        for answer in [request, *request.forks]:
+            if answer.answer.finish is not None:  # the first token ended it
+                answer.finish(answer.decode_cache.get_seq_length())
+                continue
+            self.batch.add(answer.row, answer.decode_cache)
+            self.running.append(answer)
 
     def _fail(self, request: Request, error: Exception) -> None:
         self.prefilling.remove(request)

@@ -40,6 +40,7 @@ from kvsieve.serve.openai_types import (
     DetokenizeRequest,
     KvsieveOptions,
     TokenizeRequest,
+    choice_object,
     chunk_object,
     completion_object,
     finish_reason,
@@ -283,31 +284,39 @@ class Front:
         if body.stream:
             chunks = self.stream(
                 request, job, events, reply, body.include_usage(), body.continuous_usage(), first.info,
-                sampling.logprobs is not None,
+                sampling.logprobs is not None, sampling.n,
             )  # fmt: skip
             return StreamingResponse(chunks, media_type="text/event-stream")
+        n = sampling.n
+        texts, entries, done = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
         try:
-            text, entries, done = [], [], None
-            while done is None:
+            while any(d is None for d in done):
                 event = await events.next()
                 if isinstance(event, Failed):
                     raise as_api_error(event.error)
                 if isinstance(event, Text):
-                    text.append(event.piece)
-                    entries += event.logprobs
+                    texts[event.index].append(event.piece)
+                    entries[event.index] += event.logprobs
                 elif isinstance(event, Finished):
-                    done = event
-                    entries += event.logprobs
+                    done[event.index] = event
+                    entries[event.index] += event.logprobs
         except _ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         finally:
             job.cancelled.set()  # frees the slot if the engine still holds it; harmless otherwise
-        use = usage(reply.prompt_tokens, done.completion_tokens, done.info["cached_tokens"])
-        logprobs = self.logprobs(chat, entries) if sampling.logprobs is not None else None
-        reason = finish_reason(done.reason)
-        return JSONResponse(
-            completion_object(chat, reply.id, reply.model, "".join(text), reason, use, done.info, logprobs)
-        )
+        info = done[0].info
+        use = usage(reply.prompt_tokens, sum(d.completion_tokens for d in done), info["cached_tokens"])
+        choices = [
+            choice_object(
+                chat,
+                i,
+                "".join(texts[i]),
+                finish_reason(done[i].reason),
+                self.logprobs(chat, entries[i]) if sampling.logprobs is not None else None,
+            )  # fmt: skip
+            for i in range(n)
+        ]
+        return JSONResponse(completion_object(chat, reply.id, reply.model, choices, use, info))
 
     def logprobs(self, chat: bool, entries: list[TokenLogprob], before: list[int] | None = None) -> dict[str, Any]:
         """`entries` in the endpoint's logprobs format, each token as the text it decodes to; a completion's
@@ -326,32 +335,43 @@ class Front:
         continuous_usage: bool,
         started: dict[str, Any],
         with_logprobs: bool,
+        answers: int,
     ) -> AsyncIterator[bytes]:
         """Server-sent chunks until the answer is finished; a client that leaves cancels the job.
 
         `continuous_usage` (vLLM's `stream_options.continuous_usage_stats`) puts the usage so far in every
         text chunk; `started` is the record the request's prefill reported; `with_logprobs` puts each
-        chunk's tokens' log-probabilities in it."""
-        status, reported = CLIENT_CLOSED, []  # tokens whose log-probabilities were sent
+        chunk's tokens' log-probabilities in it; `answers` (n) chunks carry their answer's index."""
+        status, n = CLIENT_CLOSED, answers
+        reported: list[list[int]] = [[] for _ in range(n)]  # per answer: tokens whose log-probabilities were sent
+        tokens, finished = [0] * n, []
         try:
             if reply.chat:
-                yield sse(reply.chunk(role=True))
+                for index in range(n):
+                    yield sse(reply.chunk(role=True, index=index))
             while True:
                 event = await events.next(watch_client=False)  # Starlette watches the client while streaming
+                if isinstance(event, Text | Finished):
+                    i = event.index
+                    logprobs = self.logprobs(reply.chat, event.logprobs, reported[i]) if with_logprobs else None
+                    reported[i] += [e.token for e in event.logprobs]
                 if isinstance(event, Text):
-                    logprobs = self.logprobs(reply.chat, event.logprobs, reported) if with_logprobs else None
-                    reported += [e.token for e in event.logprobs]
-                    chunk = reply.chunk(text=event.piece, logprobs=logprobs)
+                    tokens[event.index] = event.tokens
+                    chunk = reply.chunk(text=event.piece, logprobs=logprobs, index=event.index)
                     if continuous_usage:
-                        chunk["usage"] = usage(reply.prompt_tokens, event.tokens, started["cached_tokens"])
+                        chunk["usage"] = usage(reply.prompt_tokens, sum(tokens), started["cached_tokens"])
                     yield sse(chunk)
                 elif isinstance(event, Finished):
-                    logprobs = self.logprobs(reply.chat, event.logprobs, reported) if with_logprobs else None
+                    finished.append(event)
                     reason = finish_reason(event.reason)
-                    yield sse(reply.chunk(reason=reason, extra={"kvsieve": event.info}, logprobs=logprobs))
+                    yield sse(
+                        reply.chunk(reason=reason, extra={"kvsieve": event.info}, logprobs=logprobs, index=event.index)
+                    )
+                    if len(finished) < n:
+                        continue
                     if include_usage:
-                        use = usage(reply.prompt_tokens, event.completion_tokens, event.info["cached_tokens"])
-                        yield sse(reply.chunk(use=use))
+                        generated = sum(f.completion_tokens for f in finished)
+                        yield sse(reply.chunk(use=usage(reply.prompt_tokens, generated, event.info["cached_tokens"])))
                     yield sse("[DONE]")
                     status = 200
                     return
@@ -377,6 +397,8 @@ class Front:
         arrived: float,
     ) -> Response:
         """--upstream: select locally, send the kept token ids upstream, relay the answer."""
+        if sampling.n > 1:
+            raise ApiError(400, "With --upstream, ask the upstream engine for one answer (n=1).", param="n")
         local = [stage for stage in ("compress", "evict") if getattr(spec, stage) is not None]
         if spec.feed is not None and spec.feed.tag != "full":
             local.insert(0, "feed")
@@ -406,7 +428,8 @@ class Front:
             completion_tokens = (answer.usage or {}).get("completion_tokens", 0)
             use = usage(reply.prompt_tokens, completion_tokens)
             reason = answer.finish_reason or "stop"
-            return JSONResponse(completion_object(reply.chat, reply.id, reply.model, answer.text, reason, use, info))
+            choices = [choice_object(reply.chat, 0, answer.text, reason)]
+            return JSONResponse(completion_object(reply.chat, reply.id, reply.model, choices, use, info))
         pieces = self.upstream.stream(selected.ids, sampling)
         first = await anext(pieces, None)  # upstream errors become this request's status, before streaming
         return StreamingResponse(
@@ -520,6 +543,7 @@ class Front:
             logit_bias=body.biases(),
             logprobs=body.logprob_alternatives(),
             grammar=body.grammar(),
+            n=body.n,
         )
         try:
             sampling.validate()

@@ -3,7 +3,7 @@
 Requests are parsed here rather than by FastAPI's own body validation so that every mistake is
 answered the way OpenAI answers it: a 4xx status with `{"error": {"message", "type", "param",
 "code"}}`. Types are strict ("5" is not a number). Fields OpenAI documents but kvsieve does not
-implement (n > 1, echo) are refused by name instead of being silently ignored.
+implement (echo) are refused by name instead of being silently ignored.
 Fields nobody documents are ignored and logged once per name, as vLLM does, so that clients that
 send their own extensions work; vLLM's `ignore_eos` and `stream_options.continuous_usage_stats`
 are honoured. kvsieve's own `"kvsieve"` object stays strict: a typo there is an error.
@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kvsieve.decode import MAX_LOGPROBS, TokenLogprob
+from kvsieve.decode import MAX_CHOICES, MAX_LOGPROBS, TokenLogprob
 from kvsieve.structured import ANY_JSON
 
 log = logging.getLogger("kvsieve.serve")
@@ -135,7 +135,7 @@ class _Sampling(_Tolerant):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # answers sampled from the one prefill
     user: str | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
@@ -192,13 +192,6 @@ class _Sampling(_Tolerant):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
-        return value
-
-    @field_validator("n")
-    @classmethod
-    def _n(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("kvsieve returns one choice per request; n must be 1")
         return value
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -346,28 +339,26 @@ def logprobs_object(
     }
 
 
-def completion_object(
-    chat: bool,
-    rid: str,
-    model: str,
-    text: str,
-    reason: str,
-    use: dict[str, Any],
-    info: dict[str, Any],
-    logprobs: dict[str, Any] | None = None,
+def choice_object(
+    chat: bool, index: int, text: str, reason: str, logprobs: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """A whole chat.completion or text_completion response, with kvsieve's record of the stages."""
+    """One answer of a whole response."""
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
-        choice["logprobs"] = logprobs
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
+        message = {"role": "assistant", "content": text}
+        return {"index": index, "message": message, "finish_reason": reason, "logprobs": logprobs}
+    return {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}
+
+
+def completion_object(
+    chat: bool, rid: str, model: str, choices: list[dict[str, Any]], use: dict[str, Any], info: dict[str, Any]
+) -> dict[str, Any]:
+    """A whole chat.completion or text_completion response (`choice_object`s), with kvsieve's record."""
     return {
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
+        "choices": choices,
         "usage": use,
         "kvsieve": info,
     }
@@ -384,6 +375,7 @@ def chunk_object(
     extra: dict[str, Any] | None = None,
     use: dict[str, Any] | None = None,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
     """One streamed chunk: a text delta, the opening role delta, the finish reason, or (with no
     choices) the usage chunk that `stream_options.include_usage` asks for."""
@@ -391,11 +383,11 @@ def chunk_object(
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
         if text is not None:
             delta["content"] = text
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason}
+        choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": reason}
         if logprobs is not None:
             choice["logprobs"] = logprobs
     else:
-        choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
+        choice = {"index": index, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
     chunk: dict[str, Any] = {
         "id": rid,
         "object": "chat.completion.chunk" if chat else "text_completion",
