@@ -54,6 +54,11 @@ class Constraint:
         logits = logits.float().clone()
         self.matcher.fill_next_token_bitmask(self.bitmask)
         self._xgrammar.apply_token_bitmask_inplace(logits, self.bitmask[0].to(logits.device))
+        if not torch.isfinite(logits).any():
+            raise KvsieveError(
+                "No token of this model's vocabulary continues the answer within its response_format; "
+                "ask for text, or for a schema this model's tokens can spell."
+            )
         return logits
 
     def accept(self, token: int) -> None:

@@ -80,8 +80,18 @@ class Scheduler:
 
     def _decode(self) -> None:
         logits = self.batch.step()
-        finished = [request for i, request in enumerate(self.running) if request.sample(logits[i])]
+        finished, failed = [], []
+        for i, request in enumerate(self.running):
+            try:
+                if request.sample(logits[i]):
+                    finished.append(request)
+            except Exception as error:  # this answer cannot go on (its grammar, a bug): it fails alone
+                if not isinstance(error, KvsieveError):
+                    log.exception("decoding failed")
+                request.fail(error)
+                failed.append(request)
         self._finish(finished)
+        self._leave(failed)
 
     def _finish(self, finished: list[Request]) -> None:
         for request in finished:
@@ -105,7 +115,12 @@ class Scheduler:
                 continue
             if request.slices.done:
                 self.prefilling.remove(request)
-                self._start_decoding(request)
+                try:
+                    self._start_decoding(request)
+                except Exception as error:  # its first token could not be picked: it fails alone
+                    if not isinstance(error, KvsieveError):
+                        log.exception("starting to decode failed")
+                    request.fail(error)
             if budget is not None:
                 budget -= spent
                 if budget <= 0:
