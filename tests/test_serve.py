@@ -471,6 +471,38 @@ def test_logprobs_are_the_models_raw_log_probabilities_in_both_formats(server, t
     assert plain.choices[0].logprobs is None
 
 
+def test_echo_gives_the_prompts_log_probabilities_as_lm_eval_reads_them(server, tiny):
+    """echo + logprobs (lm-eval's local-completions loglikelihood request): the prompt's tokens come first,
+    the first with no log-probability, each next one's as a whole forward pass gives it; methods that do not
+    run the whole prompt densely refuse with a 400; echo alone puts the prompt's text first."""
+    model, tokenizer = tiny
+    prompt = ids_of(tiny, "the pass key is hello world remember it")
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 2}
+    choice = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    logprobs = choice["logprobs"]
+    with torch.no_grad():
+        expected = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0].float(), -1)
+    assert logprobs["tokens"][: len(prompt)] == [tokenizer.decode([t]) for t in prompt]
+    assert logprobs["token_logprobs"][0] is None and len(logprobs["token_logprobs"]) == len(prompt) + 1
+    reference = [float(expected[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
+    assert logprobs["token_logprobs"][1 : len(prompt)] == pytest.approx(reference, abs=1e-4)
+    assert all(len(top) == 2 for top in logprobs["top_logprobs"][1:])
+    assert choice["text"].startswith(tokenizer.decode(prompt)) and len(choice["text"]) > len(tokenizer.decode(prompt))
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    streamed = [
+        lp
+        for c in chunks
+        if c["choices"] and c["choices"][0]["logprobs"]
+        for lp in c["choices"][0]["logprobs"]["token_logprobs"]
+    ]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(logprobs["token_logprobs"][1:], abs=1e-6)
+    plain = httpx.post(f"{server.url}/v1/completions", json={**body, "logprobs": None}, timeout=60).json()
+    assert plain["choices"][0]["text"] == choice["text"] and plain["choices"][0]["logprobs"] is None
+    refused = httpx.post(f"{server.url}/v1/completions", json={**body, "kvsieve": {"method": "gemfilter"}}, timeout=60)
+    assert refused.status_code == 400 and "dense pass" in refused.json()["error"]["message"]
+
+
 def test_penalties_change_the_choice_as_openai_and_ctrl_define_them(server, tiny):
     """presence / frequency penalties over the answer so far and the repetition penalty over prompt and
     answer: the greedy answers equal a reference that applies the definitions to whole forward passes."""

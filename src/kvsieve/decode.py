@@ -47,6 +47,7 @@ class Sampling:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (vLLM's field)
     grammar: str | None = None  # "json" (any JSON value) or a JSON Schema text: kvsieve.structured
     n: int = 1  # answers sampled from the one prefill (each from its own copy of the prefilled cache)
 
@@ -72,8 +73,11 @@ class Sampling:
                 raise KvsieveError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}.")
         if not 0 < self.repetition_penalty <= 2:
             raise KvsieveError(f"repetition_penalty must be in (0, 2] (1 = off), got {self.repetition_penalty}.")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise KvsieveError(f"logprobs asks for 0 to {MAX_LOGPROBS} alternatives per token, got {self.logprobs}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= MAX_LOGPROBS:
+                raise KvsieveError(
+                    f"{name} asks for 0 to {MAX_LOGPROBS} alternatives per token, got {getattr(self, name)}."
+                )
         if not 1 <= self.n <= MAX_CHOICES:
             raise KvsieveError(f"n (answers per prompt) must be in [1, {MAX_CHOICES}], got {self.n}.")
         if any(not -100 <= bias <= 100 for _, bias in self.logit_bias):
@@ -96,7 +100,7 @@ class TokenLogprob:
     temperature and truncation, as vLLM reports by default) and the `top` likeliest tokens'."""
 
     token: int
-    logprob: float
+    logprob: float | None  # None for a prompt's first token, which nothing predicts
     top: list[tuple[int, float]]
 
 
@@ -106,6 +110,13 @@ def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     best = torch.topk(logprobs, top) if top else None
     alternatives = list(zip(best.indices.tolist(), best.values.tolist(), strict=True)) if best is not None else []
     return TokenLogprob(token, float(logprobs[token]), alternatives)
+
+
+def prompt_logprobs(logits: torch.Tensor, ids: torch.Tensor, top: int) -> list[TokenLogprob]:
+    """Each prompt token's entry from the (L, vocab) logits of its prompt (position i predicts token i + 1);
+    the first token has none."""
+    first = TokenLogprob(int(ids[0]), None, [])
+    return [first, *(token_logprob(logits[i], int(ids[i + 1]), top) for i in range(len(ids) - 1))]
 
 
 def adjust(logits: torch.Tensor, sampling: Sampling, prompt: torch.Tensor, output: Sequence[int]) -> torch.Tensor:

@@ -170,6 +170,7 @@ def prefill(
     prefix: PromptState | None = None,
     keep: int = 0,
     store_with: Compress | None = None,
+    prompt_logits: bool = False,
 ) -> Prefill:
     """Run select -> feed -> compress (and start `evict`) on `prompt`; `reserve` positions follow it.
 
@@ -185,6 +186,8 @@ def prefill(
     `store_with` (a one-pass feed only) compresses the stored state with its policy, which sees the
     prefix's own queries only (no question), to its budget; this run then goes on from that
     compressed state too, so the first request on a prefix answers as every later one does.
+    `prompt_logits` keeps the logits of every prompt position (`Prefilled.logits`): only a dense
+    one-pass feed of the whole prompt computes them (compression and eviction come after it).
     """
     stages = resolve_method(
         method, {"select": select, "feed": feed, "attention": attention, "compress": compress, "evict": evict}
@@ -209,6 +212,14 @@ def prefill(
     start_at = prefix.length if prefix is not None else 0
     if (prefix is not None or keep) and (attention is not None or (select is None and feed.tag != "full")):
         raise KvsieveError("Only a select stage or a one-pass feed without a prefill kernel continues a stored prefix.")
+    if prompt_logits and (
+        select is not None or attention is not None or feed.tag != "full" or prefix is not None or keep
+    ):
+        raise KvsieveError(
+            "Prompt log-probabilities (echo with logprobs) need the whole prompt in one dense pass: a method "
+            "without a select stage, a prefill kernel or a chunked feed (full, snapkv, h2o, a2sf, ...), and no "
+            "reused prefix."
+        )
     if store_with is not None and (select is not None or not keep):
         raise KvsieveError("store_with compresses the prefix state that `keep` stores after a one-pass feed.")
     if start_at >= prompt.length or (keep and not start_at < keep < prompt.length):
@@ -249,7 +260,9 @@ def prefill(
             # One pass: the first pruning stage cuts each layer right after its attention (lower peak).
             finishers = [runs[0].finisher(cache)] if runs else []
             with attention_hooks(last_pass=observers, finishers=finishers):
-                prefilled = feed.prefill(model, ids[:, start_at:], cache=cache, position=position)
+                prefilled = feed.prefill(
+                    model, ids[:, start_at:], cache=cache, position=position, every_logit=prompt_logits
+                )
         else:
             with attention_hooks(last_pass=[observer for run in runs for observer in run.observers()]):
                 prefilled = feed.prefill(model, ids)

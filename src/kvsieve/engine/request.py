@@ -25,7 +25,7 @@ import torch
 from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvsieve.compress.cache import wrap_cache
-from kvsieve.decode import Sampling, TextStream, TokenLogprob, adjust, next_token, token_logprob
+from kvsieve.decode import Sampling, TextStream, TokenLogprob, adjust, next_token, prompt_logprobs, token_logprob
 from kvsieve.engine.batch import Row
 from kvsieve.engine.prefix_cache import PrefixCache, prefix_key, reuse_compress, reuse_tail
 from kvsieve.engine.slices import PrefillSlices
@@ -40,6 +40,7 @@ class Started:
     """Prefill is done; `info` says what the stages did. The first text follows."""
 
     info: dict[str, Any]
+    prompt_logprobs: list[TokenLogprob] | None = None  # when Sampling.prompt_logprobs asked for them
 
 
 @dataclass
@@ -177,7 +178,8 @@ class Request:
         """The method's stages on the prompt, from a stored prefix where one fits (`reuse_tail`)."""
         tail = reuse_tail(self.spec)
         status, hit, keep, squeeze = "off", None, 0, None
-        if cache is not None and not self.use_cache:
+        wants_prompt = self.sampling.prompt_logprobs is not None  # a reused prefix computed no logits
+        if cache is not None and (not self.use_cache or wants_prompt):
             status = "bypassed"
         elif cache is not None and tail is None:
             status = "not reusable"
@@ -198,6 +200,7 @@ class Request:
             prefix=hit,
             keep=keep,
             store_with=squeeze if keep else None,
+            prompt_logits=wants_prompt,
         )
         if done.stored is not None:
             context = done.stored.compressed and done.stored.kv_entries
@@ -252,7 +255,11 @@ class Request:
         if self.spec.evict is not None:  # eviction started on the prefilled cache; it goes on while decoding
             started = StageRecord("evict", self.spec.evict.name, 0.0, done.evict_details)
             self.info["stages"].append(json_safe(asdict(started)))
-        self.emit(Started(self.info))
+        prompt = None
+        if self.sampling.prompt_logprobs is not None:
+            prompt = prompt_logprobs(done.prefilled.logits, self.prompt.ids[0], self.sampling.prompt_logprobs)
+            done.prefilled.logits = None  # (L, vocab): not kept while decoding
+        self.emit(Started(self.info, prompt))
         if self.sampling.seed is not None:
             self._generator = torch.Generator().manual_seed(self.sampling.seed)
         self._first_token_at = time.perf_counter()

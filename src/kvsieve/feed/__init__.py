@@ -34,6 +34,7 @@ class Prefilled:
     kept_positions: list[torch.Tensor] | None = None
     token_indices: list[torch.Tensor] | None = None  # chunked feeds: prompt index of every final cache entry
     history: list[dict[str, Any]] = field(default_factory=list)  # chunked feeds: one record per step
+    logits: torch.Tensor | None = None  # (L, vocab) of every prompt position, when asked for (one-pass feed)
 
 
 class Feed(Protocol):

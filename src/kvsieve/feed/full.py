@@ -25,14 +25,21 @@ class FullPrefill:
         return self.tag
 
     def prefill(
-        self, model: PreTrainedModel, ids: torch.Tensor, cache: Cache | None = None, position: int | None = None
+        self,
+        model: PreTrainedModel,
+        ids: torch.Tensor,
+        cache: Cache | None = None,
+        position: int | None = None,
+        every_logit: bool = False,
     ) -> Prefilled:
         """Prefill `ids` (1, L) into `cache` (an empty one the caller may already watch, or a new one), or
         onto a cache that holds a prompt prefix already: then `ids` go at `position` .. `position` + L - 1,
         by default right after the cache's entries (a plain prefix at positions 0 .. P-1; a compressed
-        one holds fewer entries than the positions it covers)."""
+        one holds fewer entries than the positions it covers). `every_logit` keeps the (L, vocab) logits
+        of every position (prompt log-probabilities), not only the last one's."""
         cache = cache if cache is not None else DynamicCache(config=model.config)
         start = cache.get_seq_length() if position is None else position
         with torch.no_grad():
-            logits = extend(model, cache, ids, start)
-        return Prefilled(cache=cache, last_logits=logits[-1], next_position=start + ids.shape[1])
+            logits = extend(model, cache, ids, start, logits_to_keep=0 if every_logit else 1)
+        every = logits if every_logit else None
+        return Prefilled(cache=cache, last_logits=logits[-1], next_position=start + ids.shape[1], logits=every)

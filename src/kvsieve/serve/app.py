@@ -281,10 +281,14 @@ class Front:
         if isinstance(first, Failed):
             job.cancelled.set()
             raise as_api_error(first.error)
+        echo = None
+        if getattr(body, "echo", False):  # completions: the prompt's text (and log-probabilities) first
+            text = body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(prompt.ids)
+            echo = Echo(text, first.prompt_logprobs or [])
         if body.stream:
             chunks = self.stream(
                 request, job, events, reply, body.include_usage(), body.continuous_usage(), first.info,
-                sampling.logprobs is not None, sampling.n,
+                sampling.logprobs is not None, sampling.n, echo,
             )  # fmt: skip
             return StreamingResponse(chunks, media_type="text/event-stream")
         n = sampling.n
@@ -306,14 +310,15 @@ class Front:
             job.cancelled.set()  # frees the slot if the engine still holds it; harmless otherwise
         info = done[0].info
         use = usage(reply.prompt_tokens, sum(d.completion_tokens for d in done), info["cached_tokens"])
+        before = echo or Echo("", [])
         choices = [
             choice_object(
                 chat,
                 i,
-                "".join(texts[i]),
+                before.text + "".join(texts[i]),
                 finish_reason(done[i].reason),
-                self.logprobs(chat, entries[i]) if sampling.logprobs is not None else None,
-            )  # fmt: skip
+                self.logprobs(chat, before.logprobs + entries[i]) if sampling.logprobs is not None else None,
+            )
             for i in range(n)
         ]
         return JSONResponse(completion_object(chat, reply.id, reply.model, choices, use, info))
@@ -336,12 +341,14 @@ class Front:
         started: dict[str, Any],
         with_logprobs: bool,
         answers: int,
+        echo: Echo | None,
     ) -> AsyncIterator[bytes]:
         """Server-sent chunks until the answer is finished; a client that leaves cancels the job.
 
         `continuous_usage` (vLLM's `stream_options.continuous_usage_stats`) puts the usage so far in every
         text chunk; `started` is the record the request's prefill reported; `with_logprobs` puts each
-        chunk's tokens' log-probabilities in it; `answers` (n) chunks carry their answer's index."""
+        chunk's tokens' log-probabilities in it; `answers` (n) chunks carry their answer's index; `echo`
+        sends the prompt's text (and log-probabilities) first."""
         status, n = CLIENT_CLOSED, answers
         reported: list[list[int]] = [[] for _ in range(n)]  # per answer: tokens whose log-probabilities were sent
         tokens, finished = [0] * n, []
@@ -349,6 +356,10 @@ class Front:
             if reply.chat:
                 for index in range(n):
                     yield sse(reply.chunk(role=True, index=index))
+            for index in range(n if echo is not None else 0):
+                logprobs = self.logprobs(False, echo.logprobs) if with_logprobs else None
+                reported[index] += [e.token for e in echo.logprobs]
+                yield sse(reply.chunk(text=echo.text, logprobs=logprobs, index=index))
             while True:
                 event = await events.next(watch_client=False)  # Starlette watches the client while streaming
                 if isinstance(event, Text | Finished):
@@ -544,6 +555,7 @@ class Front:
             logprobs=body.logprob_alternatives(),
             grammar=body.grammar(),
             n=body.n,
+            prompt_logprobs=body.logprobs if getattr(body, "echo", False) else None,
         )
         try:
             sampling.validate()
@@ -561,6 +573,14 @@ class Front:
             except KvsieveError as error:
                 raise ApiError(400, str(error), param="response_format", code="invalid_value") from None
         return sampling
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A completion's `echo`: the prompt's text, and its tokens' log-probabilities when asked for."""
+
+    text: str
+    logprobs: list[TokenLogprob]
 
 
 @dataclass(frozen=True)

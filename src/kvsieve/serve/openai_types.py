@@ -2,8 +2,8 @@
 
 Requests are parsed here rather than by FastAPI's own body validation so that every mistake is
 answered the way OpenAI answers it: a 4xx status with `{"error": {"message", "type", "param",
-"code"}}`. Types are strict ("5" is not a number). Fields OpenAI documents but kvsieve does not
-implement (echo) are refused by name instead of being silently ignored.
+"code"}}`. Types are strict ("5" is not a number). Fields OpenAI documents but kvsieve cannot
+honour (tool calls) are refused by name instead of being silently ignored.
 Fields nobody documents are ignored and logged once per name, as vLLM does, so that clients that
 send their own extensions work; vLLM's `ignore_eos` and `stream_options.continuous_usage_stats`
 are honoured. kvsieve's own `"kvsieve"` object stays strict: a typo there is an error.
@@ -231,13 +231,6 @@ class CompletionRequest(_Sampling):
 
     def logprob_alternatives(self) -> int | None:
         return self.logprobs
-
-    @field_validator("echo")
-    @classmethod
-    def _echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported by kvsieve")
-        return value
 
     def token_limit(self) -> int | None:
         return self.max_tokens
