@@ -69,10 +69,10 @@ def test_uncompressed_cache_of_all_layers_never_exists(make_model, monkeypatch):
 
     original = FullPrefill.prefill
 
-    def spy(self, model, ids, cache=None, position=None):
+    def spy(self, model, ids, cache=None, position=None, every_logit=False):
         cache_of["cache"] = cache
         with attention_hooks(observers=[count]):
-            return original(self, model, ids, cache=cache, position=position)
+            return original(self, model, ids, cache=cache, position=position, every_logit=every_logit)
 
     monkeypatch.setattr(FullPrefill, "prefill", spy)
     prefill(model, prompt, compress=Compress(SnapKV(window=4), 16))
