@@ -673,6 +673,33 @@ def test_upstream_relays_the_selected_token_ids(tiny):
         assert everything.choices[0].text == reference(tiny, ids)
         with pytest.raises(openai.BadRequestError, match="only the select stage"):
             client(front).completions.create(model="tiny", prompt=ids, extra_body={"kvsieve": {"method": "snapkv"}})
+        penalized = {"model": "tiny", "prompt": ids, "max_tokens": 12, "temperature": 0, "frequency_penalty": 1.5}
+        penalized["kvsieve"] = {"method": "full"}
+        relayed = httpx.post(f"{front.url}/v1/completions", json=penalized, timeout=60).json()["choices"][0]["text"]
+        direct = httpx.post(f"{upstream.url}/v1/completions", json=penalized, timeout=60).json()["choices"][0]["text"]
+        assert relayed == direct  # the penalty went upstream with the ids
+        for unrelayable in ({"logprobs": 1}, {"n": 2}, {"response_format": {"type": "json_object"}}):
+            answer = httpx.post(f"{front.url}/v1/completions", json={**penalized, **unrelayable}, timeout=60)
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == next(iter(unrelayable))
+
+
+def test_a_client_that_leaves_a_relayed_request_cancels_the_upstreams_work(tiny, tmp_path):
+    """Non-streamed --upstream: the client disconnecting closes the upstream request, which the upstream (a
+    kvsieve server answering a non-streamed request while it decodes) counts as a 499 and frees, long before
+    its 480 tokens (a deeper model, so that decoding takes seconds)."""
+    build_model("llama", num_layers=24, max_positions=512).save_pretrained(tmp_path)
+    word_tokenizer().save_pretrained(tmp_path)
+    deep = load_model(str(tmp_path), device="cpu", dtype="float32")
+    with start(deep, cache_bytes=0) as upstream, start(tiny, upstream=upstream.url) as front:
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 480, "ignore_eos": True, "temperature": 0}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{front.url}/v1/completions", json=body, timeout=0.5)
+        deadline = time.monotonic() + 20
+        gone = 'kvsieve_requests_total{endpoint="/v1/completions",status="499"}'
+        while metric(upstream, gone) < 1 or metric(upstream, "kvsieve_active_requests") > 0:
+            assert time.monotonic() < deadline, "the upstream went on decoding for a client that left"
+            time.sleep(0.1)
+        assert metric(upstream, "kvsieve_generation_tokens_total") < 480
 
 
 def test_an_upstream_that_refuses_the_servers_key_is_a_502(tiny):

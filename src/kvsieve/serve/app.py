@@ -85,6 +85,7 @@ class _Events:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
         self._request = request
+        self._checked = self._loop.time()  # when the client was last seen connected
 
     def emit(self, event: Event) -> None:
         """Called on the engine thread."""
@@ -92,13 +93,17 @@ class _Events:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
 
     async def next(self, watch_client: bool = True) -> Event:
-        """The next event; while waiting, notice a client that went away (unless a stream watches it)."""
+        """The next event; every half second, notice a client that went away (unless a stream watches it),
+        also while events keep coming (a non-streamed answer being decoded)."""
         while True:
+            if watch_client and self._loop.time() - self._checked >= 0.5:
+                if await self._request.is_disconnected():
+                    raise _ClientGone
+                self._checked = self._loop.time()
             try:
                 return await asyncio.wait_for(self._queue.get(), timeout=0.5)
             except TimeoutError:
-                if watch_client and await self._request.is_disconnected():
-                    raise _ClientGone from None
+                continue
 
 
 def as_api_error(error: Exception) -> ApiError:
@@ -408,8 +413,7 @@ class Front:
         arrived: float,
     ) -> Response:
         """--upstream: select locally, send the kept token ids upstream, relay the answer."""
-        if sampling.n > 1:
-            raise ApiError(400, "With --upstream, ask the upstream engine for one answer (n=1).", param="n")
+        self.upstream.check_relayable(sampling)
         local = [stage for stage in ("compress", "evict") if getattr(spec, stage) is not None]
         if spec.feed is not None and spec.feed.tag != "full":
             local.insert(0, "feed")
@@ -433,7 +437,12 @@ class Front:
         assert isinstance(selected, Selected)
         info = {**selected.info, "upstream": self.upstream.url}
         if not body.stream:
-            answer = await self.upstream.complete(selected.ids, sampling)
+            asked = asyncio.ensure_future(self.upstream.complete(selected.ids, sampling))
+            while not (await asyncio.wait({asked}, timeout=0.25))[0]:
+                if await request.is_disconnected():  # closing its connection cancels the upstream's work too
+                    asked.cancel()
+                    return Response(status_code=CLIENT_CLOSED)
+            answer = asked.result()
             self.metrics.first_token(time.perf_counter() - arrived)
             info["upstream_prompt_tokens"] = (answer.usage or {}).get("prompt_tokens")
             completion_tokens = (answer.usage or {}).get("completion_tokens", 0)

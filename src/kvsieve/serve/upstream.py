@@ -18,6 +18,8 @@ import httpx
 from kvsieve.decode import Sampling
 from kvsieve.serve.openai_types import ApiError
 
+RELAYED = ("presence_penalty", "frequency_penalty", "repetition_penalty", "top_k", "min_tokens", "ignore_eos")
+
 
 @dataclass
 class UpstreamPiece:
@@ -54,6 +56,21 @@ class Upstream:
                 raise ApiError(502, f"The upstream at {self.url} lists no model.", type="upstream_error") from None
         return self._model
 
+    def check_relayable(self, sampling: Sampling) -> None:
+        """Refuse what a relayed answer cannot carry: this relay passes text, not log-probabilities, grammars
+        or several answers."""
+        unrelayable = {
+            "n": sampling.n > 1,
+            "logprobs": sampling.logprobs is not None or sampling.prompt_logprobs is not None,
+            "response_format": sampling.grammar is not None,
+        }
+        asked = [name for name, value in unrelayable.items() if value]
+        if asked:
+            raise ApiError(
+                400, f"With --upstream, {', '.join(asked)} cannot be relayed; ask the upstream engine directly.",
+                param=asked[0],
+            )  # fmt: skip
+
     async def _body(self, ids: list[int], sampling: Sampling, stream: bool) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": await self.model(),
@@ -67,6 +84,12 @@ class Upstream:
             body["seed"] = sampling.seed
         if sampling.stop:
             body["stop"] = list(sampling.stop)
+        if sampling.logit_bias:
+            body["logit_bias"] = {str(token): bias for token, bias in sampling.logit_bias}
+        defaults = Sampling()
+        for name in RELAYED:  # OpenAI's penalties and vLLM's extensions, sent only when asked for
+            if getattr(sampling, name) != getattr(defaults, name):
+                body[name] = getattr(sampling, name)
         if stream:
             body["stream_options"] = {"include_usage": True}
         return body
