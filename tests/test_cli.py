@@ -68,6 +68,24 @@ def test_generate_full_and_gemfilter(capsys, passkey_file):
     )
 
 
+def test_generate_answers_in_json_and_with_penalties(capsys, passkey_file, tmp_path):
+    """--json-schema and --json-answer constrain the answer (the same grammar step as the server's
+    response_format); penalties reach the same sampling step; a schema that is not one is exit status 2."""
+    path, case = passkey_file
+    schema = tmp_path / "schema.json"
+    schema.write_text(
+        json.dumps({"type": "object", "properties": {"pass_key": {"type": "integer"}}, "required": ["pass_key"]})
+    )
+    argv = ["generate", "-c", str(path), "-q", case.question, "--max-new-tokens", "24"]
+    code, out, _ = run_cli(capsys, *argv, "--json-schema", str(schema))
+    assert code == 0 and list(json.loads(out)) == ["pass_key"]
+    code, out, _ = run_cli(capsys, *argv, "--json-answer", "--repetition-penalty", "1.3")
+    assert code == 0 and json.loads(out) is not None
+    schema.write_text("{not a schema")
+    code, _, err = run_cli(capsys, *argv, "--json-schema", str(schema))
+    assert code == 2 and "JSON schema" in err
+
+
 def test_generate_reads_stdin(capsys, monkeypatch, passkey_file):
     import io
 

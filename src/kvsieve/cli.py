@@ -125,6 +125,11 @@ def _add_sampling(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--ignore-eos", action="store_true", help="decode on past EOS up to --max-new-tokens (for timing)"
     )
+    group.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's presence penalty, [-2, 2]")
+    group.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's frequency penalty, [-2, 2]")
+    group.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL's repetition penalty (1 = off)")
+    group.add_argument("--json-answer", action="store_true", help="answer with valid JSON (grammar-constrained)")
+    group.add_argument("--json-schema", type=Path, metavar="FILE", help="answer with JSON following this schema")
 
 
 def _sampling(args: argparse.Namespace):
@@ -139,7 +144,23 @@ def _sampling(args: argparse.Namespace):
         args.ignore_eos,
         top_k=args.top_k,
         min_tokens=args.min_tokens,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        grammar=_grammar(args),
     )
+
+
+def _grammar(args: argparse.Namespace) -> str | None:
+    """--json-answer: any JSON; --json-schema FILE: that schema's text (checked when the answer starts)."""
+    from kvsieve.structured import ANY_JSON
+
+    if args.json_schema is not None:
+        try:
+            return args.json_schema.read_text(encoding="utf-8")
+        except OSError as error:
+            raise KvsieveError(f"Cannot read the JSON schema {args.json_schema}: {error.strerror}.") from None
+    return ANY_JSON if args.json_answer else None
 
 
 def _read_context(source: str) -> str:
