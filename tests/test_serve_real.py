@@ -68,3 +68,30 @@ def test_structured_output_keeps_the_answer_within_json_and_its_schema(smollm):
         with pytest.raises(openai.BadRequestError, match="tool"):
             ask(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
         assert ask(tools=[], tool_choice="none", logit_bias=None, parallel_tool_calls=False).choices[0].message.content
+
+
+def test_langchain_chat_openai_runs_against_the_server(smollm, caplog):
+    """LangChain's ChatOpenAI as its users call it: invoke, stream, batch, structured output in json_mode and
+    json_schema (a pydantic model back), logprobs; tool binding is refused with a 400 that names tools."""
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        city: str
+        country: str
+
+    model, tokenizer = smollm
+    with ServerThread(create_server(model, tokenizer, model_name=DEFAULT_MODEL, cache_bytes=0)) as server:
+        llm = ChatOpenAI(base_url=f"{server.url}/v1", api_key="none", model=DEFAULT_MODEL, max_tokens=32, temperature=0)
+        assert "Paris" in llm.invoke("What is the capital of France?").content
+        assert "".join(chunk.content for chunk in llm.stream("Say hello.")).strip()
+        assert all(answer.content for answer in llm.batch(["Hi", "Name a color."]))
+        ask = "Give a city and its country as JSON with keys city and country."
+        with caplog.at_level("WARNING", logger="kvsieve.serve"):
+            assert set(llm.with_structured_output(None, method="json_mode").invoke(ask)) == {"city", "country"}
+            assert isinstance(llm.with_structured_output(City, method="json_schema").invoke(ask), City)
+        assert not [r for r in caplog.records if "unknown request field" in r.getMessage()]  # every field understood
+        content = llm.bind(logprobs=True).invoke("Hi").response_metadata["logprobs"]["content"]
+        assert content and all(entry["logprob"] <= 0 for entry in content)
+        with pytest.raises(openai.BadRequestError, match="tool"):
+            llm.bind_tools([City]).invoke("hi")

@@ -69,7 +69,8 @@ class _Tolerant(BaseModel):
     @classmethod
     def _log_unknown(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name in sorted(set(data) - set(cls.model_fields)):
+            known = set(cls.model_fields) | {field.alias for field in cls.model_fields.values() if field.alias}
+            for name in sorted(set(data) - known):
                 where = f"{cls.__name__}.{name}"
                 if where not in _IGNORED:
                     _IGNORED.add(where)
