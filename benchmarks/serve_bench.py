@@ -298,6 +298,7 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
 REUSE_METHODS = (
     ("full", []),
     ("snapkv", ["--set", "compress.budget=1024"]),
+    ("a2sf", ["--set", "evict.budget=1024"]),
     ("gemfilter", ["--set", "select.k=1024"]),
 )
 
@@ -320,6 +321,8 @@ def reuse(args: argparse.Namespace) -> dict[str, Any]:
                     body = {"messages": messages, "max_tokens": args.new_tokens, "temperature": 0}
                     timings.append(stream(url, "/v1/chat/completions", body))
                 first, follow = timings
+                held = float(next(line.split()[1] for line in httpx.get(f"{url}/metrics").text.splitlines()
+                                  if line.startswith("kvsieve_prefix_cache_bytes ")))  # fmt: skip
                 rows.append(
                     {
                         "method": name,
@@ -327,12 +330,14 @@ def reuse(args: argparse.Namespace) -> dict[str, Any]:
                         "first": asdict(first),
                         "follow_up": asdict(follow),
                         "ttft_ratio": first.ttft / follow.ttft,
+                        "prefix_cache_bytes": held,  # every document stored so far in this server
                     }
                 )
                 print(
                     f"{name} repeat {repeat}: first TTFT {first.ttft:.2f} s ({first.info['prefill_tokens']} tokens "
                     f"prefilled), follow-up {follow.ttft:.3f} s ({follow.info['cache']}, "
-                    f"{follow.info['prefill_tokens']} prefilled) -> {first.ttft / follow.ttft:.1f}x"
+                    f"{follow.info['prefill_tokens']} prefilled) -> {first.ttft / follow.ttft:.1f}x; prefix cache "
+                    f"{held / 2**20:.1f} MiB after {repeat + 1} documents"
                 )
     for name in {r["method"] for r in rows}:
         mine = [r for r in rows if r["method"] == name]

@@ -9,12 +9,14 @@ code: n = 4 chunks, m_max = 100, so m_0 = m_max / n = 25 (section 4.1) and
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import FakeTokenizer, build_model, make_prompt
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from kvsieve import A2SF, H2O, SnapKV, StreamingLLM
+from kvsieve import A2SF, H2O, Collie, SnapKV, StreamingLLM
 from kvsieve.attention import attention_hooks
 from kvsieve.compress.stages import Evict
 from kvsieve.decode import Sampling
@@ -373,7 +375,7 @@ def test_compress_after_a_chunked_feed_ranks_the_cache_by_the_last_steps_scores(
     def reference(layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
         calls.setdefault(layer, []).append(H2O().prompt_scores(query[0], key[0], query.shape[-1] ** -0.5))
 
-    feed = ChunkedPrefill(chunk=16, memory=40, pruner=SnapKV(window=4))
+    feed = ChunkedPrefill(chunk=16, memory=40, pruner=SnapKV(window=4), question_guided=False)  # one pass a step
     compress = Compress(H2O(), 20)
     with attention_hooks(observers=[reference]):
         result = run(model, FakeTokenizer(), prompt, feed=feed, compress=compress, sampling=Sampling(2))
@@ -402,3 +404,29 @@ def test_critiprefill_inside_chunks_with_covering_sizes_reproduces_full_prefill(
     with attention_hooks(kernel=CritiPrefill(segment=8, block=4, budget=128).begin()):
         chunked = ChunkedPrefill(chunk=24, memory=200).prefill(model, ids)
     torch.testing.assert_close(chunked.last_logits, full.last_logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("pruner", [SnapKV(window=4), H2O(), Collie()])
+def test_a_question_guides_every_chunks_pruning_and_leaves_no_trace(pruner, single_thread):
+    """question_guided: the question's tokens run after every chunk but the last, their queries' scores join the
+    chunk's, and their entries leave again: the steps' positions, memory sizes and cache lengths are those of the
+    unguided feed, the kept tokens are not; a prompt without a question (or the setting off) is the unguided feed."""
+    model = build_model("llama")
+    prompt = make_prompt(120)
+    question = prompt.tail_len
+    assert question > 0
+    guided = ChunkedPrefill(chunk=16, memory=24, schedule="linear", pruner=pruner)
+    plain = replace(guided, question_guided=False)
+    ids = prompt.ids
+    with torch.no_grad():
+        asked = guided.prefill(model, ids, question=question)
+        unasked = plain.prefill(model, ids, question=question)
+        without = guided.prefill(model, ids)  # no question: nothing to guide with
+    assert asked.details["question_tokens"] == question and unasked.details["question_tokens"] == 0
+    for a, b in zip(asked.history, unasked.history, strict=True):
+        assert (a["position"], a["memory"], a["cache_lengths"]) == (b["position"], b["memory"], b["cache_lengths"])
+    assert any(not torch.equal(a, b) for a, b in zip(asked.token_indices, unasked.token_indices, strict=True))
+    for a, b in zip(without.token_indices, unasked.token_indices, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(without.last_logits, unasked.last_logits)
+    assert asked.next_position == unasked.next_position

@@ -263,9 +263,10 @@ def prefill(
                 prefilled = feed.prefill(
                     model, ids[:, start_at:], cache=cache, position=position, every_logit=prompt_logits
                 )
-        else:
+        else:  # a chunked feed: the prompt's question (its tail, kept by a select stage) can guide its pruning
+            question = prompt.tail_len
             with attention_hooks(last_pass=[observer for run in runs for observer in run.observers()]):
-                prefilled = feed.prefill(model, ids)
+                prefilled = feed.prefill(model, ids, question=question)
         details = {"tokens": ids.shape[1] - (prefix.length if prefix is not None else 0), **prefilled.details}
         if prefix is not None:
             details["reused_tokens"] = prefix.length

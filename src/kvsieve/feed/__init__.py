@@ -42,7 +42,9 @@ class Feed(Protocol):
     # True when every prompt position must fit in the model's trained context.
     needs_full_context: bool
 
-    def prefill(self, model: PreTrainedModel, ids: torch.Tensor) -> Prefilled: ...
+    def prefill(self, model: PreTrainedModel, ids: torch.Tensor, *, question: int = 0) -> Prefilled:
+        """Prefill (1, L) `ids`; the last `question` of them are the prompt's question (0: none)."""
+        ...
 
 
 @dataclass

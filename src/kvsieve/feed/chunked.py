@@ -127,6 +127,12 @@ class ChunkedPrefill:
     trace: record, per step and layer, the prompt index and position of every attention key in
         the history (tests, or the paper's memory maps of Figures 1b and 6); off by default, as it
         grows with the prompt.
+    question_guided: when `prefill` is given the prompt's question (its tail: chat's last message,
+        a probe's question), every step but the last also runs the question's tokens after the
+        chunk (at the positions that follow it), adds the pruner's scores from their queries to the
+        chunk's own, and drops their KV entries again: the memory then keeps what the question asks
+        for, not only what the chunk itself attends to. The cost is the question's length per step.
+        The last chunk holds the question itself. Beyond the paper, which prunes by the chunk alone.
 
     `prefill` returns, besides the cache, `kept_positions[j]` (kv_heads, k): the positions the
     last step kept from its keys (what a decoding-eviction stage that observed the last step must
@@ -151,6 +157,9 @@ class ChunkedPrefill:
     )
     sinks: int = option(4, "first tokens always kept, outside the memory (paper 4)")
     trace: bool = option(False, "record every step's key positions in the history (tests, memory maps)")
+    question_guided: bool = option(
+        True, "when the prompt ends in a question, it also scores every chunk's pruning (beyond the paper)"
+    )
     needs_full_context: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
@@ -197,12 +206,19 @@ class ChunkedPrefill:
         mean = [round(sum(step) / len(step)) for step in memory]
         return decremental_chunks(length, self.chunk, mean), memory
 
-    def prefill(self, model: PreTrainedModel, ids: torch.Tensor, chunk_logits: ChunkLogits | None = None) -> Prefilled:
+    def prefill(
+        self,
+        model: PreTrainedModel,
+        ids: torch.Tensor,
+        chunk_logits: ChunkLogits | None = None,
+        question: int = 0,
+    ) -> Prefilled:
         """Prefill `ids` (1, L) chunk by chunk; return the compressed cache and the last token's logits.
 
         `chunk_logits`, when given, receives every chunk's logits (c_i, vocab) and the index of
         its first token (chunk-level perplexity); the chunks then go through the LM head in full,
-        otherwise only the last chunk's last position does.
+        otherwise only the last chunk's last position does. `question`: how many of the last
+        tokens are the prompt's question, which guides every step's pruning (`question_guided`).
         """
         if ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] < 1:
             raise KvsieveError(f"Chunked prefill takes ids of shape (1, L) with L >= 1, got {tuple(ids.shape)}.")
@@ -223,6 +239,8 @@ class ChunkedPrefill:
         step_memory: list[list[int]] = []
         attention_kv: list[int] = []
         logits, next_position, max_position = None, length, 0
+        guided = self.question_guided and not self.pruner.position_only and 0 < question < length
+        asked = ids[:, length - question :] if guided else None
         with torch.no_grad(), attention_hooks(observers=score_observers(self.pruner, scores)):
             for step, size in enumerate(sizes):
                 last = step == len(sizes) - 1
@@ -250,6 +268,8 @@ class ChunkedPrefill:
                             **with_cache(model.model, cache),
                             use_cache=True,
                         )
+                if asked is not None and not last:
+                    self._ask(model, cache, asked, position + size, scores)
                 # Layer j's keys are now [sinks | memory_j | chunk], at these positions and prompt indices.
                 key_positions = [
                     torch.cat([_frame(sinks, memory[j], position, device), chunk_positions]) for j in range(layers)
@@ -297,6 +317,7 @@ class ChunkedPrefill:
             "attention_kv": attention_kv,
             "max_position": max_position,
             "kv_cache": max(sinks + m for m in memory),
+            "question_tokens": asked.shape[1] if asked is not None else 0,  # 0: pruned by the chunks alone
         }
         if any(min(step) != max(step) for step in step_memory):
             details["layer_memory_sizes"] = step_memory
@@ -309,6 +330,30 @@ class ChunkedPrefill:
             token_indices=origin,
             history=history,
         )
+
+    def _ask(
+        self,
+        model: PreTrainedModel,
+        cache: Cache,
+        question: torch.Tensor,
+        position: int,
+        scores: dict[int, torch.Tensor],
+    ) -> None:
+        """Run the question after the chunk (at `position` onwards), add the pruner's scores of the keys before it
+        from the question's queries to the chunk's `scores`, and drop the question's KV entries again."""
+        chunk_scores = dict(scores)
+        scores.clear()
+        positions = torch.arange(position, position + question.shape[1], device=question.device)[None]
+        with attention_hooks(intermediate=True):
+            model.model(input_ids=question, position_ids=positions, **with_cache(model.model, cache), use_cache=True)
+        for j, layer in enumerate(cache.layers):
+            keys = layer.keys.shape[2] - question.shape[1]
+            layer.keys, layer.values = layer.keys[:, :, :keys], layer.values[:, :, :keys]
+            if j in scores:
+                asked = scores[j][:, :keys]
+                scores[j] = chunk_scores[j] + asked if j in chunk_scores else asked
+            elif j in chunk_scores:
+                scores[j] = chunk_scores[j]
 
     def _budgets(
         self,
