@@ -27,7 +27,7 @@ from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 from kvsieve.compress.cache import wrap_cache
 from kvsieve.decode import Sampling, TextStream, TokenLogprob, adjust, next_token, prompt_logprobs, token_logprob
 from kvsieve.engine.batch import Row
-from kvsieve.engine.prefix_cache import PrefixCache, prefix_key, reuse_compress, reuse_tail
+from kvsieve.engine.prefix_cache import BLOCK, PrefixCache, prefix_key, reuse_compress, reuse_tail
 from kvsieve.engine.slices import PrefillSlices
 from kvsieve.pipeline import Prefill, RunState, StageRecord, prefill, select_tokens
 from kvsieve.prompt import Prompt
@@ -187,7 +187,9 @@ class Request:
             ids, longest = self.ids, self.prompt.length - tail
             key, squeeze = prefix_key(self.spec, cache.budget), reuse_compress(self.spec, cache.budget)
             hit = cache.lookup(key, ids, longest)
-            split = self.boundary if 0 < self.boundary <= longest else longest
+            # The chat's boundary when the method's scored queries fit after it, else whole blocks: a follow-up whose
+            # question is a token longer then finds the same state rather than storing a copy one token longer.
+            split = self.boundary if 0 < self.boundary <= longest else longest - longest % BLOCK
             status = "hit" if hit is not None else "miss"
             if split > (hit.length if hit is not None else 0):
                 keep = split
