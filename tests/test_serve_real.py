@@ -52,9 +52,10 @@ def test_structured_output_keeps_the_answer_within_json_and_its_schema(smollm):
         messages = [{"role": "user", "content": "Tell me about Paris and how many people live there."}]
 
         def ask(**options) -> openai.types.chat.ChatCompletion:
-            return chat.create(model=DEFAULT_MODEL, messages=messages, max_tokens=60, temperature=0, **options)
+            options = {"max_tokens": 40, **options}
+            return chat.create(model=DEFAULT_MODEL, messages=messages, temperature=0, **options)
 
-        prose = ask().choices[0].message.content
+        prose = ask(max_tokens=12).choices[0].message.content
         with pytest.raises(json.JSONDecodeError):
             json.loads(prose)
         anything = ask(response_format={"type": "json_object"}).choices[0]
@@ -67,7 +68,7 @@ def test_structured_output_keeps_the_answer_within_json_and_its_schema(smollm):
             ask(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
         with pytest.raises(openai.BadRequestError, match="tool"):
             ask(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-        assert ask(tools=[], tool_choice="none", logit_bias=None, parallel_tool_calls=False).choices[0].message.content
+        assert ask(tools=[], tool_choice="none", parallel_tool_calls=False, max_tokens=4).choices[0].message.content
 
 
 def test_langchain_chat_openai_runs_against_the_server(smollm, caplog):
@@ -82,7 +83,7 @@ def test_langchain_chat_openai_runs_against_the_server(smollm, caplog):
 
     model, tokenizer = smollm
     with ServerThread(create_server(model, tokenizer, model_name=DEFAULT_MODEL, cache_bytes=0)) as server:
-        llm = ChatOpenAI(base_url=f"{server.url}/v1", api_key="none", model=DEFAULT_MODEL, max_tokens=32, temperature=0)
+        llm = ChatOpenAI(base_url=f"{server.url}/v1", api_key="none", model=DEFAULT_MODEL, max_tokens=24, temperature=0)
         assert "Paris" in llm.invoke("What is the capital of France?").content
         assert "".join(chunk.content for chunk in llm.stream("Say hello.")).strip()
         assert all(answer.content for answer in llm.batch(["Hi", "Name a color."]))
