@@ -397,7 +397,7 @@ def test_a_reuse_budget_stores_the_context_compressed_and_every_request_continue
                 tiny, context, asked, policy, 30, 24
             ), question
             assert info["cache"] == expected
-            assert info["query_aware"] is False and info["context_entries"] == 30
+            assert info["query_aware"] is False and info["context_entries"] == 30 and info["reuse_budget"] == 30
             assert info["stages"][0]["details"]["context_entries"] == 30
         entry_bytes = (
             2
@@ -414,6 +414,7 @@ def test_a_reuse_budget_stores_the_context_compressed_and_every_request_continue
         assert h2o[1].model_extra["kvsieve"]["context_entries"] == 30
         exact = ask(server, DOC, "what is the pass key", "full", {})  # full attention has no scorer: kept whole
         assert exact.model_extra["kvsieve"]["query_aware"] is True
+        assert exact.model_extra["kvsieve"]["reuse_budget"] == "whole"  # no scorer: full attention's state is whole
         assert exact.choices[0].message.content == reference(
             tiny, context + ids_of(tiny, "<s> question what is the pass key </s> answer")
         )

@@ -213,6 +213,9 @@ class Request:
             # came from a state compressed without it (--reuse-budget), which then holds `context_entries`.
             "query_aware": not context,
         }
+        if cache is not None:  # what stored contexts keep: every entry, or a budget (the server's --reuse-budget)
+            kept_as = reuse_compress(self.spec, cache.budget)
+            self._reuse["reuse_budget"] = "whole" if kept_as is None else kept_as.budget
         if context:
             self._reuse["context_entries"] = context
         if done.stored is not None:
