@@ -346,8 +346,8 @@ def test_evaluation_bad_input(capsys, tmp_path, argv, message):
 def test_methods_lists_the_registry_with_every_field(capsys):
     code, out, _ = run_cli(capsys, "methods", "--json")
     specs = json.loads(out)
-    assert code == 0 and len(specs) == 16
-    assert {"tova", "knorm", "imdc", "critiprefill"} <= set(specs)
+    assert code == 0 and len(specs) == 19
+    assert {"tova", "knorm", "imdc", "critiprefill", "a2sf-paper", "snapkv-paper", "gemfilter-paper"} <= set(specs)
     assert specs["critiprefill"]["attention"] == {
         "type": "critiprefill",
         "segment": 512,
@@ -358,7 +358,7 @@ def test_methods_lists_the_registry_with_every_field(capsys):
         "dense_prefix": 0,
     }
     code, out, _ = run_cli(capsys, "methods")
-    assert code == 0 and "compress.policy.window = 32" in out and "evict.policy.alpha = 0.2" in out
+    assert code == 0 and "compress.policy.window = 32" in out and "evict.policy.alpha = 0.9" in out and "[paper]" in out
 
 
 def test_help_lists_every_methods_fields(capsys):
