@@ -35,7 +35,7 @@ test: $(STAMP)
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu
 
-# docs/RESULTS.md from one run of every shipped preset on this machine (about 90 minutes on 2 CPU cores).
+# docs/RESULTS.md from one run of every shipped preset on this machine (about 50 minutes on 2 CPU cores).
 results: $(STAMP)
 	$(BIN)/python benchmarks/results.py
 

@@ -1,7 +1,7 @@
 """docs/RESULTS.md from one run on one machine: every shipped preset on the needle and passkey probes
 at 4K and 8K prompt tokens, and its cost (time to first token, peak memory) against full attention at 8K.
 
-    make results                                   # the whole run, then the report (about 90 min on 2 CPU cores)
+    make results                                   # the whole run, then the report (about 50 min on 2 CPU cores)
     python benchmarks/results.py --report-only     # redraw docs/RESULTS.md from runs/results/
 
 Each step is a `kvsieve` command (printed, and listed in the report); rerunning resumes where a step
@@ -19,7 +19,7 @@ from kvsieve.registry import REGISTRY
 
 RUN = Path("runs/results")
 LENGTHS = "4096,8000"
-DEPTHS = "0.25,0.75"
+DEPTHS = "0.5"
 
 
 def commands(methods: str) -> list[list[str]]:
