@@ -1,0 +1,68 @@
+"""Does the question keep the needle in a chunked feed's memory? IMDC with and without `question_guided`.
+
+For a passkey (or needle) case, runs the chunked feed alone (no decoding) twice, guided by the prompt's
+question and not, and reports for every layer which share of the needle's tokens are in the final memory
+(`Prefilled.token_indices`: the prompt index of every cache entry), and the feed's time. Answers are what
+`kvsieve niah` measures; this is the step before them: whether the memory still holds what the question asks.
+
+    python benchmarks/question_guided.py --length 16384 --depths 0.1,0.5,0.9 --out runs/question_guided.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from kvsieve import load_model, method
+from kvsieve.data import prompt_case
+
+
+def needle_span(tokenizer, prompt, case) -> range:
+    """Prompt indices of the needle's tokens (found by their characters in the decoded prompt)."""
+    ids = prompt.ids[0].tolist()
+    start = prompt.context_start + len(
+        tokenizer(case.context[: case.needle_start], add_special_tokens=False)["input_ids"]
+    )
+    length = len(tokenizer(" " + case.needle, add_special_tokens=False)["input_ids"])
+    return range(max(start - 1, 0), min(start + length + 1, len(ids)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--method", default="imdc")
+    parser.add_argument("--probe", default="passkey")
+    parser.add_argument("--length", type=int, default=16384)
+    parser.add_argument("--depths", default="0.1,0.5,0.9")
+    parser.add_argument("--out", type=Path, default=Path("runs/question_guided.json"))
+    args = parser.parse_args()
+    model, tokenizer = load_model()
+    feed = method(args.method).feed
+    rows = []
+    for depth in [float(d) for d in args.depths.split(",")]:
+        case, prompt = prompt_case(tokenizer, args.probe, args.length, depth)
+        span = needle_span(tokenizer, prompt, case)
+        for guided in (True, False):
+            start = time.perf_counter()
+            with torch.no_grad():
+                fed = replace(feed, question_guided=guided).prefill(model, prompt.ids, question=prompt.tail_len)
+            seconds = time.perf_counter() - start
+            kept = [
+                float(torch.isin(indices, torch.tensor(list(span))).sum(1).float().mean() / len(span))
+                for indices in fed.token_indices
+            ]
+            rows.append({"depth": depth, "guided": guided, "seconds": seconds, "needle_kept_by_layer": kept})
+            print(
+                f"depth {depth} guided={guided}: {seconds:.0f} s; needle tokens kept, mean over layers "
+                f"{sum(kept) / len(kept):.2f}, layers keeping at least half {sum(k >= 0.5 for k in kept)}/{len(kept)}"
+            )
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"command": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
