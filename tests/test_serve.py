@@ -576,6 +576,8 @@ def test_a_bug_in_one_step_answers_500_and_the_engine_goes_on(server, tiny, monk
     greedy = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
     tiny_temperature = httpx.post(f"{server.url}/v1/completions", json={**body, "temperature": 1e-98}, timeout=30)
     assert tiny_temperature.json()["choices"][0]["text"] == greedy
+    extreme = {**body, "temperature": 0.5, "repetition_penalty": 5e-324, "seed": 1}  # logits overflow to inf
+    assert httpx.post(f"{server.url}/v1/completions", json=extreme, timeout=30).status_code == 200
 
     def broken(*args, **kwargs):
         raise RuntimeError("a bug")

@@ -166,7 +166,10 @@ def next_token(
         logits[banned] = float("-inf")
     if sampling.temperature < GREEDY_BELOW:
         return int(torch.argmax(logits))
-    logits = logits.float().cpu()
+    # Extreme penalties can push logits to inf: cap them, and take the largest as 0 so dividing by a small
+    # temperature cannot overflow into NaN probabilities.
+    logits = torch.nan_to_num(logits.float().cpu(), nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
+    logits = logits - logits.max()
     if 0 < sampling.top_k < logits.shape[0]:
         logits = logits.masked_fill(logits < torch.topk(logits, sampling.top_k).values[-1], float("-inf"))
     probs = torch.softmax(logits / sampling.temperature, dim=-1)
