@@ -104,7 +104,7 @@ def check(server, path: str, body) -> None:
         assert events[-1] == "[DONE]" and all(json.loads(e) for e in events[:-1])
 
 
-FUZZ = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 @FUZZ
