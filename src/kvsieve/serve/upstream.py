@@ -111,7 +111,7 @@ class Upstream:
             async with self._client.stream("POST", "/v1/completions", json=body) as response:
                 if response.status_code != 200:
                     await response.aread()
-                    raise _upstream_error(response)
+                    raise _upstream_error(self.url, response)
                 async for line in response.aiter_lines():
                     if not line.startswith("data:"):
                         continue
@@ -132,7 +132,7 @@ class Upstream:
         except httpx.HTTPError as error:
             raise _unreachable(self.url, error) from None
         if response.status_code != 200:
-            raise _upstream_error(response)
+            raise _upstream_error(self.url, response)
         return response.json()
 
 
@@ -143,7 +143,7 @@ def _unreachable(url: str, error: httpx.HTTPError) -> ApiError:
     return ApiError(502, f"The upstream at {url} failed: {error!r}", type="upstream_error")
 
 
-def _upstream_error(response: httpx.Response) -> ApiError:
+def _upstream_error(url: str, response: httpx.Response) -> ApiError:
     """The upstream's own error status and message: the client's 4xx passed on, but a refusal of kvsieve's
     own credentials (401 / 403) and the upstream's 5xx are this server's fault (502)."""
     try:
@@ -153,8 +153,8 @@ def _upstream_error(response: httpx.Response) -> ApiError:
     if response.status_code in (401, 403):
         return ApiError(
             502,
-            f"The upstream refused kvsieve's credentials ({response.status_code}: {message}); give the server its "
-            "key in KVSIEVE_UPSTREAM_API_KEY.",
+            f"The upstream at {url} refused kvsieve's credentials ({response.status_code}: {message}); give the "
+            "server its key in KVSIEVE_UPSTREAM_API_KEY.",
             type="upstream_error",
         )
     status = response.status_code if 400 <= response.status_code < 500 else 502
