@@ -2,6 +2,7 @@
 
     python benchmarks/serve_bench.py pause --repeats 3          # a stream's longest pause while a 2.6K prompt prefills
     python benchmarks/serve_bench.py latency --repeats 3        # inter-token latency at 1, 4 and 8 concurrent requests
+    python benchmarks/serve_bench.py latency --peer llama       # ... and the same requests to llama-server
     python benchmarks/serve_bench.py throughput --repeats 3     # 8 clients at once vs one at a time
     python benchmarks/serve_bench.py reuse --repeats 3          # follow-up question on a cached 8K document
     python benchmarks/serve_bench.py upstream --repeats 3       # GemFilter k=1024 here, the rest upstream
@@ -24,13 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import cache
 from pathlib import Path
@@ -38,43 +36,17 @@ from typing import Any
 
 import httpx
 
+from kvsieve.serve.processes import kvsieve_server, llama_server
+
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 SERVE_ARGS: list[str] = []  # --serve-args: added to every server
 
 
-@contextmanager
 def server(*args: str):
-    """A `kvsieve serve` process on a free port; yields its base URL."""
-    port = free_port()
-    command = [sys.executable, "-m", "kvsieve.cli", "serve", "--port", str(port), "--log-level", "warning", *args]
-    command += SERVE_ARGS
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the server exited: {process.stderr.read()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.5)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(30)
+    """A `kvsieve serve` process on a free port (with --serve-args); yields its base URL."""
+    return kvsieve_server(*args, *SERVE_ARGS)
 
 
 @dataclass
@@ -203,44 +175,56 @@ def pause(args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": rows}
 
 
+def engines(args: argparse.Namespace, parallel: int):
+    """(name, context manager yielding a base URL): kvsieve serve, then llama-server with `--peer llama`."""
+    yield "kvsieve", server("--cache-memory", "0", "--max-batch", str(parallel))
+    if args.peer == "llama":
+        yield "llama-server", llama_server("--parallel", str(parallel), "--threads", str(os.cpu_count()))
+
+
 def latency(args: argparse.Namespace) -> dict[str, Any]:
-    """Inter-token latency (gaps between streamed chunks) at 1, 4 and 8 concurrent `--prompt-tokens` requests."""
+    """Inter-token latency (gaps between streamed chunks) at 1, 4 and 8 concurrent `--prompt-tokens` requests
+    (with `--peer llama`, then the same requests to llama-server on the same machine and model)."""
     rows = []
-    with server("--cache-memory", "0", "--max-batch", "8") as url:
-        stream(url, "/v1/completions", {"prompt": essay_ids(64, 0), "max_tokens": 4, "temperature": 0})  # warm-up
-        for repeat in range(args.repeats):
-            for clients in (1, 4, 8):
-                offset = 200_000 + (repeat * 16 + clients) * args.prompt_tokens
-                bodies = [
-                    {
-                        "prompt": essay_ids(args.prompt_tokens, offset + i * args.prompt_tokens),
-                        "max_tokens": args.new_tokens,
-                        "temperature": 0,
+    for engine, started in engines(args, 8):
+        with started as url:
+            stream(url, "/v1/completions", {"prompt": essay_ids(64, 0), "max_tokens": 4, "temperature": 0})  # warm-up
+            for repeat in range(args.repeats):
+                for clients in (1, 4, 8):
+                    offset = 200_000 + (repeat * 16 + clients) * args.prompt_tokens
+                    bodies = [
+                        {
+                            "prompt": essay_ids(args.prompt_tokens, offset + i * args.prompt_tokens),
+                            "max_tokens": args.new_tokens,
+                            "temperature": 0,
+                            "ignore_eos": True,  # every engine decodes the same number of tokens
+                        }
+                        for i in range(clients)
+                    ]
+                    with ThreadPoolExecutor(clients) as pool:
+                        timings = list(pool.map(lambda b: stream(url, "/v1/completions", b), bodies))
+                    all_gaps = [g for t in timings for g in gaps(t)]
+                    row = {
+                        "engine": engine,
+                        "repeat": repeat,
+                        "clients": clients,
+                        "p50_s": percentile(all_gaps, 0.5),
+                        "p99_s": percentile(all_gaps, 0.99),
+                        "max_s": max(all_gaps),
+                        "gaps": len(all_gaps),
                     }
-                    for i in range(clients)
-                ]
-                with ThreadPoolExecutor(clients) as pool:
-                    timings = list(pool.map(lambda b: stream(url, "/v1/completions", b), bodies))
-                all_gaps = [g for t in timings for g in gaps(t)]
-                row = {
-                    "repeat": repeat,
-                    "clients": clients,
-                    "p50_s": percentile(all_gaps, 0.5),
-                    "p99_s": percentile(all_gaps, 0.99),
-                    "max_s": max(all_gaps),
-                    "gaps": len(all_gaps),
-                }
-                rows.append(row)
-                print(
-                    f"repeat {repeat}, {clients} clients: inter-token p50 {row['p50_s'] * 1000:.0f} ms, "
-                    f"p99 {row['p99_s'] * 1000:.0f} ms, max {row['max_s']:.2f} s over {len(all_gaps)} gaps"
-                )
-    for clients in (1, 4, 8):
-        mine = [r for r in rows if r["clients"] == clients]
-        print(
-            f"{clients} clients: p50 {summary([r['p50_s'] for r in mine])} s, "
-            f"p99 {summary([r['p99_s'] for r in mine])} s"
-        )
+                    rows.append(row)
+                    print(
+                        f"{engine}, repeat {repeat}, {clients} clients: inter-token p50 {row['p50_s'] * 1000:.1f} ms, "
+                        f"p99 {row['p99_s'] * 1000:.0f} ms, max {row['max_s']:.2f} s over {len(all_gaps)} gaps"
+                    )
+    for engine in dict.fromkeys(r["engine"] for r in rows):
+        for clients in (1, 4, 8):
+            mine = [r for r in rows if r["clients"] == clients and r["engine"] == engine]
+            print(
+                f"{engine}, {clients} clients: p50 {summary([r['p50_s'] for r in mine])} s, "
+                f"p99 {summary([r['p99_s'] for r in mine])} s"
+            )
     return {"rows": rows}
 
 
@@ -503,6 +487,9 @@ def main() -> None:
     parser.add_argument("--depths", default="0.25,0.75", help="needle depths of the chat part's probes")
     parser.add_argument("--stream-tokens", type=int, default=400, help="the running stream's max_tokens (pause)")
     parser.add_argument("--lead", type=float, default=4.0, help="seconds the stream runs before the long prompt")
+    parser.add_argument(
+        "--peer", choices=["none", "llama"], default="none", help="latency: also run llama-server (make llama-server)"
+    )
     parser.add_argument("--serve-args", default="", help="options added to every server, e.g. '--max-step-tokens 0'")
     parser.add_argument("--out", type=Path, default=Path("runs/serve_bench.json"))
     args = parser.parse_args()
