@@ -2,14 +2,24 @@
 
 `kvsieve bench` decodes until EOS (at most 32 tokens), so methods that stop at different steps
 are timed over different counts, and every run loads its own model. This script prefills one
-needle prompt per method and then times exactly `--steps` greedy steps on it (EOS ignored),
-with the methods interleaved inside every repeat, and reports tokens/s and the ratio to the
-first method in the same repeat (min / median / max over repeats). For eviction methods it also
-times the eviction itself (`EvictRun.after_step`, mean ms per step: with `evict.interval` > 1 most
-steps evict nothing).
+needle prompt per method and then times exactly `--steps` greedy steps on it (EOS ignored), through
+the engine's decoding batch (`kvsieve.engine.batch.DecodeBatch`, what `kvsieve generate`, `run` and
+the server step), with the methods interleaved inside every repeat. It reports the time per step
+(one token for each of `--batches` rows), tokens/s and the ratio to the first method in the same
+repeat (min / median / max over repeats). For eviction methods it also times the eviction itself
+(`EvictRun.after_step`, mean ms per step and row: with `evict.interval` > 1 most steps evict nothing).
+
+Every run first measures the weight-streaming limit: the time to read a tensor as large as the
+model's weights once (`tensor.sum()`, the fastest of 5), the least a batch-1 decoding step can take
+when memory bandwidth bounds it. Each row gives its step time as a multiple of that limit.
 
     python benchmarks/decode_steps.py --methods full,snapkv,h2o,a2sf --lengths 2048,8000 --steps 48 --repeats 3 \\
         --out runs/study/decode_steps.json
+
+Rows of a batch decode copies of one prefilled prompt (`--batches 1,4,8`). `--profile` runs
+torch.profiler over one extra timed stretch per method and batch and reports where a step's time
+goes: the decoder layers' attention and MLP modules, the LM head, the eviction, and the time no
+operator accounts for (Python, dispatch), with the slowest operators.
 
 By default every repeat prefills each method again and times its first steps. `--shared-prefill`
 prefills each method once per length and lets every repeat time the next `--steps` steps, so the
@@ -26,25 +36,29 @@ Pause other work on the machine while it runs (the timings are wall-clock).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import statistics
 import time
+from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from kvsieve import load_model
-from kvsieve.attention import attention_hooks
+from kvsieve.compress.cache import wrap_cache
 from kvsieve.data import prompt_case
-from kvsieve.decode import step
+from kvsieve.engine.batch import DecodeBatch, Row
 from kvsieve.eval.bench import spread as bench_spread
-from kvsieve.pipeline import prefill
+from kvsieve.pipeline import Prefill, prefill
 from kvsieve.registry import method
 from kvsieve.spec import MethodSpec, parse_settings
 
 WARMUP = 2  # untimed steps after a shared prefill (the first steps after a long prefill run slower)
+PARTS = ("self_attn", "mlp", "lm_head", "evict")  # the parts of a step the profile names
 
 
 def spec(entry: str) -> MethodSpec:
@@ -53,65 +67,155 @@ def spec(entry: str) -> MethodSpec:
     return method(name, parse_settings(settings))
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def weight_stream_ms(model, repeats: int = 5) -> float:
+    """The time to read, once, a tensor the size of the model's weights (tied ones counted once), fastest of
+    `repeats`: the floor of a batch-1 decoding step, which reads every weight once."""
+    unique = {p.data_ptr(): p for p in model.parameters()}
+    nbytes = sum(p.numel() * p.element_size() for p in unique.values())
+    flat = torch.ones(nbytes // 4, dtype=torch.float32, device=model.device)
+    times = []
+    for _ in range(repeats):
+        _sync(model.device)
+        start = time.perf_counter()
+        flat.sum()
+        _sync(model.device)
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
+
+
 class Decoder:
-    """One method's prefilled prompt, decoded greedily (EOS ignored) in timed batches of steps."""
+    """A method's prefilled prompt, copied into `rows` rows of the engine's decoding batch and decoded
+    greedily (EOS ignored) in timed stretches of steps. The prefill itself is left as it was."""
 
-    def __init__(self, model, prompt, name: str, reserve: int):
-        done = prefill(model, prompt, method=spec(name), reserve=reserve)
+    def __init__(self, model, done: Prefill, rows: int):
         self.model = model
-        self.cache, self.logits = done.prefilled.cache, done.prefilled.last_logits
-        self.position = done.prefilled.next_position
-        self.run = done.state.evict
+        cache, first = done.prefilled.cache, int(torch.argmax(done.prefilled.last_logits))
+        self.batch = DecodeBatch(model)
         self.evicting: list[float] = []
-        if self.run is not None:
-            self.run.buffer(self.cache)
-            after_step = self.run.after_step
+        for _ in range(rows):
+            row_cache = wrap_cache(model, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers])
+            row_evict = copy.deepcopy(done.state.evict)
+            if row_evict is not None:
+                self._time_evictions(row_evict)
+            self.batch.add(Row(first, done.prefilled.next_position, row_evict), row_cache)
 
-            def timed_after_step(cache) -> None:
-                start = time.perf_counter()
+    def _time_evictions(self, run) -> None:
+        after_step = run.after_step
+
+        def timed_after_step(cache) -> None:
+            start = time.perf_counter()
+            with torch.profiler.record_function("evict"):
                 after_step(cache)
-                self.evicting.append(time.perf_counter() - start)
+            self.evicting.append(time.perf_counter() - start)
 
-            self.run.after_step = timed_after_step
+        run.after_step = timed_after_step
 
     def timed(self, steps: int) -> dict:
-        """Decode `steps` more tokens; tokens/s and the eviction's mean ms per step over them."""
+        """Decode `steps` more tokens per row; ms per step, tokens/s (all rows) and the eviction's ms per step
+        and row."""
         self.evicting.clear()
-        observers = self.run.step_observers() if self.run is not None else ()
-        with torch.no_grad(), attention_hooks(observers=observers):
-            start = time.perf_counter()
-            for _ in range(steps):
-                token = torch.argmax(self.logits).view(1, 1)
-                self.logits = step(self.model, self.cache, token, self.position, self.run)
-                self.position += 1
-            seconds = time.perf_counter() - start
+        _sync(self.model.device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            logits = self.batch.step()
+            for row, token in zip(self.batch.rows, torch.argmax(logits, dim=-1).tolist(), strict=True):
+                row.token = token
+        _sync(self.model.device)
+        seconds = time.perf_counter() - start
         return {
-            "tokens_per_s": steps / seconds,
+            "ms_per_step": seconds / steps * 1e3,
+            "tokens_per_s": steps * len(self.batch) / seconds,
             "evict_ms_per_step": statistics.mean(self.evicting) * 1e3 if self.evicting else None,
-            "kv_entries": self.cache.get_seq_length(),
+            "kv_entries": self.batch.entries(0),
         }
 
 
-def timed_runs(
-    model, prompt, names: list[str], steps: int, repeats: int, shared: bool, label: str
-) -> dict[str, list[dict]]:
-    """Per method, one timing per repeat, the methods interleaved within every repeat.
+@contextmanager
+def labelled_parts(model):
+    """Name every decoder layer's attention and MLP module and the LM head in the profiler's events."""
+    handles, open_ranges = [], []
 
-    Without `shared` every repeat prefills each method afresh and times its first `steps` steps.
-    With it every method is prefilled once, decodes `WARMUP` untimed steps, and each repeat then
-    times its next `steps` steps: no prefill runs between two timings, so they compare steady
-    decoding only.
+    def enter(name):
+        def hook(module, args):
+            open_ranges.append(torch.profiler.record_function(name).__enter__())
+
+        return hook
+
+    def leave(module, args, output):
+        open_ranges.pop().__exit__(None, None, None)
+
+    for name, module in model.named_modules():
+        part = name.rsplit(".", 1)[-1]
+        if part in PARTS:
+            handles += [module.register_forward_pre_hook(enter(part)), module.register_forward_hook(leave)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def profiled(decoder: Decoder, steps: int, top: int = 12) -> dict:
+    """One timed stretch under torch.profiler: ms per step in each named part, in operators, and the slowest
+    operators by their own time (ms per step)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if decoder.model.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with labelled_parts(decoder.model), torch.profiler.profile(activities=activities) as prof:
+        timing = decoder.timed(steps)
+    events = prof.key_averages()
+    parts = defaultdict(float)
+    for event in events:
+        if event.key in PARTS:
+            parts[event.key] += event.cpu_time_total / 1e3 / steps
+    operators = sorted((e for e in events if e.key.startswith("aten::")), key=lambda e: -e.self_cpu_time_total)
+    in_operators = sum(e.self_cpu_time_total for e in operators) / 1e3 / steps
+    return {
+        "ms_per_step": timing["ms_per_step"],  # under the profiler (slower than unprofiled)
+        "parts_ms": {part: round(parts[part], 3) for part in PARTS},
+        "operators_ms": round(in_operators, 3),
+        "outside_operators_ms": round(timing["ms_per_step"] - in_operators, 3),
+        "top_operators_ms": {e.key: round(e.self_cpu_time_total / 1e3 / steps, 3) for e in operators[:top]},
+    }
+
+
+def timed_runs(model, prompt, names: list[str], args, label: str) -> dict[int, tuple[dict, dict]]:
+    """Per batch size and method, one timing per repeat, the methods interleaved within every repeat (and a
+    profile of each with `args.profile`).
+
+    Each method prefills once; every batch size decodes copies of that prefill. Without `shared_prefill`
+    every repeat starts new copies and times their first `steps` steps. With it every method's batch
+    decodes `WARMUP` untimed steps, and each repeat then times its next `steps` steps: no copying runs
+    between two timings, so they compare steady decoding only.
     """
-    runs: dict[str, list[dict]] = {name: [] for name in names}
-    if shared:
-        decoders = {name: Decoder(model, prompt, name, WARMUP + steps * repeats + 8) for name in names}
-        for decoder in decoders.values():
-            decoder.timed(WARMUP)
-    for _ in tqdm(range(repeats), desc=label, unit="repeat"):
-        for name in names:
-            decoder = decoders[name] if shared else Decoder(model, prompt, name, steps + 8)
-            runs[name].append(decoder.timed(steps))
-    return runs
+    steps, repeats, shared = args.steps, args.repeats, args.shared_prefill
+    reserve = WARMUP + steps * (repeats + 1) + 8
+    done = {name: prefill(model, prompt, method=spec(name), reserve=reserve) for name in names}
+    results = {}
+    for rows in [int(b) for b in args.batches.split(",")]:
+        runs: dict[str, list[dict]] = {name: [] for name in names}
+        if shared:
+            decoders = {name: Decoder(model, done[name], rows) for name in names}
+            for decoder in decoders.values():
+                decoder.timed(WARMUP)
+        for _ in tqdm(range(repeats), desc=f"{label} x {rows}", unit="repeat"):
+            for name in names:
+                decoder = decoders[name] if shared else Decoder(model, done[name], rows)
+                runs[name].append(decoder.timed(steps))
+        profiles = {}
+        if args.profile:
+            for name in names:
+                decoder = decoders[name] if shared else Decoder(model, done[name], rows)
+                if not shared:
+                    decoder.timed(steps)  # profile steady steps, not the first ones
+                profiles[name] = profiled(decoder, steps)
+        results[rows] = (runs, profiles)
+    return results
 
 
 def spread(values: list[float]) -> dict:
@@ -139,6 +243,7 @@ def main() -> None:
         help="registry names, each optionally with settings (h2o:evict.interval=8); the first is the baseline",
     )
     parser.add_argument("--lengths", default="2048,8000", help="prompt lengths in tokens")
+    parser.add_argument("--batches", default="1", help="rows decoded together, e.g. 1,4,8 (copies of one prompt)")
     parser.add_argument("--steps", type=int, default=48, help="greedy steps timed per run (EOS ignored)")
     parser.add_argument("--repeats", type=int, default=3, help="repeats, methods interleaved within each")
     parser.add_argument(
@@ -146,6 +251,7 @@ def main() -> None:
         action="store_true",
         help="prefill each method once per length; every repeat then times its next --steps steps",
     )
+    parser.add_argument("--profile", action="store_true", help="also profile one stretch per method (torch.profiler)")
     parser.add_argument("--out", type=Path, default=Path("runs/study/decode_steps.json"), help="output JSON")
     args = parser.parse_args()
     if args.steps < 1 or args.repeats < 1:
@@ -155,43 +261,64 @@ def main() -> None:
     for name in names:
         spec(name)  # an unknown name or setting fails here, before any prefill
     model, tokenizer = load_model()
+    limit = weight_stream_ms(model)
     rows = []
     for length in [int(n) for n in args.lengths.split(",")]:
         _, prompt = prompt_case(tokenizer, "needle", length, 0.5)
-        runs = timed_runs(model, prompt, names, args.steps, args.repeats, args.shared_prefill, f"{length} tokens")
-        base = runs[names[0]]
-        for name in names:
-            evict = [r["evict_ms_per_step"] for r in runs[name] if r["evict_ms_per_step"] is not None]
-            rows.append(
-                {
-                    "method": name,
-                    "length": length,
-                    "kv_entries": runs[name][0]["kv_entries"],
-                    "tokens_per_s": spread([r["tokens_per_s"] for r in runs[name]]),
-                    "ratio": spread(
-                        [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs[name], base, strict=True)]
-                    ),
-                    "evict_ms_per_step": spread(evict) if evict else None,
-                }
-            )
+        for batch, (runs, profiles) in timed_runs(model, prompt, names, args, f"{length} tokens").items():
+            base = runs[names[0]]
+            for name in names:
+                evict = [r["evict_ms_per_step"] for r in runs[name] if r["evict_ms_per_step"] is not None]
+                step_ms = [r["ms_per_step"] for r in runs[name]]
+                rows.append(
+                    {
+                        "method": name,
+                        "length": length,
+                        "batch": batch,
+                        "kv_entries": runs[name][0]["kv_entries"],
+                        "ms_per_step": spread(step_ms),
+                        "x_weight_limit": spread([ms / limit for ms in step_ms]),
+                        "tokens_per_s": spread([r["tokens_per_s"] for r in runs[name]]),
+                        "ratio": spread(
+                            [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs[name], base, strict=True)]
+                        ),
+                        "evict_ms_per_step": spread(evict) if evict else None,
+                        "profile": profiles.get(name),
+                    }
+                )
     record = {
         "command": command(args),
         "machine": platform.processor() or platform.machine(),
+        "device": str(model.device),
+        "dtype": str(model.dtype),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "weight_stream_ms": limit,
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
+    print(f"weight-streaming limit: {limit:.2f} ms per step")
     width = max(12, *(len(name) for name in names))
-    print(f"{'method':{width}s} {'tokens':>6s} {'tok/s (min/med/max)':>22s} {'vs ' + names[0]:>20s} {'evict ms':>9s}")
+    print(
+        f"{'method':{width}s} {'tokens':>6s} {'batch':>5s} {'ms/step (min/med/max)':>22s} {'x limit':>7s}"
+        f" {'vs ' + names[0]:>18s} {'evict ms':>9s}"
+    )
     for r in rows:
-        t, q = r["tokens_per_s"], r["ratio"]
+        t, q = r["ms_per_step"], r["ratio"]
         e = f"{r['evict_ms_per_step']['median']:.2f}" if r["evict_ms_per_step"] else "-"
         print(
-            f"{r['method']:{width}s} {r['length']:6d} {t['min']:6.2f} {t['median']:6.2f} {t['max']:6.2f}"
-            f"     {q['min']:5.2f} {q['median']:5.2f} {q['max']:5.2f} {e:>9s}"
+            f"{r['method']:{width}s} {r['length']:6d} {r['batch']:5d}"
+            f" {t['min']:6.1f} {t['median']:6.1f} {t['max']:6.1f}"
+            f"  {r['x_weight_limit']['median']:6.2f}   {q['min']:5.2f} {q['median']:5.2f} {q['max']:5.2f} {e:>9s}"
         )
+        if r["profile"]:
+            p = r["profile"]
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in p["parts_ms"].items())
+            tops = ", ".join(f"{k[6:]} {v:.1f}" for k, v in list(p["top_operators_ms"].items())[:6])
+            outside = p["outside_operators_ms"]
+            print(f"    profile ms/step {p['ms_per_step']:.1f}: {parts}; outside operators {outside:.1f}")
+            print(f"    slowest operators: {tops}")
 
 
 if __name__ == "__main__":

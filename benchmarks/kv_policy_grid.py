@@ -31,7 +31,8 @@ from transformers import DynamicCache
 from kvsieve import load_model
 from kvsieve.attention import attention_hooks
 from kvsieve.attention.accumulate import accumulation_weights
-from kvsieve.decode import Sampling, decode
+from kvsieve.decode import Sampling, TextStream, eos_token_ids
+from kvsieve.engine.batch import DecodeBatch, Row
 from kvsieve.eval.niah import prompt_case
 from kvsieve.eval.scoring import contains, rouge1_recall
 from kvsieve.feed.full import FullPrefill
@@ -59,6 +60,22 @@ def prompt_scores(policy, queries: dict[int, torch.Tensor], keys: list[torch.Ten
     """Every layer's prompt scores, from its captured last queries (1, h, w, d) and its keys (1, g, n, d)."""
     scaling = keys[0].shape[-1] ** -0.5
     return {layer: policy.prompt_scores(q[0], keys[layer][0], scaling) for layer, q in queries.items()}
+
+
+def greedy(model, tokenizer, cache, prefilled, evict, sampling: Sampling) -> TextStream:
+    """The greedy answer on `cache` (prefilled, compressed or with `evict` started), through the engine's
+    decoding step."""
+    answer = TextStream(tokenizer, sampling, eos_token_ids(model, tokenizer))
+    batch, logits = DecodeBatch(model), prefilled.last_logits
+    with torch.no_grad():
+        while True:
+            answer.add(int(torch.argmax(logits)))
+            if answer.finish is not None:
+                return answer
+            if not len(batch):
+                batch.add(Row(answer.tokens[-1], prefilled.next_position, evict), cache)
+            batch.rows[0].token = answer.tokens[-1]
+            logits = batch.step()[0]
 
 
 def main() -> None:
@@ -114,17 +131,7 @@ def main() -> None:
                 else:
                     run.start(copied, None, model)
                     evict_run = run
-                with torch.no_grad():
-                    decoded = decode(
-                        model,
-                        tokenizer,
-                        copied,
-                        prefilled.last_logits,
-                        prefilled.next_position,
-                        sampling,
-                        None,
-                        evict_run,
-                    )
+                decoded = greedy(model, tokenizer, copied, prefilled, evict_run, sampling)
                 rows.append(
                     {
                         "setting": name,

@@ -19,6 +19,7 @@ import torch
 from conftest import FakeTokenizer, build_model, make_prompt
 
 from kvsieve import Sampling, method, run
+from kvsieve.compress.cache import wrap_cache
 from kvsieve.engine import request as request_module
 from kvsieve.engine.batch import DecodeBatch
 from kvsieve.engine.request import Failed, Finished, Request, Started, Text
@@ -99,6 +100,32 @@ def test_batched_greedy_decoding_equals_each_request_alone(model, monkeypatch):
         if spec.evict is not None:  # the request's own eviction ran on its row of the batch
             assert finished.info["kv_entries_at_end"] == alone.kv_cache_length
     assert len(scheduler.batch) == 0 and scheduler.kv_entries() == 0  # every cache freed
+
+
+def test_rows_of_different_lengths_ignore_whatever_their_padding_holds(model):
+    """Rows right-padded to the longest: what lies past a row's entries (stale entries of earlier steps, here large
+    values) never reaches its logits, which equal the row decoded alone; each row's new entry lands at its own
+    column. (The tables start as zeros: a NaN of never written memory would survive a 0 attention weight.)"""
+    from kvsieve.engine.batch import Row
+    from kvsieve.pipeline import prefill
+
+    prompts = [make_prompt(n, seed=n) for n in (30, 50)]
+    done = [prefill(model, p, method="full", reserve=4) for p in prompts]
+    alone = []
+    for d in done:
+        single = DecodeBatch(model)
+        layers = [(layer.keys.clone(), layer.values.clone()) for layer in d.prefilled.cache.layers]
+        single.add(Row(7, d.prefilled.next_position), wrap_cache(model, layers))
+        alone.append(single.step()[0])
+    batch = DecodeBatch(model)
+    for d in done:
+        batch.add(Row(7, d.prefilled.next_position), d.prefilled.cache)
+    batch.keys[:, 0, :, 30:] = 1e4  # row 0 holds 30 entries, row 1 holds 50
+    batch.values[:, 0, :, 30:] = 1e4
+    logits = batch.step()
+    assert [batch.entries(i) for i in range(2)] == [31, 51]
+    for row, expected in zip(logits, alone, strict=True):
+        torch.testing.assert_close(row, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_a_list_of_prompts_runs_as_one_batch_with_each_prompts_answer(model):
@@ -183,20 +210,22 @@ def test_a_method_the_model_cannot_run_fails_alone(model):
 
 
 def test_padded_attention_masks_each_rows_padding():
+    """Right-padded rows (a multi-token query included) attend exactly as each row alone, causally."""
     from kvsieve.attention import dense_attention, padded_attention
 
     torch.manual_seed(0)
-    query = torch.randn(3, 4, 1, 8)
-    keys = [torch.randn(1, 2, n, 8) for n in (5, 9, 1)]
-    values = [torch.randn(1, 2, n, 8) for n in (5, 9, 1)]
-    width = 9
-    padded_k = torch.cat([torch.nn.functional.pad(k, (0, 0, width - k.shape[2], 0), value=7.0) for k in keys])
-    padded_v = torch.cat([torch.nn.functional.pad(v, (0, 0, width - v.shape[2], 0), value=7.0) for v in values])
-    starts = torch.tensor([width - k.shape[2] for k in keys])
-    out = padded_attention(query, padded_k, padded_v, None, starts)
-    for b in range(3):
-        alone = dense_attention(query[b : b + 1], keys[b], values[b], None)
-        torch.testing.assert_close(out[b : b + 1], alone)
+    for q_len in (1, 2):
+        query = torch.randn(3, 4, q_len, 8)
+        keys = [torch.randn(1, 2, n, 8) for n in (5, 9, 2)]
+        values = [torch.randn(1, 2, n, 8) for n in (5, 9, 2)]
+        width = 9
+        padded_k = torch.cat([torch.nn.functional.pad(k, (0, 0, 0, width - k.shape[2]), value=7.0) for k in keys])
+        padded_v = torch.cat([torch.nn.functional.pad(v, (0, 0, 0, width - v.shape[2]), value=7.0) for v in values])
+        lengths = torch.tensor([k.shape[2] for k in keys])
+        out = padded_attention(query, padded_k, padded_v, None, lengths)
+        for b in range(3):
+            alone = dense_attention(query[b : b + 1], keys[b], values[b], None)
+            torch.testing.assert_close(out[b : b + 1], alone)
 
 
 def test_finished_and_cancelled_requests_are_freed_at_once(model):

@@ -1,6 +1,6 @@
 """Decoding under eviction in preallocated buffers, in place.
 
-`EvictRun.buffer` moves the cache into `EvictionBuffer` layers; each step writes its entry in
+`EvictRun.buffer` moves the cache into `DecodeBuffer` layers; each step writes its entry in
 place and an eviction moves at most `interval` entries per KV head. The result must be exactly
 the eviction of the plain path (gathering the kept entries into new tensors, in time order):
 the same tokens and the same set of cached entries, for every policy with a per-step rule
@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 from kvsieve import Sampling, run
 from kvsieve.attention import attention_hooks
-from kvsieve.compress.cache import EvictionBuffer, compaction
+from kvsieve.compress.cache import DecodeBuffer, compaction
 from kvsieve.compress.policies.a2sf import A2SF
 from kvsieve.compress.policies.h2o import H2O
 from kvsieve.compress.policies.knorm import KNorm
@@ -80,7 +80,7 @@ def test_buffered_eviction_equals_the_plain_path(make_model, policy, interval):
     assert buffered.tokens == tokens
     assert buffered.kv_cache_length == cache.get_seq_length()
     for ours, theirs in zip(buffered.state.prefilled.cache.layers, cache.layers, strict=True):
-        assert isinstance(ours, EvictionBuffer)
+        assert isinstance(ours, DecodeBuffer)
         assert _same_entries(ours, theirs)
 
 
@@ -97,6 +97,32 @@ def test_steps_never_reallocate_the_buffers(make_model):
         result = run(model, FakeTokenizer(), make_prompt(40), evict=Evict(H2O(), 16, 4), sampling=Sampling(20))
     assert len(addresses) == 2 and result.kv_cache_length <= 16 + 3  # one buffer per layer, whatever the step
     assert len(storages) == 1  # both layers' buffers are slices of one table
+
+
+@pytest.mark.parametrize("name", ["full", "snapkv"])
+def test_decoding_without_eviction_writes_in_place_and_equals_the_plain_cache(make_model, name):
+    """Full attention (and a compressed cache) decode in one preallocated table too: no step copies the cache
+    (a growing DynamicCache concatenates every layer every step), and the tokens are the plain cache's."""
+    model = make_model("llama", num_layers=2)
+    prompt, steps = make_prompt(40), 12
+    done = prefill(model, prompt, method=name, reserve=steps)
+    cache, position = done.prefilled.cache, done.prefilled.next_position
+    tokens = [next_token(done.prefilled.last_logits, Sampling(), None)]
+    with torch.no_grad():
+        for _ in range(steps - 1):
+            logits = step(model, cache, torch.tensor([[tokens[-1]]]), position)
+            position += 1
+            tokens.append(next_token(logits, Sampling(), None))
+    storages = set()
+
+    def watch(layer, query, key):
+        if query.shape[2] == 1:
+            storages.add(key.untyped_storage().data_ptr())
+
+    with attention_hooks(observers=[watch]):
+        ours = run(model, FakeTokenizer(), prompt, method=name, sampling=Sampling(steps, ignore_eos=True))
+    assert ours.tokens == tokens
+    assert len(storages) == 1 and all(isinstance(layer, DecodeBuffer) for layer in ours.state.prefilled.cache.layers)
 
 
 def test_steps_write_the_stamps_in_one_preallocated_table(make_model):

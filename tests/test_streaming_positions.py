@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 import kvsieve
 from kvsieve import Sampling, run
 from kvsieve.attention import attention_hooks
-from kvsieve.compress.cache import EvictionBuffer
+from kvsieve.compress.cache import DecodeBuffer
 from kvsieve.compress.policies.snapkv import SnapKV
 from kvsieve.compress.policies.streaming import StreamingLLM
 from kvsieve.compress.stages import Compress, Evict
@@ -85,7 +85,7 @@ def test_reencoded_cache_equals_a_fresh_run_on_sinks_and_window(single_thread, a
     cache, state, fed = _stream(model, ids, 40, Evict(StreamingLLM(SINKS, reencode=True), BUDGET, interval=interval))
     length = cache.get_seq_length()
     assert BUDGET <= length < BUDGET + interval
-    assert isinstance(cache.layers[0], EvictionBuffer)
+    assert isinstance(cache.layers[0], DecodeBuffer)
     # Every entry sits at its rank in time order.
     assert torch.equal(state.positions[0], state.stamps[0].argsort(1).argsort(1))
     tokens = _cached_tokens(ids, fed, length)
@@ -153,7 +153,7 @@ def test_plain_cache_path_reencodes_like_the_buffers(make_model, interval):
             logits = step(model, cache, torch.tensor([[tokens[-1]]]), position, state)
             position += 1
             tokens.append(int(logits.argmax()))
-    assert not isinstance(cache.layers[0], EvictionBuffer)
+    assert not isinstance(cache.layers[0], DecodeBuffer)
     assert tokens == buffered.tokens
     assert torch.equal(state.positions[0], torch.arange(cache.get_seq_length()).expand(2, -1))
 

@@ -1,5 +1,10 @@
 """The `decode` stage: greedy or nucleus sampling from a prefilled cache, one token at a time.
 
+What decoding shares: the sampling options (`Sampling`) and the choice of a token from logits
+(`adjust`, `next_token`), the answer's text and end (`TextStream`), log-probabilities, and one
+step of one sequence (`step`). The loop over steps is the engine's (`kvsieve.engine`), which steps
+every running request of a batch together.
+
 Positions continue from the feed's logical position, which can differ from the cache length
 (after GemFilter or compression), so position ids are always passed explicitly. Under an
 eviction that re-encodes positions (StreamingLLM's `reencode`) a token goes at the cache's
@@ -8,14 +13,12 @@ length instead (`step`).
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 
-from kvsieve.attention import attention_hooks
 from kvsieve.compress.stages import EvictRun
 from kvsieve.errors import KvsieveError
 from kvsieve.models import with_cache
@@ -139,15 +142,6 @@ def adjust(logits: torch.Tensor, sampling: Sampling, prompt: torch.Tensor, outpu
     return logits
 
 
-@dataclass
-class Decoded:
-    tokens: list[int]
-    text: str
-    finish_reason: str  # "eos", "stop" or "length"
-    seconds: float
-    steps: int  # forward passes run (the first token comes from the prefill's logits)
-
-
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     """EOS ids from the tokenizer and the model's generation config (which may list several)."""
     ids = {tokenizer.eos_token_id}
@@ -244,7 +238,8 @@ def extend(
 def step(
     model: PreTrainedModel, cache: Cache, token: torch.Tensor, position: int, evict: EvictRun | None = None
 ) -> torch.Tensor:
-    """One decoding step: feed `token` (1, 1) on `cache`, then let `evict` prune it; (vocab,) logits.
+    """One decoding step of one sequence: feed `token` (1, 1) on `cache`, then let `evict` prune it; (vocab,)
+    logits. The engine's decoding batch (`kvsieve.engine.batch.DecodeBatch`) steps a lone request with it.
 
     The token goes at logical `position`, or at the cache's length when `evict` re-encodes
     positions. Observers of the eviction (`evict.step_observers()`) must be active around it.
@@ -255,43 +250,3 @@ def step(
     if evict is not None:
         evict.after_step(cache)
     return logits
-
-
-def decode(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    cache: Cache,
-    first_logits: torch.Tensor,
-    position: int,
-    sampling: Sampling,
-    stream: Callable[[str], None] | None = None,
-    evict: EvictRun | None = None,
-) -> Decoded:
-    """Generate up to `sampling.max_new_tokens` tokens continuing `cache` at logical `position`.
-
-    Stops at an EOS token (kept in `tokens`, not in `text`; unless `sampling.ignore_eos`), at a
-    stop string (text cut before it) or at the token limit. `stream` receives text pieces as they
-    become final. `evict` (the run's eviction state, already started on `cache`) keeps the cache at
-    its budget; the cache's layers are then moved into preallocated buffers that each step updates
-    in place.
-    Sampling draws on the CPU from a CPU generator (seeded runs give the same tokens on any device).
-    """
-    generator = None
-    if sampling.seed is not None:
-        generator = torch.Generator().manual_seed(sampling.seed)
-    answer = TextStream(tokenizer, sampling, eos_token_ids(model, tokenizer))
-    logits, steps = first_logits, 0
-    start = time.perf_counter()
-    if evict is not None:
-        evict.buffer(cache)
-    with torch.no_grad(), attention_hooks(observers=evict.step_observers() if evict else ()):
-        while True:
-            piece = answer.add(next_token(logits, sampling, generator))
-            if stream is not None and piece:
-                stream(piece)
-            if answer.finish is not None:
-                break
-            token = torch.tensor([[answer.tokens[-1]]], device=model.device)
-            logits = step(model, cache, token, position, evict)
-            position, steps = position + 1, steps + 1
-    return Decoded(answer.tokens, answer.text, answer.finish, time.perf_counter() - start, steps)

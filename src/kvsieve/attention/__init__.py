@@ -12,8 +12,9 @@ plain causal SDPA. Inside, two things can change:
   chunked feed marks its earlier passes `intermediate`, and they are skipped there. A finisher
   runs with the layer index once that layer's attention is done (compression layer by layer);
 - a prefill kernel replaces dense attention for multi-token queries (e.g. CritiPrefill);
-- key starts mark left padding in a batch of ragged caches (the server's batched decoding): row b
-  of layer j attends only to keys from column `key_starts[j][b]` on.
+- key lengths mark right padding in a batch of ragged caches (the engine's batched decoding): row b
+  of layer j holds `key_lengths[j][b]` keys, its query i (of q) attends to the first
+  `key_lengths[j][b] - q + i + 1` of them, and the columns after them are padding.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class StopForward(Exception):
 class _Hooks:
     observers: tuple[Observer, ...] = ()
     kernel: PrefillKernel | None = None
-    key_starts: Sequence[torch.Tensor] | None = None
+    key_lengths: Sequence[torch.Tensor] | None = None
     last_pass: tuple[Observer, ...] = ()
     finishers: tuple[Finisher, ...] = ()
     intermediate: bool = False
@@ -63,7 +64,7 @@ _active: ContextVar[_Hooks | None] = ContextVar("kvsieve_attention_hooks", defau
 def attention_hooks(
     observers: Sequence[Observer] = (),
     kernel: PrefillKernel | None = None,
-    key_starts: Sequence[torch.Tensor] | None = None,
+    key_lengths: Sequence[torch.Tensor] | None = None,
     *,
     last_pass: Sequence[Observer] = (),
     finishers: Sequence[Finisher] = (),
@@ -73,9 +74,9 @@ def attention_hooks(
 
     Nested blocks add their observers (and last-pass observers, finishers) to the outer ones and
     keep the outer kernel unless they name their own, so e.g. GemFilter's scoring pass runs
-    under a CritiPrefill kernel. `key_starts[layer]` is a (batch,) tensor: each row's keys before
-    that column are padding (batched decoding of requests whose caches differ in length,
-    left-padded to the longest). `intermediate=True` marks passes that are not a feed's last:
+    under a CritiPrefill kernel. `key_lengths[layer]` is a (batch,) tensor: each row's key count, the
+    columns after it padding (batched decoding of requests whose caches differ in length, right-padded
+    to the longest). `intermediate=True` marks passes that are not a feed's last:
     last-pass observers and finishers skip them.
     """
     outer = _active.get() or _Hooks()
@@ -83,7 +84,7 @@ def attention_hooks(
         _Hooks(
             observers=outer.observers + tuple(observers),
             kernel=kernel or outer.kernel,
-            key_starts=key_starts if key_starts is not None else outer.key_starts,
+            key_lengths=key_lengths if key_lengths is not None else outer.key_lengths,
             last_pass=outer.last_pass + tuple(last_pass),
             finishers=outer.finishers + tuple(finishers),
             intermediate=outer.intermediate if intermediate is None else intermediate,
@@ -108,22 +109,22 @@ def kvsieve_attention(
     """AttentionInterface entry point: returns (b, q, h, d) like transformers' SDPA function.
 
     transformers builds no mask for a custom implementation name; causality is bottom-right
-    and computed by the kernel. Batches are unpadded unless `attention_hooks(key_starts=...)`
-    marks left padding.
+    and computed by the kernel. Batches are unpadded unless `attention_hooks(key_lengths=...)`
+    marks right padding.
     """
     hooks = _active.get() or _Hooks()
     layer = module.layer_idx
     kernel = hooks.kernel if query.shape[2] > 1 else None
-    starts = hooks.key_starts[layer] if hooks.key_starts is not None else None
+    lengths = hooks.key_lengths[layer] if hooks.key_lengths is not None else None
     observers = hooks.active_observers()
     fused = [o for o in observers if isinstance(o, AccumulatedScores)]
-    if not fused or kernel is not None or starts is not None or query.shape[0] != 1:
+    if not fused or kernel is not None or lengths is not None or query.shape[0] != 1:
         fused = []  # no dense prefill pass to take the scores from: they compute their own
     for observer in observers:
         if not any(observer is f for f in fused):
             observer(layer, query, key)
-    if starts is not None:
-        out = padded_attention(query, key, value, scaling, starts)
+    if lengths is not None:
+        out = padded_attention(query, key, value, scaling, lengths)
     elif fused:
         out, scores = accumulating_attention(query, key, value, scaling, [f.alpha for f in fused])
         for observer, layer_scores in zip(fused, scores, strict=True):
@@ -139,12 +140,13 @@ def kvsieve_attention(
 
 
 def padded_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None, starts: torch.Tensor
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None, lengths: torch.Tensor
 ) -> torch.Tensor:
-    """Causal attention over left-padded keys: row b attends to key columns >= starts[b].
+    """Causal attention over right-padded keys: row b holds lengths[b] keys, the columns after them padding.
 
-    query (b, h, q, d), key/value (b, kv_heads, k, d); returns (b, h, q, d). Query head h reads
-    KV head h // n_rep through a grouped matmul (K/V never repeated); softmax in float32.
+    query (b, h, q, d), key/value (b, kv_heads, k, d); returns (b, h, q, d). Row b's query i sits at
+    key column lengths[b] - q + i (the queries are the row's last keys). Query head h reads KV head
+    h // n_rep through a grouped matmul (K/V never repeated); softmax in float32.
     """
     batch, heads, q_len, dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
@@ -152,10 +154,9 @@ def padded_attention(
     grouped = query.reshape(batch, kv_heads, heads // kv_heads * q_len, dim)  # rows: (n_rep, q) per KV head
     logits = torch.matmul(grouped, key.transpose(-1, -2)).float() * scale  # (b, g, n_rep * q, k)
     columns = torch.arange(k_len, device=key.device)
-    allowed = (columns[None, :] >= starts.to(key.device)[:, None])[:, None, None, :]  # (b, 1, 1, k)
-    if q_len > 1:
-        causal = bottom_right_causal_mask(q_len, k_len, key.device).repeat(heads // kv_heads, 1)
-        allowed = allowed & causal
+    last = lengths.to(key.device)[:, None] - q_len + torch.arange(q_len, device=key.device)  # (b, q)
+    allowed = columns[None, None, :] <= last[:, :, None]  # (b, q, k)
+    allowed = allowed.repeat(1, heads // kv_heads, 1)[:, None]  # (b, 1, n_rep * q, k)
     probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1).to(value.dtype)
     return torch.matmul(probs, value).view(batch, heads, q_len, dim)
 

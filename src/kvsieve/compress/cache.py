@@ -92,8 +92,8 @@ def compose_kept(first: list[torch.Tensor] | None, then: list[torch.Tensor]) -> 
     return [a.gather(1, b) for a, b in zip(first, then, strict=True)]
 
 
-class EvictionBuffer(DynamicLayer):
-    """A transformers cache layer in preallocated buffers, for decoding under eviction.
+class DecodeBuffer(DynamicLayer):
+    """A transformers cache layer in preallocated buffers, for decoding in place (with or without eviction).
 
     The live entries are columns 0 .. length - 1 of (batch, kv_heads, capacity, d) key and value
     buffers. A decoding step writes its entries in place after them (no copy of the cache per
@@ -157,6 +157,27 @@ class EvictionBuffer(DynamicLayer):
         self.truncate(self.length)
 
 
+def buffered(cache: Cache, capacity: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Move every layer of `cache` into a `DecodeBuffer` of `capacity` entries (at least its own length), so
+    that decoding writes its entries in place instead of concatenating the whole cache every step.
+
+    When all layers have one shape and batch 1, their buffers are slices of one key and one value table
+    (layers, 1, kv_heads, capacity, d), which are returned (else None): an eviction then moves the entries
+    of every layer at once (`move_entries` on a table).
+    """
+    first = cache.layers[0]
+    same = all(e.keys.shape == first.keys.shape and e.values.shape == first.values.shape for e in cache.layers)
+    tables = None
+    if same and first.keys.shape[0] == 1:
+        size = (len(cache.layers), *first.keys.shape[:2], max(capacity, first.keys.shape[2]))
+        keys, values = first.keys, first.values
+        tables = keys.new_empty(*size, keys.shape[-1]), values.new_empty(*size, values.shape[-1])
+    for layer, entry in enumerate(cache.layers):
+        storage = (tables[0][layer], tables[1][layer]) if tables is not None else None
+        cache.layers[layer] = DecodeBuffer(entry.keys, entry.values, capacity, storage)
+    return tables
+
+
 def move_entries(buffer: torch.Tensor, sources: torch.Tensor, targets: torch.Tensor) -> None:
     """In a (..., capacity, d) buffer whose leading dimensions flatten to the R rows of `sources` and
     `targets` (R, m), copy entry sources[r, i] of row r to targets[r, i]; every entry is read first.
@@ -185,14 +206,6 @@ def compaction(victims: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.
     dropped.scatter_(1, victims, True)
     order = torch.sort(dropped[:, length - m :].to(torch.uint8), dim=1, stable=True).indices  # survivors first
     return order + (length - m), targets
-
-
-def plain_layer(keys: torch.Tensor, values: torch.Tensor) -> DynamicLayer:
-    """A transformers cache layer holding exactly these tensors (no copy)."""
-    layer = DynamicLayer()
-    layer.lazy_initialization(keys, values)
-    layer.keys, layer.values = keys, values
-    return layer
 
 
 def wrap_cache(model: PreTrainedModel, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:

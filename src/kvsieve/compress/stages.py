@@ -15,7 +15,7 @@ attention, so the pipeline hands each run a `finisher` that prunes layer j as so
 attention is done (as kvpress's forward hooks do). The uncompressed cache of all layers then
 never exists at once, and the prefill's peak falls by the bytes the pruning removes.
 
-While decoding, `EvictRun` keeps the cache in preallocated buffers (`EvictionBuffer`): new
+While decoding, `EvictRun` keeps the cache in preallocated buffers (`DecodeBuffer`): new
 entries are written in place and an eviction moves at most `interval` entries per KV head.
 """
 
@@ -29,10 +29,10 @@ from transformers import Cache
 
 from kvsieve.attention import AccumulatedScores, Finisher, Observer
 from kvsieve.compress.cache import (
-    EvictionBuffer,
+    DecodeBuffer,
+    buffered,
     compaction,
     move_entries,
-    plain_layer,
     prune_layer,
     rerotate_keys,
     resolve_budget,
@@ -286,11 +286,11 @@ class Evict:
 class EvictRun:
     """One request's eviction: running scores per layer, the resolved budget, steps since start.
 
-    `buffer(cache)` moves a cache into preallocated `EvictionBuffer` layers for decoding; steps
-    then write and evict in place, and `stamps` ((layers, kv_heads, n), a view of a preallocated
-    table that a step writes one column of) keep each entry's age since the entries are no longer
-    in time order. On any other cache (the server's batched views) eviction gathers the kept
-    entries into new tensors, in time order.
+    On a cache in preallocated `DecodeBuffer` layers (`buffer(cache)`, or the engine's batch, which
+    calls `in_place`) steps write and evict in place, and `stamps` ((layers, kv_heads, n), a view of a
+    preallocated table that a step writes one column of) keep each entry's age since the entries are
+    no longer in time order. On any other cache eviction gathers the kept entries into new tensors,
+    in time order.
 
     With a re-encoding policy, `positions` (per layer, (kv_heads, n)) hold each entry's RoPE
     position, which is always its rank in time order among the live entries: after an eviction
@@ -393,7 +393,8 @@ class EvictRun:
         return {**details, **({"note": note} if note else {})}
 
     def buffer(self, cache: Cache) -> None:
-        """Move `cache` (started) into buffers with room for `interval` new entries, for in-place decoding.
+        """Move `cache` (started) into buffers with room for `interval` new entries, for in-place decoding
+        (`kvsieve.decode.step`; the engine's batch keeps its rows in buffers of its own and calls `in_place`).
 
         When all layers have one shape (a run's own batch-1 cache), their buffers are slices of one key
         and one value table (layers, 1, kv_heads, capacity, d), so an eviction moves the entries of
@@ -405,40 +406,22 @@ class EvictRun:
                 f"In-place eviction needs every layer of the cache at one length, but they hold {sorted(lengths)} "
                 "entries; decode this cache without EvictRun.buffer (eviction then gathers each layer)."
             )
-        length, first, layers = lengths.pop(), cache.layers[0], len(cache.layers)
-        capacity = max(length, self.budget) + self.config.interval
-        (batch, heads, _, _), device = first.keys.shape, first.keys.device
-        same = all(e.keys.shape == first.keys.shape and e.values.shape == first.values.shape for e in cache.layers)
-        self.tables = None
-        if same and batch == 1:
-            self.tables = (
-                first.keys.new_empty(layers, batch, heads, capacity, first.keys.shape[-1]),
-                first.values.new_empty(layers, batch, heads, capacity, first.values.shape[-1]),
-            )
-        for layer, entry in enumerate(cache.layers):
-            storage = (self.tables[0][layer], self.tables[1][layer]) if self.tables is not None else None
-            cache.layers[layer] = EvictionBuffer(entry.keys, entry.values, capacity, storage)
-        self.stamp_table = torch.empty(layers, heads, capacity, dtype=torch.long, device=device)
+        capacity = max(lengths.pop(), self.budget) + self.config.interval
+        self.in_place(cache, buffered(cache, capacity))
+
+    def in_place(self, cache: Cache, tables: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """`cache`'s layers are now `DecodeBuffer`s holding its entries in time order: give the entries their
+        stamps (0 .. n - 1) in a table as wide as the buffers, so that evictions compact the buffers in place.
+        `tables` are the buffers' (layers, 1, kv_heads, capacity, d) key and value tables when every layer's
+        buffer is a slice of one block of memory (an eviction then moves every layer at once), else None.
+        """
+        first = cache.layers[0]
+        (_, heads, length, _), device = first.keys.shape, first.keys.device
+        self.tables = tables
+        self.stamp_table = torch.empty(len(cache.layers), heads, first.capacity, dtype=torch.long, device=device)
         self.stamp_table[:, :, :length] = torch.arange(length, device=device)
         self.stamps = self.stamp_table[:, :, :length]
         self.clock = length
-
-    def unbuffer(self, cache: Cache) -> None:
-        """Move `cache` out of its buffers (`buffer`) into plain layers, its entries back in time order
-        (their stamps' order) and the running scores and positions moved alike: what eviction outside
-        the buffers (the padded batch of several requests) expects. Nothing to do if never buffered."""
-        if self.stamps is None:
-            return
-        order = self.stamps.argsort(dim=2)  # (layers, kv_heads, n): oldest first
-        for layer, entry in enumerate(cache.layers):
-            index = order[layer][None, :, :, None]
-            keys = entry.keys.gather(2, index.expand(*entry.keys.shape[:3], entry.keys.shape[-1]))
-            values = entry.values.gather(2, index.expand(*entry.values.shape[:3], entry.values.shape[-1]))
-            cache.layers[layer] = plain_layer(keys, values)
-            for tracked in (self.scores, self.positions):
-                if layer in tracked:
-                    tracked[layer] = tracked[layer].gather(1, order[layer])
-        self.stamps = self.stamp_table = self.tables = None
 
     def position(self, length: int, logical: int) -> int:
         """The position of the next token fed on a cache of `length` entries: that length when
@@ -554,7 +537,7 @@ class EvictRun:
         """
         entry = cache.layers[layer]
         heads, n = entry.keys.shape[1], entry.keys.shape[2]
-        if isinstance(entry, EvictionBuffer):
+        if isinstance(entry, DecodeBuffer):
             places = self.stamps[layer].argsort(dim=1).argsort(dim=1)
         else:
             places = torch.arange(n, device=entry.keys.device).expand(heads, n)
@@ -562,11 +545,11 @@ class EvictRun:
         # In buffers a position-only policy's layers hold the same stamps and positions (both start
         # as 0 .. n-1 and every layer evicts the same entries), so they move by the same deltas:
         # one rotation per step serves every layer.
-        shared = isinstance(entry, EvictionBuffer) and self.config.policy.position_only
+        shared = isinstance(entry, DecodeBuffer) and self.config.policy.position_only
         if not shared or self.turn is None:
             self.turn = rotation(delta, self.rotary)
         rotated = rerotate_keys(entry.keys, delta, self.rotary, self.turn)
-        if isinstance(entry, EvictionBuffer):
+        if isinstance(entry, DecodeBuffer):
             entry.keys.copy_(rotated)  # a view of the buffer
         else:
             entry.keys = rotated  # a new tensor: one that others may share is never changed

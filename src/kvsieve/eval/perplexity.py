@@ -25,9 +25,8 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvsieve.attention import attention_hooks
 from kvsieve.decode import extend
-from kvsieve.decode import step as decode_step
+from kvsieve.engine.batch import DecodeBatch, Row
 from kvsieve.errors import KvsieveError
 from kvsieve.eval import records
 from kvsieve.eval.methods import check_lengths
@@ -54,10 +53,12 @@ def continuation_nll(model: PreTrainedModel, ids: torch.Tensor, context_len: int
         evict = done.state.evict
         if tokens > 1 and evict is None:
             logits.append(extend(model, cache, targets[None, :-1], position, logits_to_keep=tokens - 1))
-        elif tokens > 1:
-            with attention_hooks(observers=evict.step_observers()):
-                for i in range(tokens - 1):
-                    logits.append(decode_step(model, cache, targets[None, i : i + 1], position + i, evict)[None])
+        elif tokens > 1:  # token by token through the engine's decoding step, each target fed as the next token
+            batch = DecodeBatch(model)
+            batch.add(Row(int(targets[0]), position, evict), cache)
+            for i in range(tokens - 1):
+                batch.rows[0].token = int(targets[i])
+                logits.append(batch.step())
         nll = torch.nn.functional.cross_entropy(torch.cat(logits).float(), targets).item()
     return {
         "nll": nll,
