@@ -209,9 +209,9 @@ def test_a_method_the_model_cannot_run_fails_alone(model):
     assert isinstance(good.events[-1], Finished)
 
 
-def test_padded_attention_masks_each_rows_padding():
+def test_grouped_attention_masks_each_rows_padding():
     """Right-padded rows (a multi-token query included) attend exactly as each row alone, causally."""
-    from kvsieve.attention import dense_attention, padded_attention
+    from kvsieve.attention import dense_attention, grouped_attention
 
     torch.manual_seed(0)
     for q_len in (1, 2):
@@ -222,10 +222,15 @@ def test_padded_attention_masks_each_rows_padding():
         padded_k = torch.cat([torch.nn.functional.pad(k, (0, 0, 0, width - k.shape[2]), value=7.0) for k in keys])
         padded_v = torch.cat([torch.nn.functional.pad(v, (0, 0, 0, width - v.shape[2]), value=7.0) for v in values])
         lengths = torch.tensor([k.shape[2] for k in keys])
-        out = padded_attention(query, padded_k, padded_v, None, lengths)
+        out = grouped_attention(query, padded_k, padded_v, None, lengths)
         for b in range(3):
             alone = dense_attention(query[b : b + 1], keys[b], values[b], None)
             torch.testing.assert_close(out[b : b + 1], alone)
+            sdpa = torch.nn.functional.scaled_dot_product_attention(
+                query[b : b + 1], keys[b], values[b], is_causal=q_len > 1, enable_gqa=True
+            )  # PyTorch's own kernel: the CPU decoding step (one query) no longer goes through it
+            if q_len == 1:
+                torch.testing.assert_close(out[b : b + 1], sdpa)
 
 
 def test_finished_and_cancelled_requests_are_freed_at_once(model):

@@ -28,7 +28,7 @@ import torch
 from transformers import AttentionInterface
 
 from kvsieve.attention.accumulate import AccumulatedScores, accumulating_attention
-from kvsieve.attention.dense import bottom_right_causal_mask, dense_attention, repeat_kv
+from kvsieve.attention.dense import bottom_right_causal_mask, dense_attention, grouped_attention, repeat_kv
 
 ATTENTION_NAME = "kvsieve"
 
@@ -124,7 +124,7 @@ def kvsieve_attention(
         if not any(observer is f for f in fused):
             observer(layer, query, key)
     if lengths is not None:
-        out = padded_attention(query, key, value, scaling, lengths)
+        out = grouped_attention(query, key, value, scaling, lengths)
     elif fused:
         out, scores = accumulating_attention(query, key, value, scaling, [f.alpha for f in fused])
         for observer, layer_scores in zip(fused, scores, strict=True):
@@ -139,28 +139,6 @@ def kvsieve_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def padded_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None, lengths: torch.Tensor
-) -> torch.Tensor:
-    """Causal attention over right-padded keys: row b holds lengths[b] keys, the columns after them padding.
-
-    query (b, h, q, d), key/value (b, kv_heads, k, d); returns (b, h, q, d). Row b's query i sits at
-    key column lengths[b] - q + i (the queries are the row's last keys). Query head h reads KV head
-    h // n_rep through a grouped matmul (K/V never repeated); softmax in float32.
-    """
-    batch, heads, q_len, dim = query.shape
-    kv_heads, k_len = key.shape[1], key.shape[2]
-    scale = dim**-0.5 if scaling is None else scaling
-    grouped = query.reshape(batch, kv_heads, heads // kv_heads * q_len, dim)  # rows: (n_rep, q) per KV head
-    logits = torch.matmul(grouped, key.transpose(-1, -2)).float() * scale  # (b, g, n_rep * q, k)
-    columns = torch.arange(k_len, device=key.device)
-    last = lengths.to(key.device)[:, None] - q_len + torch.arange(q_len, device=key.device)  # (b, q)
-    allowed = columns[None, None, :] <= last[:, :, None]  # (b, q, k)
-    allowed = allowed.repeat(1, heads // kv_heads, 1)[:, None]  # (b, 1, n_rep * q, k)
-    probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1).to(value.dtype)
-    return torch.matmul(probs, value).view(batch, heads, q_len, dim)
-
-
 AttentionInterface.register(ATTENTION_NAME, kvsieve_attention)
 
 __all__ = [
@@ -173,7 +151,7 @@ __all__ = [
     "attention_hooks",
     "bottom_right_causal_mask",
     "dense_attention",
+    "grouped_attention",
     "kvsieve_attention",
-    "padded_attention",
     "repeat_kv",
 ]

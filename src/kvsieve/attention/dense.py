@@ -27,9 +27,12 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:
     """Causal SDPA. query (b, h, q, d); key/value (b, kv_heads, k, d), never stored repeated.
 
-    Returns (b, h, q, d).
+    Returns (b, h, q, d). A decoding step (one query) on the CPU takes `grouped_attention` instead:
+    PyTorch's CPU SDPA kernel was 1.5 to 2x slower on decoding's cache views (docs/STUDIES.md, issue 26).
     """
     q_len, k_len = query.shape[2], key.shape[2]
+    if q_len == 1 and query.device.type == "cpu":
+        return grouped_attention(query, key, value, scaling)
     if q_len == 1 or q_len == k_len:
         return F.scaled_dot_product_attention(query, key, value, scale=scaling, is_causal=q_len > 1, enable_gqa=True)
     n_rep = query.shape[1] // key.shape[1]
@@ -37,3 +40,31 @@ def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return F.scaled_dot_product_attention(
         query, repeat_kv(key, n_rep), repeat_kv(value, n_rep), attn_mask=mask, scale=scaling
     )
+
+
+def grouped_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention through a grouped matmul: query head h reads KV head h // n_rep, K/V never repeated, the
+    softmax in float32. query (b, h, q, d), key/value (b, kv_heads, k, d); returns (b, h, q, d).
+
+    `lengths` (b,) marks right padding (the engine's batch of ragged caches): row b holds lengths[b] keys and
+    its query i sits at key column lengths[b] - q + i; None: every row holds all k keys.
+    """
+    batch, heads, q_len, dim = query.shape
+    kv_heads, k_len = key.shape[1], key.shape[2]
+    scale = dim**-0.5 if scaling is None else scaling
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads * q_len, dim)  # rows: (n_rep, q) per KV head
+    logits = torch.matmul(grouped, key.transpose(-1, -2)).float() * scale  # (b, g, n_rep * q, k)
+    if lengths is not None or q_len > 1:
+        ends = lengths.to(key.device) if lengths is not None else torch.full((batch,), k_len, device=key.device)
+        last = ends[:, None] - q_len + torch.arange(q_len, device=key.device)  # (b, q)
+        allowed = torch.arange(k_len, device=key.device)[None, None, :] <= last[:, :, None]  # (b, q, k)
+        allowed = allowed.repeat(1, heads // kv_heads, 1)[:, None]  # (b, 1, n_rep * q, k)
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    probs = logits.softmax(-1).to(value.dtype)
+    return torch.matmul(probs, value).view(batch, heads, q_len, dim)
