@@ -2,7 +2,8 @@
 
 For a passkey (or needle) case, runs the chunked feed alone (no decoding) twice, guided by the prompt's
 question and not, and reports for every layer which share of the needle's tokens are in the final memory
-(`Prefilled.token_indices`: the prompt index of every cache entry), and the feed's time. Answers are what
+(`Prefilled.token_indices`: the prompt index of every cache entry), the feed's time and the process's peak
+resident memory during it (weights included; Linux), so the two runs compare side by side. Answers are what
 `kvsieve niah` measures; this is the step before them: whether the memory still holds what the question asks.
 
     python benchmarks/question_guided.py --length 16384 --depths 0.1,0.5,0.9 --out runs/question_guided.json
@@ -20,6 +21,7 @@ import torch
 
 from kvsieve import load_model, method
 from kvsieve.data import prompt_case
+from kvsieve.eval.bench import memory_status, reset_peak_rss
 
 
 def needle_span(tokenizer, prompt, case) -> range:
@@ -47,18 +49,22 @@ def main() -> None:
         case, prompt = prompt_case(tokenizer, args.probe, args.length, depth)
         span = needle_span(tokenizer, prompt, case)
         for guided in (True, False):
+            reset_peak_rss()
             start = time.perf_counter()
             with torch.no_grad():
                 fed = replace(feed, question_guided=guided).prefill(model, prompt.ids, question=prompt.tail_len)
-            seconds = time.perf_counter() - start
+            seconds, peak_mb = time.perf_counter() - start, memory_status("VmHWM")
             kept = [
                 float(torch.isin(indices, torch.tensor(list(span))).sum(1).float().mean() / len(span))
                 for indices in fed.token_indices
             ]
-            rows.append({"depth": depth, "guided": guided, "seconds": seconds, "needle_kept_by_layer": kept})
+            rows.append(
+                {"depth": depth, "guided": guided, "seconds": seconds, "peak_mb": peak_mb, "needle_kept_by_layer": kept}
+            )
             print(
-                f"depth {depth} guided={guided}: {seconds:.0f} s; needle tokens kept, mean over layers "
-                f"{sum(kept) / len(kept):.2f}, layers keeping at least half {sum(k >= 0.5 for k in kept)}/{len(kept)}"
+                f"depth {depth} guided={guided}: {seconds:.0f} s, peak {peak_mb:.0f} MB; needle tokens kept, mean over "
+                f"layers {sum(kept) / len(kept):.2f}, layers keeping at least half "
+                f"{sum(k >= 0.5 for k in kept)}/{len(kept)}"
             )
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({"command": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=1))

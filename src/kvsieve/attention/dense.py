@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+GROUPED_FROM = 4096  # rows x keys of a CPU decoding step from which the grouped matmul beats SDPA (measured)
+
 
 def bottom_right_causal_mask(q_len: int, k_len: int, device: torch.device | None = None) -> torch.Tensor:
     """Boolean (q_len, k_len) mask, True where query i (position k_len - q_len + i) may attend key j."""
@@ -27,11 +29,12 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:
     """Causal SDPA. query (b, h, q, d); key/value (b, kv_heads, k, d), never stored repeated.
 
-    Returns (b, h, q, d). A decoding step (one query) on the CPU takes `grouped_attention` instead:
-    PyTorch's CPU SDPA kernel was 1.5 to 2x slower on decoding's cache views (docs/STUDIES.md, issue 26).
+    Returns (b, h, q, d). A decoding step (one query) on the CPU over at least GROUPED_FROM keys in all
+    (rows x keys) takes `grouped_attention` instead: PyTorch's CPU SDPA kernel was 1.5 to 2x slower there on
+    decoding's cache views, and faster below (docs/STUDIES.md, issue 26).
     """
     q_len, k_len = query.shape[2], key.shape[2]
-    if q_len == 1 and query.device.type == "cpu":
+    if q_len == 1 and query.device.type == "cpu" and query.shape[0] * k_len >= GROUPED_FROM:
         return grouped_attention(query, key, value, scaling)
     if q_len == 1 or q_len == k_len:
         return F.scaled_dot_product_attention(query, key, value, scale=scaling, is_causal=q_len > 1, enable_gqa=True)

@@ -71,6 +71,7 @@ class DecodeBatch:
         self.caches: list[Cache] = []  # each row's own cache object, its layers DecodeBuffers over the tables
         self.keys: torch.Tensor | None = None  # (layers, rows, kv_heads, capacity, d) once a row joins
         self.values: torch.Tensor | None = None
+        self.cache: DynamicCache | None = None  # what the model writes every row's new entries through
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -119,8 +120,6 @@ class DecodeBatch:
              for i, row in enumerate(self.rows)],
             device=device,
         )  # fmt: skip
-        cache = DynamicCache(config=self.model.config)
-        cache.layers = [_BatchLayer(self, j) for j in range(self.keys.shape[0])]
         evicting = [row.evict for row in self.rows if row.evict is not None]
         if len(self.rows) == 1:
             observers, key_lengths = (evicting[0].step_observers() if evicting else []), None
@@ -128,9 +127,8 @@ class DecodeBatch:
             observers = [self._observe] if evicting else []
             key_lengths = self._key_lengths()
         with torch.no_grad(), attention_hooks(observers=observers, key_lengths=key_lengths):
-            out = self.model(
-                input_ids=ids, position_ids=positions, **with_cache(self.model, cache), use_cache=True, logits_to_keep=1
-            )
+            cache = with_cache(self.model, self.cache)
+            out = self.model(input_ids=ids, position_ids=positions, **cache, use_cache=True, logits_to_keep=1)
             for row, own in zip(self.rows, self.caches, strict=True):
                 row.position += 1
                 if row.evict is not None:
@@ -140,9 +138,11 @@ class DecodeBatch:
     def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write each row's new (rows, kv_heads, 1, d) entry of `layer` at its next column; the live columns of
         every row (the longest row's length wide)."""
+        if len(self.caches) == 1:  # one row: its own buffer writes in place
+            return self.caches[0].layers[layer].update(keys, values)
         buffers = [cache.layers[layer] for cache in self.caches]
         ends = [buffer.length for buffer in buffers]
-        if len(set(ends)) == 1:  # no padding (one row, or rows of one length): a plain slice
+        if len(set(ends)) == 1:  # no padding (rows of one length): a plain slice
             self.keys[layer, :, :, ends[0]] = keys[:, :, 0]
             self.values[layer, :, :, ends[0]] = values[:, :, 0]
         else:
@@ -181,7 +181,7 @@ class DecodeBatch:
         every row's buffers and eviction move to them."""
         caches = [self.caches[i] for i in keep] + ([joining] if joining is not None else [])
         if not caches:
-            self.caches, self.keys, self.values = [], None, None
+            self.caches, self.keys, self.values, self.cache = [], None, None, None
             return
         first = caches[0].layers[0]
         capacity = max(layer.keys.shape[2] for cache in caches for layer in cache.layers) + SPARE
@@ -196,6 +196,8 @@ class DecodeBatch:
                 for j, layer in enumerate(cache.layers)
             ]
         self.caches, self.keys, self.values = caches, keys, values
+        self.cache = DynamicCache(config=self.model.config)
+        self.cache.layers = [_BatchLayer(self, j) for j in range(keys.shape[0])]
         for b, row in enumerate(self.rows[i] for i in keep):
             if row.evict is not None:
                 row.evict.tables = self._tables_of(b)
