@@ -3,9 +3,11 @@
 Both serve SmolLM2-135M-Instruct on this machine (kvsieve: the GGUF's weights dequantized to
 float32, full attention; llama-server: the same GGUF, Q4_1), one after the other. guidellm sends
 its synthetic prompts to /v1/completions (streamed, with `stream_options` and `ignore_eos`, as it
-does for vLLM) at 1 and then 4 concurrent streams, and its own report is kept; the table printed
-gives, per engine and concurrency, the errored requests, requests/s (completed requests over the
-run's duration) and the medians of its time to first token and inter-token latency.
+does for vLLM) at 1 and then 4 concurrent streams, with other prompts in each run (a seed per run:
+llama-server keeps a prompt's KV in its slot and would answer a repeated prompt from it), and its own
+report is kept. The table printed gives, per engine and concurrency, the errored requests, requests/s
+(completed requests over the run's duration) and the medians of its time to first token and inter-token
+latency.
 
     make guidellm llama-server
     python benchmarks/guidellm_compare.py --requests 12 --prompt-tokens 1024 --output-tokens 64 \\
@@ -41,6 +43,7 @@ def guidellm(args: argparse.Namespace, url: str, streams: int, out: Path) -> dic
         "--tokenizer", f"kind=huggingface_auto,model={converted_default_dir()}",
         "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},output_tokens={args.output_tokens}",
         "--profile", f"kind=concurrent,streams={streams}",
+        "--seed", f"kind=static,value={streams}",  # other prompts per run: no engine answers from a cached prompt
         "--constraint", f"kind=max_requests,count={args.requests}",
         "--output", f"kind=json,path={out}",
         "--disable-console-interactive",
