@@ -302,13 +302,13 @@ class EvictRun:
     budget: int = 0
     total: int = 0  # entries per layer when the budget was resolved (0: not yet)
     steps: int = 0
-    stamps: torch.Tensor | None = None  # (layers, kv_heads, n) ages in buffers (`buffer`), else None
+    stamps: torch.Tensor | None = None  # (layers, kv_heads, n) ages in buffers (`in_place`), else None
     stamp_table: torch.Tensor | None = None  # (layers, kv_heads, capacity): `stamps` is its first n columns
     clock: int = 0  # the stamp the next new entry gets
     positions: dict[int, torch.Tensor] = field(default_factory=dict)  # re-encoding only
     rotary: torch.nn.Module | None = None  # the model's rotary embedding, once re-encoding has started
     turn: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's rotation, shared by the layers
-    tables: tuple[torch.Tensor, torch.Tensor] | None = None  # every layer's key / value buffers (`buffer`)
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None  # every layer's buffers as one block (`in_place`)
 
     def observers(self, prior: PrefixSums | None = None) -> list[Observer]:
         """Observers for the feed's last pass: they start the running scores from the prompt (or last chunk),
