@@ -62,10 +62,9 @@ def test_tiny_top_p_equals_greedy(make_model):
     model = make_model("qwen2")
     prompt = make_prompt(24)
     greedy = run(model, FakeTokenizer(), prompt, sampling=Sampling(max_new_tokens=10))
-    for seed in (0, 1):
-        nucleus = run(
-            model, FakeTokenizer(), prompt, sampling=Sampling(max_new_tokens=10, temperature=1.5, top_p=1e-6, seed=seed)
-        )
+    for seed, top_p in ((0, 1e-6), (1, 1e-6), (2, 2e-284)):  # the last is 0 in float32: still the likeliest token
+        sampling = Sampling(max_new_tokens=10, temperature=1.5, top_p=top_p, seed=seed)
+        nucleus = run(model, FakeTokenizer(), prompt, sampling=sampling)
         assert nucleus.tokens == greedy.tokens
     assert greedy.stages[-1].method == "greedy"
 

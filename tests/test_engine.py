@@ -102,6 +102,33 @@ def test_batched_greedy_decoding_equals_each_request_alone(model, monkeypatch):
     assert len(scheduler.batch) == 0 and scheduler.kv_entries() == 0  # every cache freed
 
 
+@pytest.mark.parametrize("trial", range(3))
+def test_rows_joining_and_leaving_at_random_steps_each_decode_their_own_tokens(model, trial):
+    """Requests of every kind arrive at random steps, so rows of different lengths join and leave the batch's
+    tables while others decode (evicting in place): each answer is the one its request gives alone."""
+    import random
+
+    rnd = random.Random(trial)
+    scheduler = Scheduler(model, FakeTokenizer(), max_batch=6, max_step_tokens=32)
+    arrivals = [
+        (rnd.randrange(12), CASES[rnd.randrange(len(CASES))], make_prompt(20 + rnd.randrange(60), seed=100 * trial + i))
+        for i in range(6)
+    ]
+    arrivals.sort(key=lambda arrival: arrival[0])
+    requests, step = [], 0
+    while arrivals or scheduler.has_work():
+        while arrivals and arrivals[0][0] <= step:
+            _, (name, settings, _, new_tokens), prompt = arrivals.pop(0)
+            request = Request(prompt, method(name, settings), Sampling(max_new_tokens=new_tokens))
+            scheduler.add(request)
+            requests.append((request, prompt))
+        scheduler.step()
+        step += 1
+    for request, prompt in requests:
+        alone = run(model, FakeTokenizer(), prompt, method=request.spec, sampling=request.sampling)
+        assert request.result.tokens == alone.tokens, request.spec.to_dict()
+
+
 def test_rows_of_different_lengths_ignore_whatever_their_padding_holds(model):
     """Rows right-padded to the longest: what lies past a row's entries (stale entries of earlier steps, here large
     values) never reaches its logits, which equal the row decoded alone; each row's new entry lands at its own

@@ -169,8 +169,10 @@ def next_token(
     probs = torch.softmax(logits / sampling.temperature, dim=-1)
     if sampling.top_p < 1:
         sorted_probs, order = probs.sort(descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
+        # Keep the smallest prefix whose mass reaches top_p. The first token always survives, also where top_p
+        # underflows to 0 in the probabilities' dtype (a top_p of 1e-300 once dropped every token: a 500).
         drop = sorted_probs.cumsum(0) - sorted_probs >= sampling.top_p
+        drop[0] = False
         sorted_probs[drop] = 0
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))
