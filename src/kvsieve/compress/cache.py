@@ -182,13 +182,21 @@ def move_entries(buffer: torch.Tensor, sources: torch.Tensor, targets: torch.Ten
     """In a (..., capacity, d) buffer whose leading dimensions flatten to the R rows of `sources` and
     `targets` (R, m), copy entry sources[r, i] of row r to targets[r, i]; every entry is read first.
 
-    A row is one KV head of one layer (batch 1): one layer's buffer, or tables holding every layer.
+    A row is one KV head of one layer: one layer's buffer, or tables holding every layer (batch 1), or
+    one row's slice (layers, 1, kv_heads, capacity, d) of the engine's batch tables, which is not one block
+    of memory (then the moves go through advanced indexing into it, still one read and one write).
     """
-    flat = buffer.view(-1, *buffer.shape[-2:])
-    if flat.shape[0] != sources.shape[0]:
-        raise KvsieveError(f"Got moves for {sources.shape[0]} rows, the buffer has {flat.shape[0]} (batch 1 only).")
-    read = sources[:, :, None].expand(-1, -1, flat.shape[-1])
-    flat.scatter_(1, targets[:, :, None].expand_as(read), flat.gather(1, read))
+    leading = buffer.shape[:-2]
+    if leading.numel() != sources.shape[0]:
+        raise KvsieveError(f"Got moves for {sources.shape[0]} rows, the buffer has {leading.numel()}.")
+    if buffer.is_contiguous():
+        flat = buffer.view(-1, *buffer.shape[-2:])
+        read = sources[:, :, None].expand(-1, -1, flat.shape[-1])
+        flat.scatter_(1, targets[:, :, None].expand_as(read), flat.gather(1, read))
+        return
+    grid = torch.meshgrid(*(torch.arange(n, device=buffer.device) for n in leading), indexing="ij")
+    rows = [index.reshape(-1, 1) for index in grid]
+    buffer[(*rows, targets)] = buffer[(*rows, sources)]
 
 
 def compaction(victims: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:

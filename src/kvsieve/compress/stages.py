@@ -412,8 +412,8 @@ class EvictRun:
     def in_place(self, cache: Cache, tables: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """`cache`'s layers are now `DecodeBuffer`s holding its entries in time order: give the entries their
         stamps (0 .. n - 1) in a table as wide as the buffers, so that evictions compact the buffers in place.
-        `tables` are the buffers' (layers, 1, kv_heads, capacity, d) key and value tables when every layer's
-        buffer is a slice of one block of memory (an eviction then moves every layer at once), else None.
+        `tables` are the (layers, 1, kv_heads, capacity, d) key and value tables whose slices the layers'
+        buffers are (an eviction then moves every layer's entries at once), or None where they are not.
         """
         first = cache.layers[0]
         (_, heads, length, _), device = first.keys.shape, first.keys.device

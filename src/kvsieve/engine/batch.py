@@ -169,11 +169,9 @@ class DecodeBatch:
             if row.evict is not None:
                 row.evict.observe(layer, query[i : i + 1], key[i : i + 1, :, : cache.layers[layer].length])
 
-    def _tables_of(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Row `index`'s (layers, 1, kv_heads, capacity, d) slices of the tables, where they are one block of memory
-        (one row) so that an eviction moves every layer's entries at once; else None (layer by layer)."""
-        if len(self.caches) != 1:
-            return None
+    def _tables_of(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row `index`'s (layers, 1, kv_heads, capacity, d) slices of the tables: an eviction moves the entries of
+        every layer of the row at once (`move_entries`)."""
         return self.keys[:, index : index + 1], self.values[:, index : index + 1]
 
     def _rebuild(self, keep: list[int], joining: Cache | None = None) -> None:
