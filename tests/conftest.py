@@ -128,6 +128,21 @@ def make_prompt(n: int, tail_len: int = 4, context_start: int = 2, seed: int = 1
     return Prompt(ids=ids, context_start=context_start, context_len=n - context_start - tail_len)
 
 
+class Decoder:
+    """One prefilled cache decoded token by token through the engine's decoding step (a batch of one row), the
+    tokens chosen by the test (teacher forcing or greedy): `feed(token)` returns the next (vocab,) logits."""
+
+    def __init__(self, model: PreTrainedModel, cache, position: int, evict=None):
+        from kvsieve.engine.batch import DecodeBatch, Row
+
+        self.batch = DecodeBatch(model)
+        self.batch.add(Row(0, position, evict), cache)
+
+    def feed(self, token: int) -> torch.Tensor:
+        self.batch.rows[0].token = int(token)
+        return self.batch.step()[0]
+
+
 def word_level_tokenizer() -> PreTrainedTokenizerFast:
     """An offline tokenizer: one id per whitespace-separated word of a fixed vocabulary."""
     words = "the pass key is what remember it answer question hello world".split()

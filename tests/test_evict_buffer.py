@@ -1,7 +1,7 @@
 """Decoding under eviction in preallocated buffers, in place.
 
-`EvictRun.buffer` moves the cache into `DecodeBuffer` layers; each step writes its entry in
-place and an eviction moves at most `interval` entries per KV head. The result must be exactly
+The engine's decoding batch moves the cache into `DecodeBuffer` layers (`EvictRun.in_place`); each
+step writes its entry in place and an eviction moves at most `interval` entries per KV head. The result must be exactly
 the eviction of the plain path (gathering the kept entries into new tensors, in time order):
 the same tokens and the same set of cached entries, for every policy with a per-step rule
 (their protected sinks and recent windows included) and several intervals, without ever
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FakeTokenizer, make_prompt
+from conftest import Decoder, FakeTokenizer, make_prompt
 from transformers import DynamicCache
 
 from kvsieve import Sampling, run
@@ -25,7 +25,7 @@ from kvsieve.compress.policies.local import LocalWindow
 from kvsieve.compress.policies.streaming import StreamingLLM
 from kvsieve.compress.policies.tova import TOVA
 from kvsieve.compress.stages import Evict
-from kvsieve.decode import extend, next_token, step
+from kvsieve.decode import extend, next_token
 from kvsieve.errors import KvsieveError
 from kvsieve.pipeline import prefill
 
@@ -108,9 +108,9 @@ def test_decoding_without_eviction_writes_in_place_and_equals_the_plain_cache(ma
     done = prefill(model, prompt, method=name, reserve=steps)
     cache, position = done.prefilled.cache, done.prefilled.next_position
     tokens = [next_token(done.prefilled.last_logits, Sampling(), None)]
-    with torch.no_grad():
+    with torch.no_grad():  # the plain cache: a DynamicCache that concatenates every step
         for _ in range(steps - 1):
-            logits = step(model, cache, torch.tensor([[tokens[-1]]]), position)
+            logits = extend(model, cache, torch.tensor([[tokens[-1]]]), position)[-1]
             position += 1
             tokens.append(next_token(logits, Sampling(), None))
     storages = set()
@@ -126,47 +126,25 @@ def test_decoding_without_eviction_writes_in_place_and_equals_the_plain_cache(ma
 
 
 def test_steps_write_the_stamps_in_one_preallocated_table(make_model):
-    """Each step writes its entries' stamps into the table `buffer` allocated; no step reallocates it."""
+    """Each step writes its entries' stamps into the table `in_place` allocated; no step reallocates it."""
     model = make_model("qwen2", num_layers=2)
     done = prefill(model, make_prompt(40), evict=Evict(H2O(), 16, 4), reserve=12)
     cache, state, position = done.prefilled.cache, done.state.evict, done.prefilled.next_position
-    state.buffer(cache)
+    decoder = Decoder(model, cache, position, state)
     table = state.stamp_table.data_ptr()
-    with torch.no_grad(), attention_hooks(observers=state.step_observers()):
+    with torch.no_grad():
         for token in range(12):
-            step(model, cache, torch.tensor([[token + 3]]), position + token, state)
+            decoder.feed(token + 3)
             assert state.stamps.data_ptr() == table
             assert state.stamps.shape[0] == 2 and state.stamps.shape[2] == cache.get_seq_length()
     assert state.clock == 16 + 12  # every step's entry got the next stamp
     assert state.stamps.max() == 16 + 11 and len(set(state.stamps[0, 0].tolist())) == state.stamps.shape[2]
 
 
-def test_buffers_refuse_layers_of_different_lengths():
+def test_in_place_eviction_refuses_layers_of_different_lengths(make_model):
+    model = make_model("llama", num_layers=2)
     cache = DynamicCache()
     for layer, length in enumerate((20, 18)):
         cache.update(torch.zeros(1, 2, length, 8), torch.zeros(1, 2, length, 8), layer)
-    state = Evict(H2O(), 16).begin()
     with pytest.raises(KvsieveError, match=r"one length, but they hold \[18, 20\]"):
-        state.buffer(cache)
-
-
-def test_eviction_after_the_buffers_grew_equals_the_plain_path(make_model):
-    """A pass that appends more entries than the buffers hold makes every layer grow out of the shared
-    tables; the eviction then moves the entries layer by layer, with the plain path's result."""
-    model = make_model("llama", num_layers=2)
-    prompt, evict = make_prompt(40), Evict(H2O(), 16)
-    caches = []
-    for buffered in (False, True):
-        done = prefill(model, prompt, evict=evict, reserve=8)
-        cache, state = done.prefilled.cache, done.state.evict
-        if buffered:
-            state.buffer(cache)
-        with torch.no_grad(), attention_hooks(observers=state.step_observers()):
-            extend(model, cache, torch.tensor([[5, 6, 7, 8, 9]]), done.prefilled.next_position)
-            state.after_step(cache)
-        caches.append(cache)
-    plain, grown = caches
-    assert all(layer.capacity > state.tables[0].shape[3] for layer in grown.layers)
-    assert grown.get_seq_length() == plain.get_seq_length() == 16
-    for ours, theirs in zip(grown.layers, plain.layers, strict=True):
-        assert _same_entries(ours, theirs)
+        Decoder(model, cache, 20, Evict(H2O(), 16).begin())

@@ -25,7 +25,7 @@ from transformers import DynamicCache, PreTrainedTokenizerFast
 from kvsieve import Prompt, Sampling, load_model, method, run
 from kvsieve.attention import attention_hooks
 from kvsieve.compress.stages import Compress
-from kvsieve.decode import TextStream, extend, step
+from kvsieve.decode import TextStream, extend
 from kvsieve.engine import request as request_module
 from kvsieve.engine.prefix_cache import BLOCK, reuse_tail
 from kvsieve.serve import ServerThread, create_server
@@ -370,7 +370,7 @@ def compressed_context_reference(tiny, context: list[int], question: list[int], 
         asked.compress(cache)
         answer, position = TextStream(tokenizer, Sampling(8), {tokenizer.eos_token_id}), len(context) + len(question)
         while answer.add(token := int(logits.argmax())) is not None and answer.finish is None:
-            logits, position = step(model, cache, torch.tensor([[token]]), position), position + 1
+            logits, position = extend(model, cache, torch.tensor([[token]]), position)[-1], position + 1
     return answer.text
 
 

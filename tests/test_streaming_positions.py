@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, FakeTokenizer, make_prompt, tiny_config
+from conftest import VOCAB, Decoder, FakeTokenizer, make_prompt, tiny_config
 from transformers import AutoModelForCausalLM
 
 import kvsieve
@@ -22,7 +22,7 @@ from kvsieve.compress.cache import DecodeBuffer
 from kvsieve.compress.policies.snapkv import SnapKV
 from kvsieve.compress.policies.streaming import StreamingLLM
 from kvsieve.compress.stages import Compress, Evict
-from kvsieve.decode import step
+from kvsieve.decode import extend
 from kvsieve.errors import KvsieveError
 from kvsieve.feed.chunked import ChunkedPrefill
 from kvsieve.pipeline import prefill
@@ -44,15 +44,14 @@ def _model(arch: str, num_layers: int = 1, max_positions: int = 64, partial: flo
 
 def _stream(model, ids: torch.Tensor, prompt: int, evict: Evict):
     """Prefill ids[:, :prompt], then feed the rest but the last token one at a time (teacher forcing)
-    through the buffered eviction decoding. Returns (cache, run, logical position of the last token)."""
+    through the engine's in-place decoding. Returns (decoder, cache, run, logical position of the last token)."""
     with torch.no_grad():
         done = prefill(model, Prompt(ids[:, :prompt], 0, prompt), evict=evict)
         cache, state = done.prefilled.cache, done.state.evict
-        state.buffer(cache)
-        with attention_hooks(observers=state.step_observers()):
-            for i in range(prompt, ids.shape[1] - 1):
-                step(model, cache, ids[:, i : i + 1], i, state)
-    return cache, state, ids.shape[1] - 1
+        decoder = Decoder(model, cache, prompt, state)
+        for i in range(prompt, ids.shape[1] - 1):
+            decoder.feed(ids[0, i])
+    return decoder, cache, state, ids.shape[1] - 1
 
 
 def _in_time_order(cache, state, layer: int = 0) -> torch.Tensor:
@@ -82,7 +81,9 @@ CASES = [("llama", None), ("qwen3", None), ("phi3", 0.5)]
 def test_reencoded_cache_equals_a_fresh_run_on_sinks_and_window(single_thread, arch, partial, interval):
     model = _model(arch, partial=partial)
     ids = torch.randint(3, VOCAB, (1, 90), generator=torch.Generator().manual_seed(3))
-    cache, state, fed = _stream(model, ids, 40, Evict(StreamingLLM(SINKS, reencode=True), BUDGET, interval=interval))
+    decoder, cache, state, fed = _stream(
+        model, ids, 40, Evict(StreamingLLM(SINKS, reencode=True), BUDGET, interval=interval)
+    )
     length = cache.get_seq_length()
     assert BUDGET <= length < BUDGET + interval
     assert isinstance(cache.layers[0], DecodeBuffer)
@@ -94,14 +95,14 @@ def test_reencoded_cache_equals_a_fresh_run_on_sinks_and_window(single_thread, a
     # The next token goes at position = cache length and sees what the fresh run sees.
     assert state.position(cache.get_seq_length(), fed) == length
     with torch.no_grad():
-        ours = step(model, cache, ids[:, fed : fed + 1], fed, state)
+        ours = decoder.feed(ids[0, fed])
     torch.testing.assert_close(ours, logits, atol=1e-4, rtol=1e-4)
 
 
 def test_reencoded_layer_zero_of_a_deeper_model(make_model):
     model = make_model("mistral", num_layers=3)
     ids = torch.randint(3, VOCAB, (1, 70), generator=torch.Generator().manual_seed(4))
-    cache, state, fed = _stream(model, ids, 30, Evict(StreamingLLM(SINKS, reencode=True), BUDGET))
+    _, cache, state, fed = _stream(model, ids, 30, Evict(StreamingLLM(SINKS, reencode=True), BUDGET))
     tokens = _cached_tokens(ids, fed, BUDGET)
     keys, _ = _fresh(model, tokens, torch.arange(BUDGET))
     torch.testing.assert_close(_in_time_order(cache, state), keys, atol=2e-5, rtol=1e-4)
@@ -115,7 +116,7 @@ def test_kept_positions_are_unchanged(single_thread):
     ids = torch.randint(3, VOCAB, (1, 90), generator=torch.Generator().manual_seed(5))
     evict = Evict(StreamingLLM(SINKS), BUDGET)
     assert not evict.reencodes
-    cache, state, fed = _stream(model, ids, 40, evict)
+    _, cache, state, fed = _stream(model, ids, 40, evict)
     assert state.positions == {} and state.rotary is None
     assert state.position(cache.get_seq_length(), fed) == fed
     tokens = _cached_tokens(ids, fed, BUDGET)
@@ -139,7 +140,8 @@ def test_reencode_gives_other_tokens_than_kept(make_model):
 
 @pytest.mark.parametrize("interval", [1, 2])
 def test_plain_cache_path_reencodes_like_the_buffers(make_model, interval):
-    """Eviction on an ordinary cache (perplexity's loop, new tensors in time order) re-encodes too."""
+    """Eviction on an ordinary cache (new tensors in time order, the reference of the in-place path) re-encodes
+    too, with the tokens of the engine's in-place decoding."""
     model = make_model("qwen2")
     prompt = make_prompt(40)
     evict = Evict(StreamingLLM(SINKS, reencode=True), BUDGET, interval=interval)
@@ -150,7 +152,10 @@ def test_plain_cache_path_reencodes_like_the_buffers(make_model, interval):
         tokens = [int(done.prefilled.last_logits.argmax())]
         position = done.prefilled.next_position
         for _ in range(19):
-            logits = step(model, cache, torch.tensor([[tokens[-1]]]), position, state)
+            with attention_hooks(observers=state.step_observers()):
+                fed_at = state.position(cache.get_seq_length(), position)
+                logits = extend(model, cache, torch.tensor([[tokens[-1]]]), fed_at)[-1]
+                state.after_step(cache)
             position += 1
             tokens.append(int(logits.argmax()))
     assert not isinstance(cache.layers[0], DecodeBuffer)
@@ -193,9 +198,9 @@ def test_a_reencoded_stream_outlasts_the_models_positions(single_thread):
     assert len(result.tokens) == 100 and result.kv_cache_length == BUDGET
     assert int(result.state.evict.positions[0].max()) == BUDGET - 1
     ids = torch.randint(3, VOCAB, (1, 120), generator=torch.Generator().manual_seed(6))
-    cache, state, fed = _stream(model, ids, 8, evict)  # 4x the model's positions, token by token
+    decoder, cache, state, fed = _stream(model, ids, 8, evict)  # 4x the model's positions, token by token
     with torch.no_grad():
-        logits = step(model, cache, ids[:, fed : fed + 1], fed, state)
+        logits = decoder.feed(ids[0, fed])
     assert torch.isfinite(logits).all()
     with pytest.raises(KvsieveError, match="trained for 32") as refused:  # kept positions would run past them
         run(model, FakeTokenizer(), prompt, evict=Evict(StreamingLLM(SINKS), BUDGET), sampling=Sampling(100))

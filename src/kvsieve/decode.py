@@ -1,14 +1,14 @@
 """The `decode` stage: greedy or nucleus sampling from a prefilled cache, one token at a time.
 
 What decoding shares: the sampling options (`Sampling`) and the choice of a token from logits
-(`adjust`, `next_token`), the answer's text and end (`TextStream`), log-probabilities, and one
-step of one sequence (`step`). The loop over steps is the engine's (`kvsieve.engine`), which steps
-every running request of a batch together.
+(`adjust`, `next_token`), the answer's text and end (`TextStream`), log-probabilities, and running
+tokens on a cache (`extend`). The decoding step and its loop are the engine's
+(`kvsieve.engine.batch.DecodeBatch`), which steps every running request of a batch together.
 
 Positions continue from the feed's logical position, which can differ from the cache length
 (after GemFilter or compression), so position ids are always passed explicitly. Under an
 eviction that re-encodes positions (StreamingLLM's `reencode`) a token goes at the cache's
-length instead (`step`).
+length instead (`EvictRun.position`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 
-from kvsieve.compress.stages import EvictRun
 from kvsieve.errors import KvsieveError
 from kvsieve.models import with_cache
 
@@ -235,20 +234,3 @@ def extend(
         logits_to_keep=logits_to_keep,
     )
     return out.logits[0]
-
-
-def step(
-    model: PreTrainedModel, cache: Cache, token: torch.Tensor, position: int, evict: EvictRun | None = None
-) -> torch.Tensor:
-    """One decoding step of one sequence: feed `token` (1, 1) on `cache`, then let `evict` prune it; (vocab,)
-    logits. The engine's decoding batch (`kvsieve.engine.batch.DecodeBatch`) steps a lone request with it.
-
-    The token goes at logical `position`, or at the cache's length when `evict` re-encodes
-    positions. Observers of the eviction (`evict.step_observers()`) must be active around it.
-    """
-    if evict is not None:
-        position = evict.position(cache.get_seq_length(), position)
-    logits = extend(model, cache, token, position)[-1]
-    if evict is not None:
-        evict.after_step(cache)
-    return logits

@@ -97,14 +97,14 @@ class DecodeBuffer(DynamicLayer):
 
     The live entries are columns 0 .. length - 1 of (batch, kv_heads, capacity, d) key and value
     buffers. A decoding step writes its entries in place after them (no copy of the cache per
-    step), and an eviction (`move`, `truncate`) fills the holes below the new length with the
-    surviving entries above it, so at most the evicted count moves per KV head. The entries are
-    then no longer in time order; attention does not care (keys carry their RoPE positions), and
-    `EvictRun` tracks each entry's age itself. The buffers grow (doubling) only if a pass appends
-    more entries than the capacity holds.
+    step), and an eviction (`move_entries` on the tables, then `truncate`) fills the holes below the
+    new length with the surviving entries above it, so at most the evicted count moves per KV head.
+    The entries are then no longer in time order; attention does not care (keys carry their RoPE
+    positions), and `EvictRun` tracks each entry's age itself.
 
-    `storage` gives preallocated (key, value) buffers of the full capacity, e.g. one layer's slice
-    of tables that hold every layer, so that an eviction can move the entries of all layers at once.
+    `storage` gives preallocated (key, value) buffers of the full capacity: in the engine's decoding
+    batch, one row's slice of one layer of tables that hold every layer and row
+    (`kvsieve.engine.batch`), so that an eviction moves the entries of all the row's layers at once.
     """
 
     def __init__(
@@ -132,59 +132,26 @@ class DecodeBuffer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         end = self.length + key_states.shape[2]
-        if end > self.capacity:
-            self._grow(max(end, 2 * self.capacity))
+        if end > self.capacity:  # the decoding batch makes room before a step; a buffer never grows alone
+            raise KvsieveError(f"A decode buffer of {self.capacity} entries cannot take {end}.")
         self._keys[:, :, self.length : end] = key_states
         self._values[:, :, self.length : end] = value_states
         self.truncate(end)
         return self.keys, self.values
-
-    def move(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
-        """Per KV head h, copy entry sources[h, i] to targets[h, i] (both (kv_heads, m)); all read first."""
-        move_entries(self._keys, sources, targets)
-        move_entries(self._values, sources, targets)
 
     def truncate(self, length: int) -> None:
         """Keep entries 0 .. length - 1 live."""
         self.length = length
         self.keys, self.values = self._keys[:, :, :length], self._values[:, :, :length]
 
-    def _grow(self, capacity: int) -> None:
-        keys, values = self.keys, self.values
-        self._keys = keys.new_empty(*keys.shape[:2], capacity, keys.shape[-1])
-        self._values = values.new_empty(*values.shape[:2], capacity, values.shape[-1])
-        self._keys[:, :, : self.length], self._values[:, :, : self.length] = keys, values
-        self.truncate(self.length)
-
-
-def buffered(cache: Cache, capacity: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Move every layer of `cache` into a `DecodeBuffer` of `capacity` entries (at least its own length), so
-    that decoding writes its entries in place instead of concatenating the whole cache every step.
-
-    When all layers have one shape and batch 1, their buffers are slices of one key and one value table
-    (layers, 1, kv_heads, capacity, d), which are returned (else None): an eviction then moves the entries
-    of every layer at once (`move_entries` on a table).
-    """
-    first = cache.layers[0]
-    same = all(e.keys.shape == first.keys.shape and e.values.shape == first.values.shape for e in cache.layers)
-    tables = None
-    if same and first.keys.shape[0] == 1:
-        size = (len(cache.layers), *first.keys.shape[:2], max(capacity, first.keys.shape[2]))
-        keys, values = first.keys, first.values
-        tables = keys.new_empty(*size, keys.shape[-1]), values.new_empty(*size, values.shape[-1])
-    for layer, entry in enumerate(cache.layers):
-        storage = (tables[0][layer], tables[1][layer]) if tables is not None else None
-        cache.layers[layer] = DecodeBuffer(entry.keys, entry.values, capacity, storage)
-    return tables
-
 
 def move_entries(buffer: torch.Tensor, sources: torch.Tensor, targets: torch.Tensor) -> None:
     """In a (..., capacity, d) buffer whose leading dimensions flatten to the R rows of `sources` and
     `targets` (R, m), copy entry sources[r, i] of row r to targets[r, i]; every entry is read first.
 
-    A row is one KV head of one layer: one layer's buffer, or tables holding every layer (batch 1), or
-    one row's slice (layers, 1, kv_heads, capacity, d) of the engine's batch tables, which is not one block
-    of memory (then the moves go through advanced indexing into it, still one read and one write).
+    A row is one KV head of one layer: here one decoding row's slice (layers, 1, kv_heads, capacity, d) of
+    the engine's batch tables. With several rows that slice is not one block of memory; the moves then go
+    through advanced indexing into it (still one read and one write).
     """
     leading = buffer.shape[:-2]
     if leading.numel() != sources.shape[0]:

@@ -30,7 +30,6 @@ from transformers import Cache
 from kvsieve.attention import AccumulatedScores, Finisher, Observer
 from kvsieve.compress.cache import (
     DecodeBuffer,
-    buffered,
     compaction,
     move_entries,
     prune_layer,
@@ -286,8 +285,8 @@ class Evict:
 class EvictRun:
     """One request's eviction: running scores per layer, the resolved budget, steps since start.
 
-    On a cache in preallocated `DecodeBuffer` layers (`buffer(cache)`, or the engine's batch, which
-    calls `in_place`) steps write and evict in place, and `stamps` ((layers, kv_heads, n), a view of a
+    On a cache in preallocated `DecodeBuffer` layers (the engine's decoding batch, which calls
+    `in_place`) steps write and evict in place, and `stamps` ((layers, kv_heads, n), a view of a
     preallocated table that a step writes one column of) keep each entry's age since the entries are
     no longer in time order. On any other cache eviction gathers the kept entries into new tensors,
     in time order.
@@ -392,28 +391,11 @@ class EvictRun:
         }
         return {**details, **({"note": note} if note else {})}
 
-    def buffer(self, cache: Cache) -> None:
-        """Move `cache` (started) into buffers with room for `interval` new entries, for in-place decoding
-        (`kvsieve.decode.step`; the engine's batch keeps its rows in buffers of its own and calls `in_place`).
-
-        When all layers have one shape (a run's own batch-1 cache), their buffers are slices of one key
-        and one value table (layers, 1, kv_heads, capacity, d), so an eviction moves the entries of
-        every layer with one gather and one scatter per table.
-        """
-        lengths = {entry.keys.shape[2] for entry in cache.layers}
-        if len(lengths) != 1:
-            raise KvsieveError(
-                f"In-place eviction needs every layer of the cache at one length, but they hold {sorted(lengths)} "
-                "entries; decode this cache without EvictRun.buffer (eviction then gathers each layer)."
-            )
-        capacity = max(lengths.pop(), self.budget) + self.config.interval
-        self.in_place(cache, buffered(cache, capacity))
-
-    def in_place(self, cache: Cache, tables: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """`cache`'s layers are now `DecodeBuffer`s holding its entries in time order: give the entries their
-        stamps (0 .. n - 1) in a table as wide as the buffers, so that evictions compact the buffers in place.
-        `tables` are the (layers, 1, kv_heads, capacity, d) key and value tables whose slices the layers'
-        buffers are (an eviction then moves every layer's entries at once), or None where they are not.
+    def in_place(self, cache: Cache, tables: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """`cache`'s layers are now `DecodeBuffer`s holding its entries in time order (the engine's decoding batch
+        put them there): give the entries their stamps (0 .. n - 1) in a table as wide as the buffers, so that
+        evictions compact the buffers in place. `tables` are the (layers, 1, kv_heads, capacity, d) key and value
+        tables whose slices the layers' buffers are: an eviction moves every layer's entries at once.
         """
         first = cache.layers[0]
         (_, heads, length, _), device = first.keys.shape, first.keys.device
@@ -484,8 +466,7 @@ class EvictRun:
 
         All layers of a buffered run hold the same number of entries, so the scores and stamps of
         the layers are stacked and the victims chosen in one pass over (layers x KV heads) rows. The
-        keys and values (at most n - budget entries per row) move in the shared tables at once, or
-        layer by layer once a layer has grown out of them.
+        keys and values (at most n - budget entries per row) move in the tables at once.
         """
         n = cache.layers[0].keys.shape[2]
         if n <= self.budget:
@@ -493,7 +474,7 @@ class EvictRun:
         layers, drop, policy = range(len(cache.layers)), n - self.budget, self.config.policy
         stamps = self.stamps  # (layers, kv_heads, n), a view of the stamp table
         scores = torch.stack([observed_scores(self.scores, j, cache.layers[j].keys, policy) for j in layers])
-        rows, heads = stamps.shape[0] * stamps.shape[1], stamps.shape[1]
+        rows = stamps.shape[0] * stamps.shape[1]
         sinks, recent = policy.protected(self.budget)
         evictable = scores.float()
         if sinks or recent:
@@ -505,13 +486,8 @@ class EvictRun:
         else:
             victims = torch.topk(newest_first(-evictable, -age, drop), drop, dim=1).indices
         sources, targets = compaction(victims, n)  # (rows, drop) each
-        capacity = self.tables[0].shape[3] if self.tables is not None else -1
-        if all(entry.capacity == capacity for entry in cache.layers):  # still slices of the tables
-            for table in self.tables:
-                move_entries(table, sources, targets)
-        else:
-            for j, entry in enumerate(cache.layers):
-                entry.move(sources[j * heads : (j + 1) * heads], targets[j * heads : (j + 1) * heads])
+        for table in self.tables:
+            move_entries(table, sources, targets)
         for entry in cache.layers:
             entry.truncate(self.budget)
 
