@@ -30,7 +30,7 @@ def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """Causal SDPA. query (b, h, q, d); key/value (b, kv_heads, k, d), never stored repeated.
 
     Returns (b, h, q, d). A decoding step (one query) on the CPU over at least GROUPED_FROM keys in all
-    (rows x keys) takes `grouped_attention` instead: PyTorch's CPU SDPA kernel was 1.5 to 2x slower there on
+    (rows x keys) takes `grouped_attention` instead: PyTorch's CPU SDPA kernel was 1.3 to 2x slower there on
     decoding's cache views, and faster below (docs/STUDIES.md, issue 26).
     """
     q_len, k_len = query.shape[2], key.shape[2]
