@@ -7,6 +7,7 @@ resident memory during it (weights included; Linux), so the two runs compare sid
 `kvsieve niah` measures; this is the step before them: whether the memory still holds what the question asks.
 
     python benchmarks/question_guided.py --length 16384 --depths 0.1,0.5,0.9 --out runs/question_guided.json
+    python benchmarks/question_guided.py --set feed.pruner=snapkv --set feed.pruner.kernel=63
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from kvsieve import load_model, method
 from kvsieve.data import prompt_case
 from kvsieve.eval.bench import memory_status, reset_peak_rss
+from kvsieve.spec import parse_settings
 
 
 def needle_span(tokenizer, prompt, case) -> range:
@@ -37,13 +39,14 @@ def needle_span(tokenizer, prompt, case) -> range:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--method", default="imdc")
+    parser.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="as on the CLI")
     parser.add_argument("--probe", default="passkey")
     parser.add_argument("--length", type=int, default=16384)
     parser.add_argument("--depths", default="0.1,0.5,0.9")
     parser.add_argument("--out", type=Path, default=Path("runs/question_guided.json"))
     args = parser.parse_args()
     model, tokenizer = load_model()
-    feed = method(args.method).feed
+    feed = method(args.method, parse_settings(args.set)).feed
     rows = []
     for depth in [float(d) for d in args.depths.split(",")]:
         case, prompt = prompt_case(tokenizer, args.probe, args.length, depth)

@@ -288,7 +288,7 @@ def test_generate_with_chunked_feeds_beyond_the_context(capsys, tmp_path, passke
     result = json.loads(out)
     feed = next(s for s in result["stages"] if s["stage"] == "feed")
     assert code == 0 and len(result["tokens"]) > 0
-    assert feed["method"] == "imdc" and feed["details"]["pruner"] == "collie" and feed["details"]["steps"] == 5
+    assert feed["method"] == "imdc" and feed["details"]["pruner"] == "snapkv" and feed["details"]["steps"] == 5
     assert result["prefill_kv_length"] == 4 + 128 and feed["details"]["max_position"] < 4 + 128 + 2 * 160
 
 
@@ -346,8 +346,8 @@ def test_evaluation_bad_input(capsys, tmp_path, argv, message):
 def test_methods_lists_the_registry_with_every_field(capsys):
     code, out, _ = run_cli(capsys, "methods", "--json")
     specs = json.loads(out)
-    assert code == 0 and len(specs) == 19
-    assert {"tova", "knorm", "imdc", "critiprefill", "a2sf-paper", "snapkv-paper", "gemfilter-paper"} <= set(specs)
+    assert code == 0 and len(specs) == 22
+    assert {"tova", "knorm", "imdc", "imdc-paper", "critiprefill", "a2sf-paper", "snapkv-paper"} <= set(specs)
     assert specs["critiprefill"]["attention"] == {
         "type": "critiprefill",
         "segment": 512,

@@ -216,6 +216,40 @@ def test_chunked_feed_prunes_by_the_reference_scores(schedule, decremental, sing
     assert pruned >= 6
 
 
+def test_a_guided_feed_prunes_by_the_questions_reference_scores_alone(single_thread):
+    """question_guided: every step but the last keeps the sinks and the top of the reference scores from the
+    question's queries alone (run after the chunk, over [sinks | memory | chunk | question], the question's own
+    keys then dropped); the chunk's votes no longer count. The last step ranks by its own chunk, question included."""
+    model = build_model("qwen2", num_layers=3)
+    prompt = make_prompt(90, tail_len=6)
+    passes: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = []
+
+    def capture(layer, query, key):
+        if layer == 0:
+            passes.append({})
+        passes[-1][layer] = (query.clone(), key.clone())
+
+    feed = ChunkedPrefill(chunk=16, memory=20, schedule="linear", decremental=True, pruner=Collie(), trace=True)
+    with attention_hooks(observers=[capture]):
+        out = feed.prefill(model, prompt.ids, question=6)
+    steps = len(out.history)
+    assert out.details["question_tokens"] == 6 and len(passes) == 2 * steps - 1  # a question pass per step but the last
+    pruned = 0
+    for step, record in enumerate(out.history):
+        last = step == steps - 1
+        sinks = min(4, record["start"] + record["chunk"])
+        for layer, (query, key) in passes[2 * step if last else 2 * step + 1].items():
+            assert query.shape[2] == (record["chunk"] if last else 6)
+            reference = naive_collie(query[0], key[0], query.shape[-1] ** -0.5, 5, 4).float()
+            reference = reference if last else reference[:, : key.shape[2] - 6]
+            budget = sinks + record["memory"][layer]
+            if reference.shape[1] <= budget:
+                continue
+            assert torch.equal(record["kept"][layer], keep_indices(reference, budget, sinks=sinks)), (step, layer)
+            pruned += not last
+    assert pruned >= 6
+
+
 def test_chunked_feed_with_room_for_everything_is_full_attention(single_thread):
     model = build_model("llama")
     ids = make_prompt(70).ids

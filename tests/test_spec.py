@@ -8,10 +8,12 @@ from dataclasses import replace
 import pytest
 
 from kvsieve import A2SF, REGISTRY, TOVA, CritiPrefill, Evict, KvsieveError, MethodSpec, SnapKV, method
+from kvsieve.compress.policies.collie import Collie
 from kvsieve.select.gemfilter import GemFilter
 from kvsieve.spec import component, components, parse_settings
 
-EXPECTED = ["full", "gemfilter", "gemfilter-paper", "critiprefill", "critiprefill-code", "fm", "im", "imdc", "snapkv"]
+EXPECTED = ["full", "gemfilter", "gemfilter-paper", "critiprefill", "critiprefill-code", "fm", "fm-paper", "im"]
+EXPECTED += ["im-paper", "imdc", "imdc-paper", "snapkv"]
 EXPECTED += ["snapkv-paper", "h2o", "a2sf", "a2sf-paper", "streaming", "local", "tova", "knorm"]
 EXPECTED += ["gemfilter-critiprefill", "gemfilter-snapkv"]
 
@@ -26,6 +28,11 @@ def test_registry_holds_the_presets_with_their_stages_and_provenance():
     assert (code.budget, code.alpha, code.dense_prefix) == (2048, 0.75, 4096)
     assert method("imdc").feed.decremental and method("imdc").feed.schedule == "linear"
     assert method("fm").feed.schedule == "fixed" and not method("fm").feed.decremental
+    for name in ("fm", "im", "imdc"):  # tuned: the question's SnapKV votes prune; -paper: the authors' Collie
+        tuned, paper = method(name).feed, method(f"{name}-paper").feed
+        assert tuned.pruner == SnapKV(kernel=63) and tuned.question_guided
+        assert paper.pruner == Collie() and not paper.question_guided
+        assert replace(tuned, pruner=Collie(), question_guided=False) == paper
     assert method("snapkv").compress.policy == SnapKV(kernel=63) and method("snapkv").evict is None
     assert method("a2sf").evict.policy == A2SF(alpha=0.9, kernel=63)  # the study's best at the preset budget
     assert method("a2sf-paper").evict.policy == A2SF() and method("snapkv-paper").compress.policy == SnapKV()
@@ -103,11 +110,12 @@ def test_bad_spec_documents_are_refused():
 
 
 def test_fields_describe_every_path_with_default_and_help():
-    infos = {f.path: f for f in method("imdc").fields()}
+    infos = {f.path: f for f in method("imdc-paper").fields()}
     assert infos["feed.chunk"].default == 1024 and "chunk size" in infos["feed.chunk"].help
     assert infos["feed.pruner"].default == "collie" and "tova" in infos["feed.pruner"].type
     assert infos["feed.pruner.kernel"].default == 5 and infos["feed.pruner.sinks"].default == 4
-    assert "feed.pruner.window" in {f.path for f in method("imdc", {"feed.pruner": "snapkv"}).fields()}
+    assert "feed.pruner.window" in {f.path for f in method("imdc-paper", {"feed.pruner": "snapkv"}).fields()}
+    assert {f.path: f for f in method("imdc").fields()}["feed.pruner.kernel"].default == 63
     assert method("snapkv").has("compress.policy.window") and not method("h2o").has("compress.budget")
     assert not method("snapkv").has("compress.policy.alpha") and method("h2o").has("attention")
 

@@ -12,6 +12,8 @@ evaluations and `kvsieve methods` pick it up from the registry.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvsieve.attention.critiprefill import CritiPrefill
 from kvsieve.compress.policies.a2sf import A2SF
 from kvsieve.compress.policies.collie import Collie  # noqa: F401  (registers the 'collie' policy)
@@ -81,23 +83,33 @@ register(
         attention=CritiPrefill(budget=2048, alpha=0.75, dense_prefix=4096),
     )
 )
-# The chunked feeds prune with ChunkedPrefill's default, the IMDC authors' own pruner (Collie;
-# docs/STUDIES.md: more passkeys than SnapKV's).
-register(
-    MethodSpec(
-        "fm", "chunked prefill with a fixed-size memory (IMDC's FM baseline) [authors' code]", feed=ChunkedPrefill()
-    )
-)
-register(
-    MethodSpec("im", "chunked prefill, incremental memory (IM) [authors' code]", feed=ChunkedPrefill(schedule="linear"))
-)
-register(
-    MethodSpec(
+# The chunked feeds: the IMDC authors' pruner (Collie, every query of a chunk votes) is the component's
+# default and the -paper presets'; the tuned presets rank every chunk by the question's SnapKV votes pooled
+# over 63 tokens (docs/STUDIES.md, "Question-guided chunked prefill": IMDC passkeys at 16K 3 of 3, against 0 of 3).
+CHUNK_PRUNER = SnapKV(kernel=63)
+for name, summary, feed in (
+    ("fm", "chunked prefill with a fixed-size memory (IMDC's FM baseline)", ChunkedPrefill()),
+    ("im", "chunked prefill, incremental memory (IM)", ChunkedPrefill(schedule="linear")),
+    (
         "imdc",
-        "chunked prefill, incremental memory and decremental chunks (IMDC) [authors' code]",
-        feed=ChunkedPrefill(schedule="linear", decremental=True),
+        "chunked prefill, incremental memory and decremental chunks (IMDC)",
+        ChunkedPrefill(schedule="linear", decremental=True),
+    ),
+):
+    register(
+        MethodSpec(
+            name,
+            f"{summary}, every chunk pruned by the question's votes (SnapKV, pooled over 63 tokens) [{TUNED}]",
+            feed=replace(feed, pruner=CHUNK_PRUNER),
+        )
     )
-)
+    register(
+        MethodSpec(
+            f"{name}-paper",
+            f"{summary} as the authors run it: pruned by the chunk's own votes (Collie) [authors' code]",
+            feed=replace(feed, question_guided=False),
+        )
+    )
 register(
     MethodSpec(
         "snapkv",

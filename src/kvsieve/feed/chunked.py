@@ -129,10 +129,13 @@ class ChunkedPrefill:
         grows with the prompt.
     question_guided: when `prefill` is given the prompt's question (its tail: chat's last message,
         a probe's question), every step but the last also runs the question's tokens after the
-        chunk (at the positions that follow it), adds the pruner's scores from their queries to the
-        chunk's own, and drops their KV entries again: the memory then keeps what the question asks
-        for, not only what the chunk itself attends to. The cost is the question's length per step.
-        The last chunk holds the question itself. Beyond the paper, which prunes by the chunk alone.
+        chunk (at the positions that follow it), ranks memory + chunk by the pruner's scores from
+        the question's queries instead of the chunk's own, and drops the question's KV entries
+        again: the memory keeps what the question asks for, as SnapKV's observation window does in
+        one pass. The cost is the question's length per step. The last chunk holds the question
+        itself; a pruner that scores by the last queries (SnapKV) then ranks by the question too,
+        one whose every query votes (Collie) by the whole last chunk. Beyond the paper, which
+        prunes by the chunk alone.
 
     `prefill` returns, besides the cache, `kept_positions[j]` (kv_heads, k): the positions the
     last step kept from its keys (what a decoding-eviction stage that observed the last step must
@@ -158,7 +161,7 @@ class ChunkedPrefill:
     sinks: int = option(4, "first tokens always kept, outside the memory (paper 4)")
     trace: bool = option(False, "record every step's key positions in the history (tests, memory maps)")
     question_guided: bool = option(
-        True, "when the prompt ends in a question, it also scores every chunk's pruning (beyond the paper)"
+        True, "when the prompt ends in a question, it ranks every chunk's pruning (beyond the paper)"
     )
     needs_full_context: ClassVar[bool] = False
 
@@ -339,8 +342,11 @@ class ChunkedPrefill:
         position: int,
         scores: dict[int, torch.Tensor],
     ) -> None:
-        """Run the question after the chunk (at `position` onwards), add the pruner's scores of the keys before it
-        from the question's queries to the chunk's `scores`, and drop the question's KV entries again."""
+        """Run the question after the chunk (at `position` onwards), let the pruner's scores of the keys before it
+        from the question's queries replace the chunk's `scores`, and drop the question's KV entries again.
+
+        Replace, not add: the chunk's own votes outnumber the question's and rank what the chunk attends to
+        (SnapKV pruner, IMDC passkeys at 16K: added at equal weight 1 of 3 found, alone 3 of 3; docs/STUDIES.md)."""
         chunk_scores = dict(scores)
         scores.clear()
         positions = torch.arange(position, position + question.shape[1], device=question.device)[None]
@@ -350,9 +356,8 @@ class ChunkedPrefill:
             keys = layer.keys.shape[2] - question.shape[1]
             layer.keys, layer.values = layer.keys[:, :, :keys], layer.values[:, :, :keys]
             if j in scores:
-                asked = scores[j][:, :keys]
-                scores[j] = chunk_scores[j] + asked if j in chunk_scores else asked
-            elif j in chunk_scores:
+                scores[j] = scores[j][:, :keys]
+            elif j in chunk_scores:  # a layer the question's pass did not score (none under the dense attention)
                 scores[j] = chunk_scores[j]
 
     def _budgets(
