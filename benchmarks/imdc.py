@@ -1,7 +1,7 @@
 """FM vs IM vs IMDC ("Memorize Step by Step", Zeng et al., EMNLP 2024) on the default model: perplexity, passkeys.
 
     python benchmarks/imdc.py --ppl-length 16384 --passkey-length 16384 --chunk 1024 --memory 1024 \\
-        --schedule linear --pruner collie --out runs/imdc.json
+        --schedule linear --out runs/imdc.json
 
 Speed and peak memory are measured by `kvsieve bench --methods fm,im,imdc --baseline fm` (one
 process per run, configurations interleaved, ratios within a repeat).
@@ -43,8 +43,8 @@ CONFIGS = ("fm", "im", "imdc")
 
 def config_feed(name: str, options: dict, length: int) -> ChunkedPrefill:
     """The feed of a configuration; "full" is a chunked feed whose memory keeps every token."""
-    pruner = {"feed.pruner": options["pruner"]}
-    if options["pruner"] == "snapkv":
+    pruner = {"feed.pruner": options["pruner"]} if options["pruner"] else {}  # None: the preset's own
+    if options["window"] is not None:
         pruner["feed.pruner.window"] = options["window"]
     if name == "full":
         return method("fm", {**pruner, "feed.chunk": options["chunk"], "feed.memory": 2 * length}).feed
@@ -101,10 +101,11 @@ def main() -> None:
     parser.add_argument("--schedule", default="linear", help="IM / IMDC memory schedule")
     parser.add_argument(
         "--pruner",
-        default=ChunkedPrefill().pruner.name,
-        help="collie (the chunked feeds' default, the IMDC authors' pruner), snapkv, streaming, a2sf, h2o, local",
+        default=None,
+        help="collie (the IMDC authors' pruner), snapkv, streaming, a2sf, h2o, local (default: the presets' own, "
+        "SnapKV pooled over 63 tokens)",
     )
-    parser.add_argument("--window", type=int, default=32, help="SnapKV observation window (--pruner snapkv only)")
+    parser.add_argument("--window", type=int, help="SnapKV observation window (a SnapKV pruner only; default 32)")
     parser.add_argument("--model", help="local model folder or .gguf (default: embedded SmolLM2)")
     parser.add_argument("--out", type=Path, default=Path("runs/imdc.json"))
     args = parser.parse_args()

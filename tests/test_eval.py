@@ -381,6 +381,21 @@ def test_report_merges_runs_that_add_methods(tmp_path, monkeypatch):
     assert "4.00 / 4.00 / 4.00" in out.read_text()
 
 
+def test_report_describes_each_method_from_the_file_it_reports(tmp_path, monkeypatch):
+    """A rerun of a changed preset, given first, replaces its rows and its configuration; the older file's
+    configuration of that name is not shown beside it, and no disagreement is claimed."""
+    monkeypatch.setattr(bench_module, "run_in_process", fake_measure)
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    bench_module.bench(small("full", "gemfilter"), [200], 2, old, decode_tokens=4)
+    changed = {**small("full"), "gemfilter": small("gemfilter")["gemfilter"].with_settings({"select.k": 48})}
+    bench_module.bench(changed, [200], 2, new, decode_tokens=4)
+    text = write_report(tmp_path / "docs" / "R.md", bench_files=[new, old]).read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| gemfilter |"))
+    assert "k=48" in row and " / " not in row and "**Warning**" not in text
+    text = write_report(tmp_path / "docs" / "R.md", bench_files=[old, new]).read_text()
+    assert "k=48" not in next(line for line in text.splitlines() if line.startswith("| gemfilter |"))
+
+
 def test_report_needs_some_results(tmp_path):
     with pytest.raises(KvsieveError, match="Nothing to report"):
         write_report(tmp_path / "R.md")

@@ -99,9 +99,10 @@ class Report:
     # ------------------------------------------------------------------ lookups
 
     def _descriptions(self) -> tuple[dict[str, str], bool]:
-        """Each method's configuration as recorded in the result files, and whether the files disagree."""
+        """Each method's configuration as recorded in the result files it is reported from (the first file of
+        each kind that has it, `merge`), and whether those disagree."""
         seen: dict[str, set[str]] = {}
-        for doc in self.documents:
+        for doc in [*self.niah_docs, *(d for d in (self.ppl, self.bench) if d is not None)]:
             for name, spec in specs_from_settings(doc["settings"]["methods"]).items():
                 seen.setdefault(name, set()).add(spec.describe())
         return {name: " / ".join(sorted(d)) for name, d in seen.items()}, any(len(d) > 1 for d in seen.values())
