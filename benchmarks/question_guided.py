@@ -1,13 +1,15 @@
 """Does the question keep the needle in a chunked feed's memory? IMDC with and without `question_guided`.
 
-For a passkey (or needle) case, runs the chunked feed alone (no decoding) twice, guided by the prompt's
-question and not, and reports for every layer which share of the needle's tokens are in the final memory
-(`Prefilled.token_indices`: the prompt index of every cache entry), the feed's time and the process's peak
-resident memory during it (weights included; Linux), so the two runs compare side by side. Answers are what
+For a passkey (or needle) case, runs the chunked feed alone (no decoding), guided by the prompt's question
+(or by only its last `--question-tokens`) and not, and reports for every layer which share of the needle's
+tokens are in the final memory (`Prefilled.token_indices`: the prompt index of every cache entry), the feed's
+time and the process's peak resident memory during it (weights included; Linux), so the runs compare side by
+side. Answers are what
 `kvsieve niah` measures; this is the step before them: whether the memory still holds what the question asks.
 
     python benchmarks/question_guided.py --length 16384 --depths 0.1,0.5,0.9 --out runs/question_guided.json
-    python benchmarks/question_guided.py --set feed.pruner=snapkv --set feed.pruner.kernel=63
+    python benchmarks/question_guided.py --length 16384 --depths 0.5 --question-tokens 6,12,16,all
+    python benchmarks/question_guided.py --set feed.pruner=collie   # the authors' pruner, guided
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ def main() -> None:
     parser.add_argument("--probe", default="passkey")
     parser.add_argument("--length", type=int, default=16384)
     parser.add_argument("--depths", default="0.1,0.5,0.9")
+    parser.add_argument(
+        "--question-tokens",
+        default="all",
+        help="comma-separated: guide with only the question's last N tokens (all: the whole question)",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/question_guided.json"))
     args = parser.parse_args()
     model, tokenizer = load_model()
@@ -51,22 +58,33 @@ def main() -> None:
     for depth in [float(d) for d in args.depths.split(",")]:
         case, prompt = prompt_case(tokenizer, args.probe, args.length, depth)
         span = needle_span(tokenizer, prompt, case)
-        for guided in (True, False):
+        whole = prompt.tail_len
+        counts = [whole if n == "all" else min(int(n), whole) for n in args.question_tokens.split(",")]
+        for question in [*counts, 0]:  # 0: unguided
             reset_peak_rss()
             start = time.perf_counter()
             with torch.no_grad():
-                fed = replace(feed, question_guided=guided).prefill(model, prompt.ids, question=prompt.tail_len)
+                fed = replace(feed, question_guided=question > 0).prefill(model, prompt.ids, question=question or whole)
             seconds, peak_mb = time.perf_counter() - start, memory_status("VmHWM")
-            kept = [
-                float(torch.isin(indices, torch.tensor(list(span))).sum(1).float().mean() / len(span))
+            by_head = [  # per layer, per KV head: the share of the needle's tokens in that head's memory
+                (torch.isin(indices, torch.tensor(list(span))).sum(-1).float() / len(span)).flatten().tolist()
                 for indices in fed.token_indices
             ]
+            kept = [sum(heads) / len(heads) for heads in by_head]
             rows.append(
-                {"depth": depth, "guided": guided, "seconds": seconds, "peak_mb": peak_mb, "needle_kept_by_layer": kept}
+                {
+                    "depth": depth,
+                    "guided": question > 0,
+                    "question_tokens": question,
+                    "seconds": seconds,
+                    "peak_mb": peak_mb,
+                    "needle_kept_by_layer": kept,
+                    "needle_kept_by_head": by_head,
+                }
             )
             print(
-                f"depth {depth} guided={guided}: {seconds:.0f} s, peak {peak_mb:.0f} MB; needle tokens kept, mean over "
-                f"layers {sum(kept) / len(kept):.2f}, layers keeping at least half "
+                f"depth {depth} question tokens {question} of {whole}: {seconds:.0f} s, peak {peak_mb:.0f} MB; "
+                f"needle tokens kept, mean over layers {sum(kept) / len(kept):.2f}, layers keeping at least half "
                 f"{sum(k >= 0.5 for k in kept)}/{len(kept)}"
             )
             args.out.parent.mkdir(parents=True, exist_ok=True)
