@@ -49,7 +49,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 
-from kvsieve.attention import attention_hooks
+from kvsieve.attention import Observer, attention_hooks
 from kvsieve.compress.cache import prune_layer, rerotate_keys, rotate_half
 from kvsieve.compress.policies.collie import Collie
 from kvsieve.compress.policy import Policy
@@ -244,15 +244,18 @@ class ChunkedPrefill:
         logits, next_position, max_position = None, length, 0
         guided = self.question_guided and not self.pruner.position_only and 0 < question < length
         asked = ids[:, length - question :] if guided else None
-        with torch.no_grad(), attention_hooks(observers=score_observers(self.pruner, scores)):
+        observers = score_observers(self.pruner, scores)
+        with torch.no_grad():
             for step, size in enumerate(sizes):
                 last = step == len(sizes) - 1
                 position = sinks + max(memory)  # P: the chunk starts right after the longest memory
                 chunk_ids = ids[:, start : start + size]
                 chunk_positions = torch.arange(position, position + size, device=device)
                 scores.clear()
-                # Stages that score only the feed's final cache (compress, evict) skip earlier passes.
-                with attention_hooks(intermediate=not last):
+                # The chunk's own queries score its pruning unless the question does (`_ask`); stages that
+                # score only the feed's final cache (compress, evict) skip earlier passes.
+                ask = asked is not None and not last
+                with attention_hooks(observers=() if ask else observers, intermediate=not last):
                     if last or chunk_logits is not None:
                         out = model(
                             input_ids=chunk_ids,
@@ -271,8 +274,8 @@ class ChunkedPrefill:
                             **with_cache(model.model, cache),
                             use_cache=True,
                         )
-                if asked is not None and not last:
-                    self._ask(model, cache, asked, position + size, scores)
+                if ask:
+                    self._ask(model, cache, asked, position + size, observers, scores)
                 # Layer j's keys are now [sinks | memory_j | chunk], at these positions and prompt indices.
                 key_positions = [
                     torch.cat([_frame(sinks, memory[j], position, device), chunk_positions]) for j in range(layers)
@@ -340,25 +343,22 @@ class ChunkedPrefill:
         cache: Cache,
         question: torch.Tensor,
         position: int,
+        observers: list[Observer],
         scores: dict[int, torch.Tensor],
     ) -> None:
-        """Run the question after the chunk (at `position` onwards), let the pruner's scores of the keys before it
-        from the question's queries replace the chunk's `scores`, and drop the question's KV entries again.
+        """Run the question after the chunk (at `position` onwards), let the pruner's `observers` score the keys
+        before it into `scores` from the question's queries alone, and drop the question's KV entries again.
 
-        Replace, not add: the chunk's own votes outnumber the question's and rank what the chunk attends to
-        (SnapKV pruner, IMDC passkeys at 16K: added at equal weight 1 of 3 found, alone 3 of 3; docs/STUDIES.md)."""
-        chunk_scores = dict(scores)
-        scores.clear()
+        The question's votes alone, not added to the chunk's (whose pass therefore scores nothing): the chunk's own
+        votes outnumber the question's and rank what the chunk attends to (SnapKV pruner, IMDC passkeys at 16K:
+        added at equal weight 1 of 3 found, alone 3 of 3; docs/STUDIES.md)."""
         positions = torch.arange(position, position + question.shape[1], device=question.device)[None]
-        with attention_hooks(intermediate=True):
+        with attention_hooks(observers=observers, intermediate=True):
             model.model(input_ids=question, position_ids=positions, **with_cache(model.model, cache), use_cache=True)
         for j, layer in enumerate(cache.layers):
             keys = layer.keys.shape[2] - question.shape[1]
             layer.keys, layer.values = layer.keys[:, :, :keys], layer.values[:, :, :keys]
-            if j in scores:
-                scores[j] = scores[j][:, :keys]
-            elif j in chunk_scores:  # a layer the question's pass did not score (none under the dense attention)
-                scores[j] = chunk_scores[j]
+            scores[j] = scores[j][:, :keys]
 
     def _budgets(
         self,
