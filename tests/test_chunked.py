@@ -408,7 +408,7 @@ def test_critiprefill_inside_chunks_with_covering_sizes_reproduces_full_prefill(
 
 @pytest.mark.parametrize("pruner", [SnapKV(window=4), H2O(), Collie()])
 def test_a_question_guides_every_chunks_pruning_and_leaves_no_trace(pruner, single_thread):
-    """question_guided: the question's tokens run after every chunk but the last, their queries' scores join the
+    """question_guided: the question's tokens run after every chunk but the last, their queries' scores replace the
     chunk's, and their entries leave again: the steps' positions, memory sizes and cache lengths are those of the
     unguided feed, the kept tokens are not; a prompt without a question (or the setting off) is the unguided feed."""
     model = build_model("llama")
