@@ -1,13 +1,16 @@
 """What bounds a batch-1 decoding step on this machine: the matrix products, or the Python around them?
 
 Issue 26 asks for a step within 1.5x the weight-streaming limit. This script measures, on the default model:
-1. the weight-streaming limit (one `sum()` over as many float32 bytes as the model's weights);
+1. the weight-streaming limit (one `sum()` over as many bytes as the model's weights, as decode_steps.py);
 2. the model's projection matrices (every layer's, distinct tensors, one-row input) through `F.linear`, and as
    `x @ W.T` on transposed contiguous copies; the LM head alone both ways;
 3. a decoding step of transformers' own `StaticCache` + SDPA, eager and under `torch.compile(fullgraph=True)`:
    the upper bound of what compiling the step can give (it removes the Python between operators).
 
     python benchmarks/decode_bound.py --prompt 2048 --steps 20 --out runs/decode_bound.json
+    python benchmarks/decode_bound.py --random-weights CONFIG_DIR --device cuda --dtype bfloat16   # a GPU
+
+On CUDA the compiled step uses `mode="reduce-overhead"` (CUDA graphs).
 """
 
 from __future__ import annotations
@@ -20,32 +23,39 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from decode_steps import _sync, random_model, weight_stream_ms
 from transformers import StaticCache
 
 from kvsieve import load_model
 
 
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
+def median_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
     fn()
     times = []
     for _ in range(repeats):
+        _sync(device)
         start = time.perf_counter()
         fn()
+        _sync(device)
         times.append(time.perf_counter() - start)
     return sorted(times)[repeats // 2] * 1e3
 
 
 def step_times(model, step: Callable, prompt: torch.Tensor, steps: int) -> dict[str, float]:
     """First step and median of the later ones (ms) of a greedy decode over a fresh StaticCache."""
+    device = model.device
     cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + steps + 8)
     with torch.no_grad():
         position = prompt.shape[1]
-        logits = model(input_ids=prompt, past_key_values=cache, cache_position=torch.arange(position)).logits
+        where = torch.arange(position, device=device)
+        logits = model(input_ids=prompt, past_key_values=cache, cache_position=where).logits
         times = []
         for _ in range(steps + 3):
-            token, where = logits[:, -1:].argmax(-1), torch.tensor([position])
+            token, where = logits[:, -1:].argmax(-1), torch.tensor([position], device=device)
+            _sync(device)
             start = time.perf_counter()
             logits = step(input_ids=token, past_key_values=cache, cache_position=where, position_ids=where[None]).logits
+            _sync(device)
             times.append(time.perf_counter() - start)
             position += 1
     later = sorted(times[3:])
@@ -53,23 +63,20 @@ def step_times(model, step: Callable, prompt: torch.Tensor, steps: int) -> dict[
 
 
 def product_times(model) -> dict[str, float]:
-    """The weight-streaming limit and the model's matrix products on a one-row input (ms, MB)."""
+    """The model's matrix products on a one-row input (ms, MB): through F.linear and on transposed copies."""
+    device, dtype = model.device, model.dtype
     matrices = [m.weight for m in model.model.modules() if isinstance(m, torch.nn.Linear)]
     head = model.lm_head.weight
-    weight_bytes = sum(p.numel() for p in model.parameters()) * 4  # tied embeddings counted once
-    flat = torch.empty(weight_bytes // 4).normal_()
-    rows = {w.shape[1]: torch.randn(1, 1, w.shape[1]) for w in [*matrices, head]}
+    rows = {w.shape[1]: torch.randn(1, 1, w.shape[1], device=device, dtype=dtype) for w in [*matrices, head]}
     transposed = [w.t().contiguous() for w in matrices]
     head_t = head.t().contiguous()
     with torch.no_grad():
         return {
-            "weights_mb": weight_bytes / 1e6,
-            "stream_limit_ms": min(median_ms(flat.sum, 1) for _ in range(5)),
-            "layers_mb": sum(w.numel() for w in matrices) * 4 / 1e6,
-            "layers_linear_ms": median_ms(lambda: [F.linear(rows[w.shape[1]], w) for w in matrices], 20),
-            "layers_transposed_ms": median_ms(lambda: [rows[w.shape[0]] @ w for w in transposed], 20),
-            "head_linear_ms": median_ms(lambda: F.linear(rows[head.shape[1]], head), 50),
-            "head_transposed_ms": median_ms(lambda: rows[head.shape[1]] @ head_t, 50),
+            "layers_mb": sum(w.numel() * w.element_size() for w in matrices) / 1e6,
+            "layers_linear_ms": median_ms(lambda: [F.linear(rows[w.shape[1]], w) for w in matrices], 20, device),
+            "layers_transposed_ms": median_ms(lambda: [rows[w.shape[0]] @ w for w in transposed], 20, device),
+            "head_linear_ms": median_ms(lambda: F.linear(rows[head.shape[1]], head), 50, device),
+            "head_transposed_ms": median_ms(lambda: rows[head.shape[1]] @ head_t, 50, device),
         }
 
 
@@ -77,16 +84,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt", type=int, default=2048, help="prompt tokens before decoding")
     parser.add_argument("--steps", type=int, default=20, help="timed decoding steps")
+    parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available, else cpu)")
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: the model's loading dtype)")
+    parser.add_argument("--random-weights", type=Path, default=None, metavar="CONFIG_DIR", help="as decode_steps.py")
     parser.add_argument("--out", type=Path, default=Path("runs/decode_bound.json"))
     args = parser.parse_args()
-    model, _ = load_model()
-    model.config._attn_implementation = "sdpa"  # transformers' own path, not kvsieve's
-    result = product_times(model)
-    prompt = torch.randint(100, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
+    model, _ = random_model(args) if args.random_weights else load_model(device=args.device, dtype=args.dtype)
+    model.set_attn_implementation("sdpa")  # transformers' own path, not kvsieve's
+    result = {"weight_stream_ms": weight_stream_ms(model), **product_times(model)}
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, model.config.vocab_size, (1, args.prompt), generator=generator).to(model.device)
+    mode = "reduce-overhead" if model.device.type == "cuda" else None  # CUDA graphs on a GPU
     result["eager"] = step_times(model, model, prompt, args.steps)
-    result["compiled"] = step_times(model, torch.compile(model.forward, fullgraph=True), prompt, args.steps)
+    result["compiled"] = step_times(model, torch.compile(model.forward, fullgraph=True, mode=mode), prompt, args.steps)
     result["eager_again"] = step_times(model, model, prompt, args.steps)
-    result["settings"] = {"prompt": args.prompt, "steps": args.steps, "threads": torch.get_num_threads()}
+    result["settings"] = {
+        "prompt": args.prompt,
+        "steps": args.steps,
+        "threads": torch.get_num_threads(),
+        "device": str(model.device),
+        "dtype": str(model.dtype),
+        "compile_mode": mode,
+        "torch": torch.__version__,
+    }
     print(json.dumps(result, indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

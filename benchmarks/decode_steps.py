@@ -47,13 +47,15 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from kvsieve import load_model
+from kvsieve import load_model, prepare
 from kvsieve.compress.cache import wrap_cache
 from kvsieve.data import prompt_case
 from kvsieve.engine.batch import DecodeBatch, Row
 from kvsieve.eval.bench import spread as bench_spread
 from kvsieve.pipeline import Prefill, prefill
+from kvsieve.prompt import Prompt
 from kvsieve.registry import method
 from kvsieve.spec import MethodSpec, parse_settings
 
@@ -235,6 +237,15 @@ def command(args: argparse.Namespace) -> str:
     return " ".join(words)
 
 
+def random_model(args: argparse.Namespace) -> tuple[torch.nn.Module, None]:
+    """`--random-weights`: the architecture of CONFIG_DIR's config.json, random weights, on --device in --dtype."""
+    config = AutoConfig.from_pretrained(args.random_weights)
+    dtype = getattr(torch, args.dtype or "float32")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    return prepare(AutoModelForCausalLM.from_config(config, dtype=dtype).to(device)), None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -252,6 +263,16 @@ def main() -> None:
         help="prefill each method once per length; every repeat then times its next --steps steps",
     )
     parser.add_argument("--profile", action="store_true", help="also profile one stretch per method (torch.profiler)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available, else cpu)")
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: the model's loading dtype)")
+    parser.add_argument(
+        "--random-weights",
+        type=Path,
+        default=None,
+        metavar="CONFIG_DIR",
+        help="a model built from this folder's config.json with random weights, fed random token ids (a machine "
+        "without the embedded model: a step's time does not depend on the weights' values)",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/study/decode_steps.json"), help="output JSON")
     args = parser.parse_args()
     if args.steps < 1 or args.repeats < 1:
@@ -260,11 +281,15 @@ def main() -> None:
     names = args.methods.split(",")
     for name in names:
         spec(name)  # an unknown name or setting fails here, before any prefill
-    model, tokenizer = load_model()
+    model, tokenizer = random_model(args) if args.random_weights else load_model(device=args.device, dtype=args.dtype)
     limit = weight_stream_ms(model)
     rows = []
     for length in [int(n) for n in args.lengths.split(",")]:
-        _, prompt = prompt_case(tokenizer, "needle", length, 0.5)
+        if tokenizer is None:  # random ids, the last 20 a question (as the needle prompt's tail)
+            ids = torch.randint(100, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
+            prompt = Prompt(ids.to(model.device), context_start=0, context_len=length - 20)
+        else:
+            _, prompt = prompt_case(tokenizer, "needle", length, 0.5)
         for batch, (runs, profiles) in timed_runs(model, prompt, names, args, f"{length} tokens").items():
             base = runs[names[0]]
             for name in names:

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 GROUPED_FROM = 4096  # rows x keys of a CPU decoding step from which the grouped matmul beats SDPA (measured)
+# A single query on CUDA: every SDPA kernel but cuDNN's, whose per-shape plans a growing cache rebuilds every step.
+SINGLE_QUERY_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def bottom_right_causal_mask(q_len: int, k_len: int, device: torch.device | None = None) -> torch.Tensor:
@@ -31,11 +34,16 @@ def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
     Returns (b, h, q, d). A decoding step (one query) on the CPU over at least GROUPED_FROM keys in all
     (rows x keys) takes `grouped_attention` instead: PyTorch's CPU SDPA kernel was 1.3 to 2x slower there on
-    decoding's cache views, and faster below (docs/STUDIES.md, issue 26).
+    decoding's cache views, and faster below. On CUDA a single query never goes to cuDNN, which SDPA picks
+    for bfloat16 and which plans anew for every key length: a growing cache paid about 1.2 ms per layer and
+    step on an H200 (docs/STUDIES.md, issue 26).
     """
     q_len, k_len = query.shape[2], key.shape[2]
     if q_len == 1 and query.device.type == "cpu" and query.shape[0] * k_len >= GROUPED_FROM:
         return grouped_attention(query, key, value, scaling)
+    if q_len == 1 and query.device.type == "cuda":
+        with sdpa_kernel(SINGLE_QUERY_BACKENDS):
+            return F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=True)
     if q_len == 1 or q_len == k_len:
         return F.scaled_dot_product_attention(query, key, value, scale=scaling, is_causal=q_len > 1, enable_gqa=True)
     n_rep = query.shape[1] // key.shape[1]
