@@ -4,8 +4,8 @@ For a passkey (or needle) case, runs the chunked feed alone (no decoding), guide
 (or by only its last `--question-tokens`) and not, and reports for every layer which share of the needle's
 tokens are in the final memory (`Prefilled.token_indices`: the prompt index of every cache entry), the feed's
 time and the process's peak resident memory during it (weights included; Linux), so the runs compare side by
-side. Answers are what
-`kvsieve niah` measures; this is the step before them: whether the memory still holds what the question asks.
+side. Answers are what `kvsieve niah` measures; this is the step before them: whether the memory still holds
+what the question asks.
 
     python benchmarks/question_guided.py --length 16384 --depths 0.1,0.5,0.9 --out runs/question_guided.json
     python benchmarks/question_guided.py --length 16384 --depths 0.5 --question-tokens 6,12,16,all
