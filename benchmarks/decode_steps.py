@@ -30,6 +30,10 @@ may carry settings, e.g. `h2o:evict.interval=8`:
     python benchmarks/decode_steps.py --methods full,snapkv,h2o,a2sf --lengths 2048,8000 --steps 24 --repeats 7 \\
         --shared-prefill --out runs/study/decode_steps_shared.json
 
+On CUDA the batch captures its steps as CUDA graphs (`kvsieve.engine.static_step`) where no row evicts;
+`--cuda-graphs both` times every method twice, captured (its name) and eager (`NAME/eager`), side by side,
+and reports the captures and the seconds they took (each capture includes one eager step).
+
 Pause other work on the machine while it runs (the timings are wall-clock).
 """
 
@@ -94,10 +98,10 @@ class Decoder:
     """A method's prefilled prompt, copied into `rows` rows of the engine's decoding batch and decoded
     greedily (EOS ignored) in timed stretches of steps. The prefill itself is left as it was."""
 
-    def __init__(self, model, done: Prefill, rows: int):
+    def __init__(self, model, done: Prefill, rows: int, static: bool | None = None):
         self.model = model
         cache, first = done.prefilled.cache, int(torch.argmax(done.prefilled.last_logits))
-        self.batch = DecodeBatch(model)
+        self.batch = DecodeBatch(model, static=static)
         self.evicting: list[float] = []
         for _ in range(rows):
             row_cache = wrap_cache(model, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers])
@@ -134,6 +138,8 @@ class Decoder:
             "tokens_per_s": steps * len(self.batch) / seconds,
             "evict_ms_per_step": statistics.mean(self.evicting) * 1e3 if self.evicting else None,
             "kv_entries": self.batch.entries(0),
+            "captures": self.batch.captures,
+            "capture_s": self.batch.capture_seconds,
         }
 
 
@@ -186,9 +192,20 @@ def profiled(decoder: Decoder, steps: int, top: int = 12) -> dict:
     }
 
 
+def variants(names: list[str], cuda_graphs: str) -> dict[str, tuple[str, bool | None]]:
+    """Each timed label's method and its batch's `static` (None: the default, CUDA graphs on CUDA); with
+    `both`, every method also as `NAME/eager`."""
+    if cuda_graphs == "off":
+        return {name: (name, False) for name in names}
+    labels = {name: (name, None) for name in names}
+    if cuda_graphs == "both":
+        labels |= {f"{name}/eager": (name, False) for name in names}
+    return labels
+
+
 def timed_runs(model, prompt, names: list[str], args, label: str) -> dict[int, tuple[dict, dict]]:
-    """Per batch size and method, one timing per repeat, the methods interleaved within every repeat (and a
-    profile of each with `args.profile`).
+    """Per batch size and method label (`variants`), one timing per repeat, the labels interleaved within every
+    repeat (and a profile of each with `args.profile`).
 
     Each method prefills once; every batch size decodes copies of that prefill. Without `shared_prefill`
     every repeat starts new copies and times their first `steps` steps. With it every method's batch
@@ -198,21 +215,27 @@ def timed_runs(model, prompt, names: list[str], args, label: str) -> dict[int, t
     steps, repeats, shared = args.steps, args.repeats, args.shared_prefill
     reserve = WARMUP + steps * (repeats + 1) + 8
     done = {name: prefill(model, prompt, method=spec(name), reserve=reserve) for name in names}
+    labels = variants(names, args.cuda_graphs)
+
+    def decoder_of(name: str, rows: int) -> Decoder:
+        method_name, static = labels[name]
+        return Decoder(model, done[method_name], rows, static)
+
     results = {}
     for rows in [int(b) for b in args.batches.split(",")]:
-        runs: dict[str, list[dict]] = {name: [] for name in names}
+        runs: dict[str, list[dict]] = {name: [] for name in labels}
         if shared:
-            decoders = {name: Decoder(model, done[name], rows) for name in names}
+            decoders = {name: decoder_of(name, rows) for name in labels}
             for decoder in decoders.values():
                 decoder.timed(WARMUP)
         for _ in tqdm(range(repeats), desc=f"{label} x {rows}", unit="repeat"):
-            for name in names:
-                decoder = decoders[name] if shared else Decoder(model, done[name], rows)
+            for name in labels:
+                decoder = decoders[name] if shared else decoder_of(name, rows)
                 runs[name].append(decoder.timed(steps))
         profiles = {}
         if args.profile:
-            for name in names:
-                decoder = decoders[name] if shared else Decoder(model, done[name], rows)
+            for name in labels:
+                decoder = decoders[name] if shared else decoder_of(name, rows)
                 if not shared:
                     decoder.timed(steps)  # profile steady steps, not the first ones
                 profiles[name] = profiled(decoder, steps)
@@ -262,6 +285,13 @@ def main() -> None:
         action="store_true",
         help="prefill each method once per length; every repeat then times its next --steps steps",
     )
+    parser.add_argument(
+        "--cuda-graphs",
+        choices=("auto", "off", "both"),
+        default="auto",
+        help="auto: the batch's default (steps without eviction captured on CUDA); off: eager steps; both: every "
+        "method captured and as NAME/eager, side by side",
+    )
     parser.add_argument("--profile", action="store_true", help="also profile one stretch per method (torch.profiler)")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available, else cpu)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: the model's loading dtype)")
@@ -292,7 +322,7 @@ def main() -> None:
             _, prompt = prompt_case(tokenizer, "needle", length, 0.5)
         for batch, (runs, profiles) in timed_runs(model, prompt, names, args, f"{length} tokens").items():
             base = runs[names[0]]
-            for name in names:
+            for name in runs:
                 evict = [r["evict_ms_per_step"] for r in runs[name] if r["evict_ms_per_step"] is not None]
                 step_ms = [r["ms_per_step"] for r in runs[name]]
                 rows.append(
@@ -308,6 +338,8 @@ def main() -> None:
                             [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs[name], base, strict=True)]
                         ),
                         "evict_ms_per_step": spread(evict) if evict else None,
+                        "captures": runs[name][-1]["captures"],
+                        "capture_s": runs[name][-1]["capture_s"],
                         "profile": profiles.get(name),
                     }
                 )
@@ -324,7 +356,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
     print(f"weight-streaming limit: {limit:.2f} ms per step")
-    width = max(12, *(len(name) for name in names))
+    width = max(12, *(len(r["method"]) for r in rows))
     print(
         f"{'method':{width}s} {'tokens':>6s} {'batch':>5s} {'ms/step (min/med/max)':>22s} {'x limit':>7s}"
         f" {'vs ' + names[0]:>18s} {'evict ms':>9s}"
@@ -336,6 +368,7 @@ def main() -> None:
             f"{r['method']:{width}s} {r['length']:6d} {r['batch']:5d}"
             f" {t['min']:6.1f} {t['median']:6.1f} {t['max']:6.1f}"
             f"  {r['x_weight_limit']['median']:6.2f}   {q['min']:5.2f} {q['median']:5.2f} {q['max']:5.2f} {e:>9s}"
+            + (f"  ({r['captures']} CUDA graphs, {r['capture_s']:.2f} s)" if r["captures"] else "")
         )
         if r["profile"]:
             p = r["profile"]

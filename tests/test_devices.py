@@ -237,3 +237,38 @@ def test_every_method_on_cuda_in_bfloat16(name):
     assert covered.prefilled.last_logits.device.type == "cuda"
     tol = TOLERANCE[torch.bfloat16]
     torch.testing.assert_close(covered.prefilled.last_logits, full.prefilled.last_logits, atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_steps_give_the_eager_steps_logits(dtype):
+    """On CUDA the batch captures its step once and replays it: rows of three lengths, teacher-forced on the
+    same tokens, give the eager steps' logits at every step, across a rebuild of the tables (more steps than
+    their spare room, so a second capture)."""
+    from kvsieve.compress.cache import wrap_cache
+    from kvsieve.engine.batch import SPARE, DecodeBatch, Row
+
+    assert torch.cuda.is_available(), "the gpu tests need CUDA (run them with `make test-gpu` on a GPU machine)"
+    model = model_in(dtype, arch="llama", device="cuda")
+    steps = SPARE + 16
+    done = [prefill(model, make_prompt(n, seed=n), method=method("full"), reserve=steps) for n in (30, 61, 47)]
+    tokens = torch.randint(3, 200, (steps,), generator=torch.Generator().manual_seed(3)).tolist()
+
+    def decode(static: bool) -> tuple[list[torch.Tensor], DecodeBatch]:
+        batch = DecodeBatch(model, static=static)
+        for d in done:
+            layers = [(layer.keys.clone(), layer.values.clone()) for layer in d.prefilled.cache.layers]
+            batch.add(Row(0, d.prefilled.next_position), wrap_cache(model, layers))
+        logits = []
+        for token in tokens:
+            for row in batch.rows:
+                row.token = token
+            logits.append(batch.step().float())
+        return logits, batch
+
+    eager, _ = decode(False)
+    captured, batch = decode(True)
+    assert batch.captures == 2 and batch.static_step.graph is not None
+    tol = TOLERANCE[dtype]
+    for a, b in zip(eager, captured, strict=True):
+        torch.testing.assert_close(b, a, atol=tol, rtol=tol)

@@ -102,14 +102,18 @@ def test_batched_greedy_decoding_equals_each_request_alone(model, monkeypatch):
     assert len(scheduler.batch) == 0 and scheduler.kv_entries() == 0  # every cache freed
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 @pytest.mark.parametrize("trial", range(3))
-def test_rows_joining_and_leaving_at_random_steps_each_decode_their_own_tokens(model, trial):
+def test_rows_joining_and_leaving_at_random_steps_each_decode_their_own_tokens(model, trial, static):
     """Requests of every kind arrive at random steps, so rows of different lengths join and leave the batch's
-    tables while others decode (evicting in place): each answer is the one its request gives alone."""
+    tables while others decode (evicting in place): each answer is the one its request gives alone (through
+    the ordinary step). `static`: the scheduler's batch steps rows that do not evict through the static step
+    (what a GPU captures), switching to the ordinary step whenever an evicting row is in the batch."""
     import random
 
     rnd = random.Random(trial)
     scheduler = Scheduler(model, FakeTokenizer(), max_batch=6, max_step_tokens=32)
+    scheduler.batch.static = static
     arrivals = [
         (rnd.randrange(12), CASES[rnd.randrange(len(CASES))], make_prompt(20 + rnd.randrange(60), seed=100 * trial + i))
         for i in range(6)
@@ -153,6 +157,61 @@ def test_rows_of_different_lengths_ignore_whatever_their_padding_holds(model):
     assert [batch.entries(i) for i in range(2)] == [31, 51]
     for row, expected in zip(logits, alone, strict=True):
         torch.testing.assert_close(row, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_static_steps_give_the_ordinary_steps_logits_and_leave_the_same_caches(model):
+    """The static step (tensor-held positions and columns, attention over the tables' whole capacity: what a GPU
+    captures as a CUDA graph) against the ordinary step, teacher-forced on the same tokens: rows of different
+    lengths (IMDC's layers of different sizes among them), a row leaving and one joining midway, and more
+    steps than the tables' spare room, so they are rebuilt while static steps are pending. Every step's logits
+    agree, and so do the entries each row holds and the caches the rows leave with."""
+    from kvsieve.engine.batch import SPARE, Row
+    from kvsieve.pipeline import prefill
+
+    cases = [
+        ("full", {}, 40),
+        ("snapkv", {"compress.budget": 24, "compress.policy.window": 4}, 70),
+        ("imdc", {"feed.chunk": 16, "feed.memory": 24, "feed.schedule": "square-sqrt"}, 90),
+        ("gemfilter", {"select.k": 24}, 60),
+    ]
+    steps = SPARE + 20
+    done = [prefill(model, make_prompt(n, seed=n), method=method(name, s), reserve=steps + 8) for name, s, n in cases]
+    assert len({layer.keys.shape[2] for layer in done[2].prefilled.cache.layers}) > 1  # IMDC: layers differ
+    tokens = torch.randint(3, 200, (steps,), generator=torch.Generator().manual_seed(5)).tolist()
+
+    def decode(static: bool):
+        batch, logits, left = DecodeBatch(model, static=static), [], []
+        rows = []
+        for d in done[:3]:
+            layers = [(layer.keys.clone(), layer.values.clone()) for layer in d.prefilled.cache.layers]
+            rows.append((Row(0, d.prefilled.next_position), wrap_cache(model, layers)))
+            batch.add(*rows[-1])
+        for i, token in enumerate(tokens):
+            if i == 7:  # the second row leaves with its cache, the fourth joins
+                entries = batch.entries(1)
+                batch.remove([rows[1][0]])
+                left.append((entries, rows[1][1]))
+                d = done[3]
+                layers = [(layer.keys.clone(), layer.values.clone()) for layer in d.prefilled.cache.layers]
+                rows.append((Row(0, d.prefilled.next_position), wrap_cache(model, layers)))
+                batch.add(*rows[-1])
+            for row in batch.rows:
+                row.token = token
+            logits.append(batch.step())
+        entries = [batch.entries(i) for i in range(len(batch))]
+        batch.remove(list(batch.rows))
+        return logits, entries, left + [(n, cache) for n, (_, cache) in zip(entries, [rows[0], *rows[2:]], strict=True)]
+
+    eager, static = decode(False), decode(True)
+    for a, b in zip(eager[0], static[0], strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    assert static[1] == eager[1]
+    for (n_eager, eager_cache), (n_static, static_cache) in zip(eager[2], static[2], strict=True):
+        assert n_static == n_eager
+        for a, b in zip(eager_cache.layers, static_cache.layers, strict=True):
+            assert b.keys.shape == a.keys.shape
+            torch.testing.assert_close(b.keys, a.keys, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(b.values, a.values, rtol=1e-5, atol=1e-5)
 
 
 def test_a_list_of_prompts_runs_as_one_batch_with_each_prompts_answer(model):

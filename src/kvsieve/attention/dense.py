@@ -61,7 +61,7 @@ def grouped_attention(
     lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention through a grouped matmul: query head h reads KV head h // n_rep, K/V never repeated, the
-    softmax in float32. query (b, h, q, d), key/value (b, kv_heads, k, d); returns (b, h, q, d).
+    logits and softmax in float32. query (b, h, q, d), key/value (b, kv_heads, k, d); returns (b, h, q, d).
 
     `lengths` (b,) marks right padding (the engine's batch of ragged caches): row b holds lengths[b] keys and
     its query i sits at key column lengths[b] - q + i; None: every row holds all k keys.
@@ -70,7 +70,9 @@ def grouped_attention(
     kv_heads, k_len = key.shape[1], key.shape[2]
     scale = dim**-0.5 if scaling is None else scaling
     grouped = query.reshape(batch, kv_heads, heads // kv_heads * q_len, dim)  # rows: (n_rep, q) per KV head
-    logits = torch.matmul(grouped, key.transpose(-1, -2)).float() * scale  # (b, g, n_rep * q, k)
+    # Logits in float32 from float32 operands (no copy in float32): a bfloat16 product rounds logits of 20-50 by
+    # up to 0.1-0.2, which SDPA's kernels, accumulating in float32, never do.
+    logits = torch.matmul(grouped.float(), key.float().transpose(-1, -2)) * scale  # (b, g, n_rep * q, k)
     if lengths is not None or q_len > 1:
         ends = lengths.to(key.device) if lengths is not None else torch.full((batch,), k_len, device=key.device)
         last = ends[:, None] - q_len + torch.arange(q_len, device=key.device)  # (b, q)

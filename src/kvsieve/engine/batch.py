@@ -21,10 +21,16 @@ while others join and leave, so its eviction's record of entry ages stays valid;
 rebuilt (one copy of the live entries) only when rows join or leave, or when the longest row
 outgrows the capacity, then with room for `SPARE` more steps. A row that leaves takes a copy of
 its entries with it (its request's result keeps its cache), and the tables' memory is freed.
+
+While no row evicts, the step is a static one (`engine.static_step`): every number it depends on is
+a tensor, and on CUDA it is captured once per generation of the tables as a CUDA graph and replayed
+(`static=None`: on CUDA unless KVSIEVE_CUDA_GRAPHS=0). The rows' buffers then learn of the entries
+written in the tables lazily (`_settle`), before anything reads them.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +40,7 @@ from transformers.cache_utils import DynamicLayer
 from kvsieve.attention import attention_hooks
 from kvsieve.compress.cache import DecodeBuffer
 from kvsieve.compress.stages import EvictRun
+from kvsieve.engine.static_step import StaticStep
 from kvsieve.errors import KvsieveError
 from kvsieve.models import with_cache
 
@@ -62,23 +69,39 @@ class _BatchLayer(DynamicLayer):
         return self.keys, self.values
 
 
+def cuda_graphs_enabled(model: PreTrainedModel) -> bool:
+    """Whether `model`'s decoding steps are captured as CUDA graphs by default: on CUDA, unless the
+    environment sets KVSIEVE_CUDA_GRAPHS=0 (a model whose forward cannot be captured is also detected and
+    decoded eagerly, with a warning)."""
+    return model.device.type == "cuda" and os.environ.get("KVSIEVE_CUDA_GRAPHS", "1") != "0"
+
+
 class DecodeBatch:
     """The running requests' caches in shared tables, stepped together (one row: a lone request)."""
 
-    def __init__(self, model: PreTrainedModel):
+    def __init__(self, model: PreTrainedModel, static: bool | None = None):
+        """`static`: step rows that do not evict through `StaticStep` (captured as a CUDA graph on CUDA);
+        None: `cuda_graphs_enabled(model)`."""
         self.model = model
+        self.static = cuda_graphs_enabled(model) if static is None else static
+        self.capture = model.device.type == "cuda"  # off for good once a capture has failed
         self.rows: list[Row] = []
         self.caches: list[Cache] = []  # each row's own cache object, its layers DecodeBuffers over the tables
         self.keys: torch.Tensor | None = None  # (layers, rows, kv_heads, capacity, d) once a row joins
         self.values: torch.Tensor | None = None
         self.cache: DynamicCache | None = None  # what the model writes every row's new entries through
+        self.static_step: StaticStep | None = None  # the current tables' static step, once one ran
+        self.behind = 0  # static steps whose entries the rows' buffers do not show yet
+        self.captures = 0  # CUDA graphs captured, and the seconds they took (warm-up step included)
+        self.capture_seconds = 0.0
+        self._pool = None  # one CUDA graph memory pool for every capture of this batch
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def entries(self, index: int) -> int:
         """KV entries per layer and KV head that row `index` holds (layer 0)."""
-        return self.caches[index].layers[0].length
+        return self.caches[index].layers[0].length + self.behind
 
     def add(self, row: Row, cache: Cache) -> None:
         """Join `row`, whose own cache (batch 1) was prefilled for it; its entries move into the tables and its
@@ -91,6 +114,7 @@ class DecodeBatch:
             raise KvsieveError(
                 f"In-place eviction needs every layer of the cache at one length, but they hold {lengths} entries."
             )
+        self._settle()
         self._rebuild(list(range(len(self.rows))), joining=cache)
         self.rows.append(row)
         if row.evict is not None:
@@ -101,6 +125,7 @@ class DecodeBatch:
         keep = [i for i, row in enumerate(self.rows) if all(row is not r for r in rows)]
         if len(keep) == len(self.rows):
             return
+        self._settle()
         for i in set(range(len(self.rows))) - set(keep):
             cache = self.caches[i]
             cache.layers = [DecodeBuffer(layer.keys, layer.values, layer.length) for layer in cache.layers]
@@ -112,8 +137,14 @@ class DecodeBatch:
     def step(self) -> torch.Tensor:
         """One forward pass for every row; returns (rows, vocab) logits of the next tokens."""
         device = self.model.device
-        if max(layer.length for cache in self.caches for layer in cache.layers) + 1 > self.keys.shape[3]:
+        longest = max(layer.length for cache in self.caches for layer in cache.layers) + self.behind
+        if longest + 1 > self.keys.shape[3]:
+            self._settle()
             self._rebuild(list(range(len(self))))  # room for SPARE more steps
+        if self.static and all(row.evict is None for row in self.rows):
+            return self._static()
+        self._settle()
+        self.static_step = None  # its tensors no longer say where the rows stand
         ids = torch.tensor([[row.token] for row in self.rows], device=device)
         positions = torch.tensor(
             [[row.evict.position(self.entries(i), row.position) if row.evict else row.position]
@@ -134,6 +165,37 @@ class DecodeBatch:
                 if row.evict is not None:
                     row.evict.after_step(own)
         return out.logits[:, -1]
+
+    def _static(self) -> torch.Tensor:
+        """The step through the current tables' `StaticStep` (made, and on CUDA captured, at its first run)."""
+        if self.static_step is None:
+            self._settle()
+            self.static_step = StaticStep(self.model, self.keys, self.values, capture=self.capture)
+            self.static_step.load(
+                [row.position for row in self.rows],
+                [[cache.layers[j].length for cache in self.caches] for j in range(self.keys.shape[0])],
+            )
+            if self.capture and self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+        step = self.static_step
+        captured = step.graph is not None
+        logits = step.run([row.token for row in self.rows], self._pool)
+        if not captured and step.graph is not None:
+            self.captures += 1
+            self.capture_seconds += step.capture_seconds
+        self.capture = self.capture and step.capture
+        self.behind += 1
+        for row in self.rows:
+            row.position += 1
+        return logits
+
+    def _settle(self) -> None:
+        """Show the rows' buffers the entries that static steps wrote into the tables."""
+        if self.behind:
+            for cache in self.caches:
+                for layer in cache.layers:
+                    layer.truncate(layer.length + self.behind)
+            self.behind = 0
 
     def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write each row's new (rows, kv_heads, 1, d) entry of `layer` at its next column; the live columns of
@@ -178,6 +240,7 @@ class DecodeBatch:
         """New tables holding rows `keep` (and `joining`'s entries as a last row) with room for SPARE more steps;
         every row's buffers and eviction move to them."""
         caches = [self.caches[i] for i in keep] + ([joining] if joining is not None else [])
+        self.static_step = None  # recorded on the old tables
         if not caches:
             self.caches, self.keys, self.values, self.cache = [], None, None, None
             return
