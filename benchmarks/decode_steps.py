@@ -106,7 +106,7 @@ class Decoder:
         for _ in range(rows):
             row_cache = wrap_cache(model, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers])
             row_evict = copy.deepcopy(done.state.evict)
-            if row_evict is not None:
+            if row_evict is not None and not self.batch.static:  # a captured step's eviction runs on the GPU
                 self._time_evictions(row_evict)
             self.batch.add(Row(first, done.prefilled.next_position, row_evict), row_cache)
 

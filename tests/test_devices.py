@@ -242,23 +242,28 @@ def test_every_method_on_cuda_in_bfloat16(name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graph_steps_give_the_eager_steps_logits(dtype):
-    """On CUDA the batch captures its step once and replays it: rows of three lengths, teacher-forced on the
-    same tokens, give the eager steps' logits at every step, across a rebuild of the tables (more steps than
-    their spare room, so a second capture)."""
+    """On CUDA the batch captures its step once and replays it: rows of full attention and of four evicting
+    presets (each evicting one entry per step inside the recorded step), teacher-forced on the same tokens,
+    give the eager steps' logits at every step and end with the same entries, across a rebuild of the tables
+    (more steps than their spare room, so a second capture)."""
+    import copy
+
     from kvsieve.compress.cache import wrap_cache
     from kvsieve.engine.batch import SPARE, DecodeBatch, Row
 
     assert torch.cuda.is_available(), "the gpu tests need CUDA (run them with `make test-gpu` on a GPU machine)"
     model = model_in(dtype, arch="llama", device="cuda")
     steps = SPARE + 16
-    done = [prefill(model, make_prompt(n, seed=n), method=method("full"), reserve=steps) for n in (30, 61, 47)]
+    cases = [("full", {}, 30), ("h2o", {"evict.budget": 24}, 61), ("a2sf", {"evict.budget": 24}, 47)]
+    cases += [("tova", {"evict.budget": 20}, 40), ("streaming", {"evict.budget": 20}, 52)]
+    done = [prefill(model, make_prompt(n, seed=n), method=method(name, s), reserve=steps) for name, s, n in cases]
     tokens = torch.randint(3, 200, (steps,), generator=torch.Generator().manual_seed(3)).tolist()
 
     def decode(static: bool) -> tuple[list[torch.Tensor], DecodeBatch]:
         batch = DecodeBatch(model, static=static)
         for d in done:
             layers = [(layer.keys.clone(), layer.values.clone()) for layer in d.prefilled.cache.layers]
-            batch.add(Row(0, d.prefilled.next_position), wrap_cache(model, layers))
+            batch.add(Row(0, d.prefilled.next_position, copy.deepcopy(d.state.evict)), wrap_cache(model, layers))
         logits = []
         for token in tokens:
             for row in batch.rows:
@@ -266,9 +271,14 @@ def test_cuda_graph_steps_give_the_eager_steps_logits(dtype):
             logits.append(batch.step().float())
         return logits, batch
 
-    eager, _ = decode(False)
+    eager, eager_batch = decode(False)
     captured, batch = decode(True)
     assert batch.captures == 2 and batch.static_step.graph is not None
+    assert (
+        [batch.entries(i) for i in range(5)]
+        == [eager_batch.entries(i) for i in range(5)]
+        == [30 + steps, 24, 24, 20, 20]
+    )
     tol = TOLERANCE[dtype]
     for a, b in zip(eager, captured, strict=True):
         torch.testing.assert_close(b, a, atol=tol, rtol=tol)

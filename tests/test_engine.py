@@ -12,6 +12,7 @@ running request decodes a token at every step.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import pytest
@@ -159,59 +160,100 @@ def test_rows_of_different_lengths_ignore_whatever_their_padding_holds(model):
         torch.testing.assert_close(row, expected, rtol=1e-4, atol=1e-4)
 
 
+STATIC_CASES = [  # the first four start together, the fifth and sixth join midway
+    ("full", {}, 40),
+    ("snapkv", {"compress.budget": 24, "compress.policy.window": 4}, 70),
+    ("imdc", {"feed.chunk": 16, "feed.memory": 24, "feed.schedule": "square-sqrt"}, 90),  # layers of many sizes
+    ("h2o", {"evict.budget": 30}, 50),
+    ("gemfilter", {"select.k": 24}, 60),
+    ("tova", {"evict.budget": 20}, 45),
+]
+
+
 def test_static_steps_give_the_ordinary_steps_logits_and_leave_the_same_caches(model):
-    """The static step (tensor-held positions and columns, attention over the tables' whole capacity: what a GPU
-    captures as a CUDA graph) against the ordinary step, teacher-forced on the same tokens: rows of different
-    lengths (IMDC's layers of different sizes among them), a row leaving and one joining midway, and more
-    steps than the tables' spare room, so they are rebuilt while static steps are pending. Every step's logits
-    agree, and so do the entries each row holds and the caches the rows leave with."""
+    """The static step (tensor-held positions and columns, attention over the tables' whole capacity, evicting
+    rows' scores carried in place: what a GPU captures as a CUDA graph) against the ordinary step,
+    teacher-forced on the same tokens: rows of different lengths, two of them evicting, one row leaving and two
+    joining midway, and more steps than the tables' spare room, so they are rebuilt while static steps are
+    pending. Every step's logits agree, and so do the entries each row holds and the caches the rows leave
+    with."""
     from kvsieve.engine.batch import SPARE, Row
     from kvsieve.pipeline import prefill
 
-    cases = [
-        ("full", {}, 40),
-        ("snapkv", {"compress.budget": 24, "compress.policy.window": 4}, 70),
-        ("imdc", {"feed.chunk": 16, "feed.memory": 24, "feed.schedule": "square-sqrt"}, 90),
-        ("gemfilter", {"select.k": 24}, 60),
-    ]
     steps = SPARE + 20
-    done = [prefill(model, make_prompt(n, seed=n), method=method(name, s), reserve=steps + 8) for name, s, n in cases]
+    done = [
+        prefill(model, make_prompt(n, seed=n), method=method(name, s), reserve=steps + 8) for name, s, n in STATIC_CASES
+    ]
     assert len({layer.keys.shape[2] for layer in done[2].prefilled.cache.layers}) > 1  # IMDC: layers differ
     tokens = torch.randint(3, 200, (steps,), generator=torch.Generator().manual_seed(5)).tolist()
 
     def decode(static: bool):
-        batch, logits, left = DecodeBatch(model, static=static), [], []
-        rows = []
-        for d in done[:3]:
+        batch, logits, left, rows, runs = DecodeBatch(model, static=static), [], [], [], 0
+
+        def join(d) -> None:
             layers = [(layer.keys.clone(), layer.values.clone()) for layer in d.prefilled.cache.layers]
-            rows.append((Row(0, d.prefilled.next_position), wrap_cache(model, layers)))
+            evict = copy.deepcopy(d.state.evict)
+            rows.append((Row(0, d.prefilled.next_position, evict), wrap_cache(model, layers)))
             batch.add(*rows[-1])
+
+        for d in done[:4]:
+            join(d)
         for i, token in enumerate(tokens):
-            if i == 7:  # the second row leaves with its cache, the fourth joins
-                entries = batch.entries(1)
+            if i == 7:  # the second row leaves with its cache, the fifth and sixth join
+                left.append((batch.entries(1), rows[1][1]))
                 batch.remove([rows[1][0]])
-                left.append((entries, rows[1][1]))
-                d = done[3]
-                layers = [(layer.keys.clone(), layer.values.clone()) for layer in d.prefilled.cache.layers]
-                rows.append((Row(0, d.prefilled.next_position), wrap_cache(model, layers)))
-                batch.add(*rows[-1])
+                join(done[4])
+                join(done[5])
             for row in batch.rows:
                 row.token = token
             logits.append(batch.step())
+            runs += batch.static_step is not None
         entries = [batch.entries(i) for i in range(len(batch))]
         batch.remove(list(batch.rows))
-        return logits, entries, left + [(n, cache) for n, (_, cache) in zip(entries, [rows[0], *rows[2:]], strict=True)]
+        staying = [rows[0], *rows[2:]]
+        return logits, entries, left + [(n, cache) for n, (_, cache) in zip(entries, staying, strict=True)], runs
 
     eager, static = decode(False), decode(True)
+    assert eager[3] == 0 and static[3] == steps  # every step of the batch was a static one
     for a, b in zip(eager[0], static[0], strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
-    assert static[1] == eager[1]
+    assert static[1] == eager[1] and eager[1][2] == 30 and eager[1][4] == 20  # the evicting rows at their budgets
     for (n_eager, eager_cache), (n_static, static_cache) in zip(eager[2], static[2], strict=True):
         assert n_static == n_eager
         for a, b in zip(eager_cache.layers, static_cache.layers, strict=True):
             assert b.keys.shape == a.keys.shape
             torch.testing.assert_close(b.keys, a.keys, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(b.values, a.values, rtol=1e-5, atol=1e-5)
+
+
+def test_a_steady_static_step_reads_and_writes_the_same_memory_and_numbers(model):
+    """What lets a GPU replay a recorded step: after the first static step, every later one leaves every Python
+    number and every tensor the step reads (the rows' buffers, each eviction's scores, ages and clock) exactly
+    where the previous one left them; only their contents change. Rows: full attention, H2O and TOVA."""
+    from kvsieve.engine.batch import Row
+    from kvsieve.pipeline import prefill
+
+    batch = DecodeBatch(model, static=True)
+    for name, settings, n in [STATIC_CASES[0], STATIC_CASES[3], STATIC_CASES[5]]:
+        d = prefill(model, make_prompt(n, seed=n), method=method(name, settings), reserve=40)
+        batch.add(Row(5, d.prefilled.next_position, d.state.evict), d.prefilled.cache)
+
+    def state() -> list:
+        seen = [batch.static_step.positions.data_ptr(), batch.static_step.ends.data_ptr()]
+        for row, cache in zip(batch.rows, batch.caches, strict=True):
+            seen += [(layer.length, layer.keys.data_ptr(), layer.keys.shape) for layer in cache.layers]
+            if row.evict is not None:
+                evict = row.evict
+                seen += [evict.budget, evict.clock.data_ptr(), evict.stamps.data_ptr(), evict.stamps.shape]
+                seen += [(j, t.data_ptr(), t.shape) for j, t in sorted(evict.scores.items())]
+        return seen
+
+    batch.step()
+    first, clock = state(), int(batch.rows[1].evict.clock)
+    for _ in range(5):
+        batch.step()
+        assert state() == first
+    assert int(batch.rows[1].evict.clock) == clock + 5 and batch.entries(0) == 40 + 6
 
 
 def test_a_list_of_prompts_runs_as_one_batch_with_each_prompts_answer(model):

@@ -303,7 +303,7 @@ class EvictRun:
     steps: int = 0
     stamps: torch.Tensor | None = None  # (layers, kv_heads, n) ages in buffers (`in_place`), else None
     stamp_table: torch.Tensor | None = None  # (layers, kv_heads, capacity): `stamps` is its first n columns
-    clock: int = 0  # the stamp the next new entry gets
+    clock: torch.Tensor | None = None  # the stamp the next new entry gets, a 0-d tensor (`in_place`)
     positions: dict[int, torch.Tensor] = field(default_factory=dict)  # re-encoding only
     rotary: torch.nn.Module | None = None  # the model's rotary embedding, once re-encoding has started
     turn: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's rotation, shared by the layers
@@ -403,7 +403,7 @@ class EvictRun:
         self.stamp_table = torch.empty(len(cache.layers), heads, first.capacity, dtype=torch.long, device=device)
         self.stamp_table[:, :, :length] = torch.arange(length, device=device)
         self.stamps = self.stamp_table[:, :, :length]
-        self.clock = length
+        self.clock = torch.tensor(length, device=device)  # a tensor: a captured step reads and advances it
 
     def position(self, length: int, logical: int) -> int:
         """The position of the next token fed on a cache of `length` entries: that length when
@@ -436,9 +436,9 @@ class EvictRun:
             table = table.new_empty(*table.shape[:2], max(length, 2 * table.shape[2]))
             table[:, :, :old] = self.stamps
             self.stamp_table = table
-        table[:, :, old:length] = torch.arange(self.clock, self.clock + length - old, device=table.device)
+        table[:, :, old:length] = self.clock + torch.arange(length - old, device=table.device)
         self.stamps = table[:, :, :length]
-        self.clock += length - old
+        self.clock.add_(length - old)
 
     def _resolve(self, total: int) -> None:
         if not self.total:

@@ -22,10 +22,11 @@ rebuilt (one copy of the live entries) only when rows join or leave, or when the
 outgrows the capacity, then with room for `SPARE` more steps. A row that leaves takes a copy of
 its entries with it (its request's result keeps its cache), and the tables' memory is freed.
 
-While no row evicts, the step is a static one (`engine.static_step`): every number it depends on is
-a tensor, and on CUDA it is captured once per generation of the tables as a CUDA graph and replayed
-(`static=None`: on CUDA unless KVSIEVE_CUDA_GRAPHS=0). The rows' buffers then learn of the entries
-written in the tables lazily (`_settle`), before anything reads them.
+While every row is `steady` (it evicts nothing, or it evicts one entry per step from a cache at its
+budget), the step is a static one (`engine.static_step`): every number it depends on is a tensor, and
+on CUDA it is captured once per generation of the tables as a CUDA graph and replayed (`static=None`:
+on CUDA unless KVSIEVE_CUDA_GRAPHS=0). The rows' buffers then learn of the entries written in the
+tables lazily (`_settle`), before anything reads them.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from transformers.cache_utils import DynamicLayer
 from kvsieve.attention import attention_hooks
 from kvsieve.compress.cache import DecodeBuffer
 from kvsieve.compress.stages import EvictRun
-from kvsieve.engine.static_step import StaticStep
+from kvsieve.engine.static_step import StaticStep, steady
 from kvsieve.errors import KvsieveError
 from kvsieve.models import with_cache
 
@@ -101,7 +102,7 @@ class DecodeBatch:
 
     def entries(self, index: int) -> int:
         """KV entries per layer and KV head that row `index` holds (layer 0)."""
-        return self.caches[index].layers[0].length + self.behind
+        return self.caches[index].layers[0].length + self._pending(index)
 
     def add(self, row: Row, cache: Cache) -> None:
         """Join `row`, whose own cache (batch 1) was prefilled for it; its entries move into the tables and its
@@ -137,11 +138,16 @@ class DecodeBatch:
     def step(self) -> torch.Tensor:
         """One forward pass for every row; returns (rows, vocab) logits of the next tokens."""
         device = self.model.device
-        longest = max(layer.length for cache in self.caches for layer in cache.layers) + self.behind
+        longest = max(
+            layer.length + self._pending(i) for i, cache in enumerate(self.caches) for layer in cache.layers
+        )
         if longest + 1 > self.keys.shape[3]:
             self._settle()
             self._rebuild(list(range(len(self))))  # room for SPARE more steps
-        if self.static and all(row.evict is None for row in self.rows):
+        if self.static and (
+            self.static_step is not None
+            or all(steady(row.evict, cache) for row, cache in zip(self.rows, self.caches, strict=True))
+        ):
             return self._static()
         self._settle()
         self.static_step = None  # its tensors no longer say where the rows stand
@@ -170,7 +176,8 @@ class DecodeBatch:
         """The step through the current tables' `StaticStep` (made, and on CUDA captured, at its first run)."""
         if self.static_step is None:
             self._settle()
-            self.static_step = StaticStep(self.model, self.keys, self.values, capture=self.capture)
+            rows = [(row.evict, cache) for row, cache in zip(self.rows, self.caches, strict=True)]
+            self.static_step = StaticStep(self.model, self.keys, self.values, rows, capture=self.capture)
             self.static_step.load(
                 [row.position for row in self.rows],
                 [[cache.layers[j].length for cache in self.caches] for j in range(self.keys.shape[0])],
@@ -189,12 +196,17 @@ class DecodeBatch:
             row.position += 1
         return logits
 
+    def _pending(self, index: int) -> int:
+        """Entries that static steps wrote for row `index` and its buffers do not show yet (none for an evicting
+        row: its eviction keeps its buffers at the budget)."""
+        return self.behind * self.static_step.advance[index] if self.behind else 0
+
     def _settle(self) -> None:
         """Show the rows' buffers the entries that static steps wrote into the tables."""
         if self.behind:
-            for cache in self.caches:
+            for index, cache in enumerate(self.caches):
                 for layer in cache.layers:
-                    layer.truncate(layer.length + self.behind)
+                    layer.truncate(layer.length + self._pending(index))
             self.behind = 0
 
     def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

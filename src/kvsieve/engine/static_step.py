@@ -15,6 +15,15 @@ length per layer. Here they are tensors:
   attention, `attention_hooks(key_lengths=...)`, whose logits are float32);
 - the step advances `positions` and `ends` itself, so a replay needs only the tokens copied in.
 
+A row that evicts joins in its steady state (`steady`): its cache at the budget, evicting one entry per
+KV head every step (`evict.interval` 1, no re-encoding). Its new entry goes at column `budget`, the
+eviction moves the newest entry into the victim's slot, and the row is back at `budget` entries: its
+`ends` stay where they are, and every Python number its eviction reads (lengths, budget) is the same at
+every step. The rest of its state is tensors that the step updates in place: the entries' ages
+(`EvictRun.stamps`, a view of its stamp table), the clock, and its running scores, which the eviction
+makes anew each step and the step copies back into the tensors it read them from (`_carry`). So the
+eviction (`EvictRun.after_step`) runs inside the recorded step, unchanged.
+
 On CUDA the step is run once eagerly on a side stream (it is the step, and it warms the allocator
 and cuBLAS), then captured; every later step replays the graph. The capture is valid for one
 generation of the tables (their memory and capacity): the batch drops it when rows join or leave, when
@@ -30,10 +39,11 @@ import logging
 import time
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from kvsieve.attention import attention_hooks
+from kvsieve.compress.stages import EvictRun
 from kvsieve.models import with_cache
 
 log = logging.getLogger("kvsieve.engine")
@@ -56,17 +66,45 @@ class _ScatterLayer(DynamicLayer):
         return self.keys, self.values
 
 
+def steady(evict: EvictRun | None, cache: Cache) -> bool:
+    """Whether a row with this eviction (None: none) can take static steps: it evicts nothing, or its cache
+    is at the budget in every layer and evicts one entry per KV head every step, without re-encoding."""
+    if evict is None:
+        return True
+    return (
+        evict.config.interval == 1
+        and not evict.config.reencodes
+        and evict.stamps is not None
+        and all(layer.length == evict.budget for layer in cache.layers)
+    )
+
+
 class StaticStep:
     """One generation of the batch tables' decoding step, in tensors; captured as a CUDA graph with `capture`."""
 
-    def __init__(self, model: PreTrainedModel, keys: torch.Tensor, values: torch.Tensor, *, capture: bool):
-        """`keys`/`values` are the batch tables (layers, rows, kv_heads, capacity, d); `load` then sets where
-        each row stands."""
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        rows: list[tuple[EvictRun | None, Cache]],
+        *,
+        capture: bool,
+    ):
+        """`keys`/`values` are the batch tables (layers, rows, kv_heads, capacity, d), `rows` each row's
+        eviction (or None) and own cache, every one `steady`; `load` then sets where each row stands."""
         self.model, self.keys, self.values, self.capture = model, keys, values, capture
-        layers, rows = keys.shape[:2]
-        self.ids = torch.zeros(rows, 1, dtype=torch.long, device=keys.device)
-        self.positions = torch.zeros(rows, 1, dtype=torch.long, device=keys.device)
-        self.ends = torch.zeros(layers, rows, dtype=torch.long, device=keys.device)
+        layers, count = keys.shape[:2]
+        device = keys.device
+        self.evicting = [(i, evict, cache) for i, (evict, cache) in enumerate(rows) if evict is not None]
+        self.advance = [0 if evict is not None else 1 for evict, _ in rows]  # columns a row gains per step
+        self.step_ends = torch.tensor(self.advance, device=device)
+        for _, evict, _ in self.evicting:  # scores in tensors of their own, which `_carry` refills every step
+            evict.scores = {j: scores.clone() for j, scores in evict.scores.items()}
+        self.carried = [(evict, dict(evict.scores)) for _, evict, _ in self.evicting]
+        self.ids = torch.zeros(count, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(count, 1, dtype=torch.long, device=device)
+        self.ends = torch.zeros(layers, count, dtype=torch.long, device=device)
         self.cache = DynamicCache(config=model.config)
         self.cache.layers = [_ScatterLayer(self, j) for j in range(layers)]
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -92,7 +130,8 @@ class StaticStep:
 
     def _forward(self) -> torch.Tensor:
         lengths = self.ends + 1  # each row's keys once this step's entry is written
-        with torch.no_grad(), attention_hooks(key_lengths=list(lengths)):
+        observers = [self._observe] if self.evicting else []
+        with torch.no_grad(), attention_hooks(observers=observers, key_lengths=list(lengths)):
             out = self.model(
                 input_ids=self.ids,
                 position_ids=self.positions,
@@ -100,9 +139,27 @@ class StaticStep:
                 use_cache=True,
                 logits_to_keep=1,
             )
-        self.ends.add_(1)
+            for _, evict, cache in self.evicting:
+                for layer in cache.layers:  # the new entry at column `budget`, as the ordinary step leaves it
+                    layer.truncate(layer.length + 1)
+                evict.after_step(cache)  # evicts one entry per KV head: back at `budget`
+            self._carry()
+        self.ends.add_(self.step_ends)
         self.positions.add_(1)
         return out.logits[:, -1]
+
+    def _observe(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
+        """Each evicting row's eviction observes its own query and its own keys (its entries and the new one)."""
+        for i, evict, cache in self.evicting:
+            evict.observe(layer, query[i : i + 1], key[i : i + 1, :, : cache.layers[layer].length + 1])
+
+    def _carry(self) -> None:
+        """Copy each eviction's new running scores into the tensors the step read them from, and point it back
+        at those: the next step (a replay reads the same memory) starts from this step's scores."""
+        for evict, tensors in self.carried:
+            for j, tensor in tensors.items():
+                tensor.copy_(evict.scores[j])
+            evict.scores = dict(tensors)
 
     def _capture(self, pool) -> torch.Tensor:
         start = time.perf_counter()
@@ -122,4 +179,6 @@ class StaticStep:
             return logits
         self.graph = graph
         self.capture_seconds = time.perf_counter() - start
+        rows, capacity = self.keys.shape[1], self.keys.shape[3]
+        log.info("captured the decoding step of %d rows x %d columns in %.2f s", rows, capacity, self.capture_seconds)
         return logits
