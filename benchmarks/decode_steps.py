@@ -10,8 +10,10 @@ repeat (min / median / max over repeats). For eviction methods it also times the
 (`EvictRun.after_step`, mean ms per step and row: with `evict.interval` > 1 most steps evict nothing).
 
 Every run first measures the weight-streaming limit: the time to read a tensor as large as the
-model's weights once (`tensor.sum()`, the fastest of 5), the least a batch-1 decoding step can take
-when memory bandwidth bounds it. Each row gives its step time as a multiple of that limit.
+weights a step reads once (`tensor.sum()`, the fastest of 5; `step_bytes`), the least a batch-1
+decoding step can take when memory bandwidth bounds it. Each row gives its step time as a multiple of
+that limit. `--quantize none,int8` times the same methods with int8 weights too (`kvsieve.quantize`),
+after the float32 ones, in the same run (rows `METHOD+int8`, each against its own scheme's limit).
 
     python benchmarks/decode_steps.py --methods full,snapkv,h2o,a2sf --lengths 2048,8000 --steps 48 --repeats 3 \\
         --out runs/study/decode_steps.json
@@ -60,6 +62,7 @@ from kvsieve.engine.batch import DecodeBatch, Row
 from kvsieve.eval.bench import spread as bench_spread
 from kvsieve.pipeline import Prefill, prefill
 from kvsieve.prompt import Prompt
+from kvsieve.quantize import quantize
 from kvsieve.registry import method
 from kvsieve.spec import MethodSpec, parse_settings
 
@@ -78,11 +81,22 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def step_bytes(model) -> int:
+    """The bytes of weights a batch-1 decoding step reads: every parameter and buffer (int8 weights are
+    buffers) once, tied ones once, but not the input embedding table (a step reads one row of it) unless
+    the LM head is that table."""
+    head = model.get_output_embeddings().weight
+    embedding = model.get_input_embeddings().weight
+    unique = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    if embedding.data_ptr() != head.data_ptr():
+        unique.pop(embedding.data_ptr())
+    return sum(t.numel() * t.element_size() for t in unique.values())
+
+
 def weight_stream_ms(model, repeats: int = 5) -> float:
-    """The time to read, once, a tensor the size of the model's weights (tied ones counted once), fastest of
-    `repeats`: the floor of a batch-1 decoding step, which reads every weight once."""
-    unique = {p.data_ptr(): p for p in model.parameters()}
-    nbytes = sum(p.numel() * p.element_size() for p in unique.values())
+    """The time to read, once, a float32 tensor of `step_bytes(model)`, fastest of `repeats`: the floor of a
+    batch-1 decoding step, which reads every weight once."""
+    nbytes = step_bytes(model)
     flat = torch.ones(nbytes // 4, dtype=torch.float32, device=model.device)
     times = []
     for _ in range(repeats):
@@ -292,6 +306,12 @@ def main() -> None:
         help="auto: the batch's default (steps without eviction captured on CUDA); off: eager steps; both: every "
         "method captured and as NAME/eager, side by side",
     )
+    parser.add_argument(
+        "--quantize",
+        default="none",
+        help="weight schemes timed one after the other in this run, e.g. none,int8 (`kvsieve.quantize`); rows of "
+        "a scheme other than none are named METHOD+SCHEME, their ratios against the first scheme's first method",
+    )
     parser.add_argument("--profile", action="store_true", help="also profile one stretch per method (torch.profiler)")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available, else cpu)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: the model's loading dtype)")
@@ -311,38 +331,45 @@ def main() -> None:
     names = args.methods.split(",")
     for name in names:
         spec(name)  # an unknown name or setting fails here, before any prefill
+    schemes = args.quantize.split(",")
     model, tokenizer = random_model(args) if args.random_weights else load_model(device=args.device, dtype=args.dtype)
-    limit = weight_stream_ms(model)
-    rows = []
+    models = {scheme: quantize(copy.deepcopy(model) if scheme != "none" else model, scheme) for scheme in schemes}
+    limits = {scheme: weight_stream_ms(m) for scheme, m in models.items()}
+    rows, bases = [], {}
     for length in [int(n) for n in args.lengths.split(",")]:
         if tokenizer is None:  # random ids, the last 20 a question (as the needle prompt's tail)
             ids = torch.randint(100, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
             prompt = Prompt(ids.to(model.device), context_start=0, context_len=length - 20)
         else:
             _, prompt = prompt_case(tokenizer, "needle", length, 0.5)
-        for batch, (runs, profiles) in timed_runs(model, prompt, names, args, f"{length} tokens").items():
-            base = runs[names[0]]
-            for name in runs:
-                evict = [r["evict_ms_per_step"] for r in runs[name] if r["evict_ms_per_step"] is not None]
-                step_ms = [r["ms_per_step"] for r in runs[name]]
-                rows.append(
-                    {
-                        "method": name,
-                        "length": length,
-                        "batch": batch,
-                        "kv_entries": runs[name][0]["kv_entries"],
-                        "ms_per_step": spread(step_ms),
-                        "x_weight_limit": spread([ms / limit for ms in step_ms]),
-                        "tokens_per_s": spread([r["tokens_per_s"] for r in runs[name]]),
-                        "ratio": spread(
-                            [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs[name], base, strict=True)]
-                        ),
-                        "evict_ms_per_step": spread(evict) if evict else None,
-                        "captures": runs[name][-1]["captures"],
-                        "capture_s": runs[name][-1]["capture_s"],
-                        "profile": profiles.get(name),
-                    }
-                )
+        for scheme, scheme_model in models.items():
+            suffix, limit = ("" if scheme == "none" else f"+{scheme}"), limits[scheme]
+            timed = timed_runs(scheme_model, prompt, names, args, f"{length} tokens {scheme}")
+            for batch, (runs, profiles) in timed.items():
+                base = bases.setdefault((length, batch), runs[names[0]])  # the first scheme's first method
+                for name in runs:
+                    evict = [r["evict_ms_per_step"] for r in runs[name] if r["evict_ms_per_step"] is not None]
+                    step_ms = [r["ms_per_step"] for r in runs[name]]
+                    rows.append(
+                        {
+                            "method": name + suffix,
+                            "quantize": scheme,
+                            "weight_stream_ms": limit,
+                            "length": length,
+                            "batch": batch,
+                            "kv_entries": runs[name][0]["kv_entries"],
+                            "ms_per_step": spread(step_ms),
+                            "x_weight_limit": spread([ms / limit for ms in step_ms]),
+                            "tokens_per_s": spread([r["tokens_per_s"] for r in runs[name]]),
+                            "ratio": spread(
+                                [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs[name], base, strict=True)]
+                            ),
+                            "evict_ms_per_step": spread(evict) if evict else None,
+                            "captures": runs[name][-1]["captures"],
+                            "capture_s": runs[name][-1]["capture_s"],
+                            "profile": profiles.get(name),
+                        }
+                    )
     record = {
         "command": command(args),
         "machine": platform.processor() or platform.machine(),
@@ -350,12 +377,13 @@ def main() -> None:
         "dtype": str(model.dtype),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "weight_stream_ms": limit,
+        "weight_stream_ms": limits,
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
-    print(f"weight-streaming limit: {limit:.2f} ms per step")
+    for scheme, limit in limits.items():
+        print(f"weight-streaming limit ({scheme}): {limit:.2f} ms per step")
     width = max(12, *(len(r["method"]) for r in rows))
     print(
         f"{'method':{width}s} {'tokens':>6s} {'batch':>5s} {'ms/step (min/med/max)':>22s} {'x limit':>7s}"

@@ -13,17 +13,17 @@ pytestmark = pytest.mark.real_model
 
 @pytest.fixture(autouse=True)
 def default_model_loaded_once(smollm, monkeypatch):
-    """Commands that load the default model (no --model, --device or --dtype) get the process's `smollm`.
+    """Commands that load the default model (no --model, --device, --dtype or --quantize) get the process's `smollm`.
 
     Each command would load it again (half a second, some 25 times); loading itself, offline from the
     converted cache, is tested in test_real_model. Any other model, device or dtype loads as usual.
     """
     load = kvsieve.models.load_model
 
-    def load_model(name_or_path=None, *, device=None, dtype=None):
-        if name_or_path is None and device is None and dtype is None:
+    def load_model(name_or_path=None, *, device=None, dtype=None, quantize=None):
+        if name_or_path is None and device is None and dtype is None and quantize in (None, "none"):
             return smollm
-        return load(name_or_path, device=device, dtype=dtype)
+        return load(name_or_path, device=device, dtype=dtype, quantize=quantize)
 
     monkeypatch.setattr(kvsieve.models, "load_model", load_model)
 
@@ -41,6 +41,20 @@ def run_cli(capsys, *argv):
     code = main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def test_generate_with_int8_weights_finds_the_passkey(capsys, passkey_file):
+    """`--quantize int8` loads the default model with int8 linear weights (a model of its own, not `smollm`) and
+    still answers; an unknown scheme is refused by the parser with the choices."""
+    path, case = passkey_file
+    code, out, _ = run_cli(
+        capsys, "generate", "-c", str(path), "-q", case.question, "--max-new-tokens", "16", "--quantize", "int8"
+    )
+    assert code == 0 and case.answer in out
+    with pytest.raises(SystemExit):
+        main(["generate", "-c", str(path), "-q", case.question, "--quantize", "int4"])
+    err = capsys.readouterr().err
+    assert "--quantize: invalid choice: 'int4'" in err and "int8" in err
 
 
 def test_generate_full_and_gemfilter(capsys, passkey_file):

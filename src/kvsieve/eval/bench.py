@@ -35,6 +35,7 @@ class BenchConfig:
     model: str | None = None
     device: str | None = None
     dtype: str | None = None
+    quantize: str | None = None
 
     @classmethod
     def from_json(cls, text: str) -> BenchConfig:
@@ -66,7 +67,7 @@ def measure(config: BenchConfig) -> dict:
     from kvsieve.models import load_model
 
     spec = MethodSpec.from_dict(config.spec)  # validate before any work
-    model, tokenizer = load_model(config.model, device=config.device, dtype=config.dtype)
+    model, tokenizer = load_model(config.model, device=config.device, dtype=config.dtype, quantize=config.quantize)
     _, prompt = prompt_case(tokenizer, "needle", config.length, 0.5)
     sampling = Sampling(max_new_tokens=config.decode_tokens, ignore_eos=True)  # same step count for every method
     _, warm = prompt_case(tokenizer, "needle", min(2048, config.length), 0.5)
@@ -119,6 +120,7 @@ def bench(
     model: str | None = None,
     device: str | None = None,
     dtype: str | None = None,
+    quantize: str | None = None,
     fresh: bool = False,
 ) -> dict[str, Any]:
     """Every (repeat, length, method) in its own process, configurations interleaved; saved to `out`.
@@ -129,11 +131,13 @@ def bench(
         raise KvsieveError("bench needs at least one method, one length and one repeat.")
     methods = {name: spec.to_dict() for name, spec in specs.items()}
     settings = {"methods": methods, "decode_tokens": decode_tokens, "model": model, "device": device, "dtype": dtype}
+    if quantize not in (None, "none"):  # files written before `quantize` existed still resume
+        settings["quantize"] = quantize
     document = records.open_results(out, "bench", settings, fresh=fresh)
     done = {(r["repeat"], r["requested_length"], r["method"]) for r in document["rows"]}
     grid = [(r, n, m) for r in range(repeats) for n in lengths for m in methods if (r, n, m) not in done]
     for rep, length, method in tqdm(grid, desc="bench", unit="run"):
-        row = run_in_process(BenchConfig(methods[method], length, decode_tokens, model, device, dtype))
+        row = run_in_process(BenchConfig(methods[method], length, decode_tokens, model, device, dtype, quantize))
         document["rows"].append({**row, "repeat": rep, "requested_length": length})
         records.save(out, document)
     if not grid:

@@ -1,0 +1,123 @@
+"""Weight-only int8: every linear layer's weights as int8 with one float32 scale per output row.
+
+A decoding step reads every weight once per token, so on a CPU a small model's step is bound by
+moving its weights (docs/STUDIES.md, issue 26): int8 weights are a quarter of float32's bytes.
+Activations stay in the model's dtype; only the stored weights change, rounded to the nearest of
+255 levels per output row (absmax scaling, symmetric: w ~= scale[o] * q[o, i], |q| <= 127).
+
+How a product runs (`int8_linear`):
+- a few rows (decoding steps, up to `FUSED_ROWS`) on the CPU: one compiled kernel
+  (`torch.compile`, inductor) that reads each int8 weight once, converts it in registers and
+  multiplies-and-sums, so no float copy of the weights is ever written. It is compiled once per
+  process (shapes are dynamic; inductor also caches it on disk for later processes) and the
+  seconds it took are logged. Where it cannot be compiled, the dequantized product runs instead,
+  with a warning;
+- anything else (a prefill, a GPU): the weights dequantized to the activations' dtype, then
+  `F.linear`. On a GPU this saves memory, not time (a fused int8 GPU kernel is not shipped).
+
+The embedding table stays as it is (a step reads one of its rows); a language-model head tied to it
+gets an int8 copy of its own. Measured (README, STUDIES): perplexity and speed against float32.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+from kvsieve.errors import KvsieveError
+
+log = logging.getLogger("kvsieve.quantize")
+
+QUANTIZE_CHOICES = ("none", "int8")
+FUSED_ROWS = 8  # rows up to which a CPU product takes the fused kernel (a batch of decoding steps)
+
+
+def _fused_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(rows, in) float32 x int8 (out, in) -> (rows, out): each weight read once, scaled after the sum."""
+    return (x.unsqueeze(-2) * weight).sum(-1) * scale
+
+
+_compiled: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+_compile_failed = False
+
+
+def _fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+    """The fused CPU product, compiled at its first call (timed and logged); None once compiling has failed."""
+    global _compiled, _compile_failed
+    if _compile_failed:
+        return None
+    if _compiled is not None:
+        return _compiled(x, weight, scale)
+    start = time.perf_counter()
+    try:
+        with warnings.catch_warnings():  # inductor's own use of APIs torch deprecates is not the caller's concern
+            warnings.simplefilter("ignore", DeprecationWarning)
+            compiled = torch.compile(_fused_product, dynamic=True)
+            out = compiled(x, weight, scale)
+    except Exception as error:  # no C++ compiler, an unsupported platform: the dequantized product still works
+        _compile_failed = True
+        log.warning("int8 weights: compiling the fused CPU product failed (%s); using the dequantized one", error)
+        return None
+    _compiled = compiled
+    log.info("int8 weights: compiled the fused CPU product in %.1f s", time.perf_counter() - start)
+    return out
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., in) times int8 `weight` (out, in) with per-row `scale` (out,), plus `bias`; in x's dtype."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = None
+    if flat.shape[0] <= FUSED_ROWS and x.device.type == "cpu":
+        out = _fused(flat.float(), weight, scale)
+        out = out.to(x.dtype) if out is not None else None
+    if out is None:
+        out = F.linear(flat, (weight.float() * scale[:, None]).to(x.dtype))
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+class Int8Linear(torch.nn.Module):
+    """A linear layer whose weight is int8 with a float32 scale per output row (buffers, not parameters: the
+    model's dtype stays the activations')."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        weight = linear.weight.detach().float()
+        scale = (weight.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight", torch.round(weight / scale[:, None]).to(torch.int8))
+        self.register_buffer("scale", scale)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_linear(x, self.weight, self.scale, self.bias)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight this layer multiplies by (scale x int8)."""
+        return self.weight.float() * self.scale[:, None]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"
+
+
+def quantize(model: PreTrainedModel, scheme: str | None) -> PreTrainedModel:
+    """Store `model`'s linear layers (every decoder layer's projections and the LM head) as `scheme`, in place:
+    "int8" (weight-only, `Int8Linear`) or "none"/None (unchanged)."""
+    if scheme in (None, "none"):
+        return model
+    if scheme != "int8":
+        raise KvsieveError(f"Unknown quantization '{scheme}'; choose one of {', '.join(QUANTIZE_CHOICES)}.")
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is torch.nn.Linear:
+                setattr(module, name, Int8Linear(child))
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.config.tie_word_embeddings = False  # the head is an int8 copy now; the embedding stays
+    return model
