@@ -3,6 +3,7 @@
     python benchmarks/serve_bench.py pause --repeats 3          # a stream's longest pause while a 2.6K prompt prefills
     python benchmarks/serve_bench.py latency --repeats 3        # inter-token latency at 1, 4 and 8 concurrent requests
     python benchmarks/serve_bench.py latency --peer llama       # ... and the same requests to llama-server
+    python benchmarks/serve_bench.py latency --also "--quantize int8" --peer llama   # ... int8 weights too
     python benchmarks/serve_bench.py throughput --repeats 3     # 8 clients at once vs one at a time
     python benchmarks/serve_bench.py reuse --repeats 3          # follow-up question on a cached 8K document
     python benchmarks/serve_bench.py upstream --repeats 3       # GemFilter k=1024 here, the rest upstream
@@ -176,8 +177,11 @@ def pause(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def engines(args: argparse.Namespace, parallel: int):
-    """(name, context manager yielding a base URL): kvsieve serve, then llama-server with `--peer llama`."""
+    """(name, context manager yielding a base URL): kvsieve serve, then with `--also` a second kvsieve serve with
+    those options (e.g. "--quantize int8"), then llama-server with `--peer llama`."""
     yield "kvsieve", server("--cache-memory", "0", "--max-batch", str(parallel))
+    if args.also:
+        yield f"kvsieve {args.also}", server("--cache-memory", "0", "--max-batch", str(parallel), *args.also.split())
     if args.peer == "llama":
         yield "llama-server", llama_server("--parallel", str(parallel), "--threads", str(os.cpu_count()))
 
@@ -491,6 +495,11 @@ def main() -> None:
         "--peer", choices=["none", "llama"], default="none", help="latency: also run llama-server (make llama-server)"
     )
     parser.add_argument("--serve-args", default="", help="options added to every server, e.g. '--max-step-tokens 0'")
+    parser.add_argument(
+        "--also",
+        default="",
+        help="latency: a second kvsieve server with these options after the first, e.g. '--quantize int8'",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/serve_bench.json"))
     args = parser.parse_args()
     args.methods = args.methods or (CHAT_METHODS if args.part == "chat" else "full,snapkv,gemfilter")

@@ -121,3 +121,13 @@ def test_unknown_schemes_are_refused_with_the_choices(tmp_path):
         quantize(build_model("llama"), "int4")
     with pytest.raises(KvsieveError, match="none, int8"):
         load_model(str(tmp_path), quantize="fp4")  # checked before anything loads
+
+
+def test_result_files_record_int8_weights_so_runs_never_mix():
+    """A niah/ppl run file's model settings name int8 weights, so rerunning without them does not resume it (and a
+    float model's settings stay as files written before quantization existed have them)."""
+    from kvsieve.eval.records import model_settings
+
+    model = build_model("llama")
+    assert model_settings(model, None) == {"model": None, "dtype": "float32", "device": "cpu"}
+    assert model_settings(quantize(model, "int8"), None)["quantize"] == "int8"

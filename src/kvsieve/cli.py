@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 from kvsieve.errors import KvsieveError
@@ -186,6 +187,29 @@ def _load(args: argparse.Namespace):
     from kvsieve.models import load_model
 
     return load_model(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)
+
+
+def _load_off_main_thread(args: argparse.Namespace):
+    """`_load` in a thread of its own that ends before the server starts, for a server whose engine thread runs
+    the model. libgomp (PyTorch's OpenMP on Linux) gives each thread that runs parallel work its own pool of
+    workers; a pool left in the main thread by loading beside the engine thread's own oversubscribes the cores,
+    and libgomp then stops spinning and puts workers to sleep after every parallel region. Measured on the
+    2-core VM: one int8 decoding step in the engine thread took 53.8 ms after loading in the main thread and
+    27.2 ms after loading in a thread that ended (docs/STUDIES.md, issue 26)."""
+    loaded: dict[str, object] = {}
+
+    def load() -> None:
+        try:
+            loaded["model"] = _load(args)
+        except BaseException as error:  # re-raised in the caller's thread, with its own message
+            loaded["error"] = error
+
+    thread = threading.Thread(target=load, name="kvsieve-load")
+    thread.start()
+    thread.join()
+    if "error" in loaded:
+        raise loaded["error"]
+    return loaded["model"]
 
 
 def _err(text: str) -> None:
@@ -542,7 +566,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     api_key = args.api_key or os.environ.get("KVSIEVE_API_KEY") or None
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         _err(f"kvsieve: warning: serving on {args.host} without --api-key: anyone who can reach it can use it.")
-    model, tokenizer = _load(args)
+    model, tokenizer = _load_off_main_thread(args)
     name = args.served_model_name or (Path(args.model).name if args.model else DEFAULT_MODEL)
     app = create_server(
         model,

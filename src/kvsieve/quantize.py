@@ -121,3 +121,8 @@ def quantize(model: PreTrainedModel, scheme: str | None) -> PreTrainedModel:
     if getattr(model.config, "tie_word_embeddings", False):
         model.config.tie_word_embeddings = False  # the head is an int8 copy now; the embedding stays
     return model
+
+
+def weight_scheme(model: torch.nn.Module) -> str:
+    """How `model`'s linear weights are stored: "int8" (`quantize`d) or "none"."""
+    return "int8" if any(isinstance(m, Int8Linear) for m in model.modules()) else "none"

@@ -49,8 +49,13 @@ def machine() -> dict[str, Any]:
 
 
 def model_settings(model: Any, name: str | None) -> dict[str, Any]:
-    """The model a run used: its name (None: the embedded default), dtype and device type."""
-    return {"model": name, "dtype": str(model.dtype).removeprefix("torch."), "device": model.device.type}
+    """The model a run used: its name (None: the embedded default), dtype and device type, and its weights'
+    quantization where there is one (so a run with int8 weights never resumes one without)."""
+    from kvsieve.quantize import weight_scheme
+
+    settings = {"model": name, "dtype": str(model.dtype).removeprefix("torch."), "device": model.device.type}
+    scheme = weight_scheme(model)
+    return settings if scheme == "none" else {**settings, "quantize": scheme}
 
 
 def command_line() -> str:
