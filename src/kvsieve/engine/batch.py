@@ -138,9 +138,7 @@ class DecodeBatch:
     def step(self) -> torch.Tensor:
         """One forward pass for every row; returns (rows, vocab) logits of the next tokens."""
         device = self.model.device
-        longest = max(
-            layer.length + self._pending(i) for i, cache in enumerate(self.caches) for layer in cache.layers
-        )
+        longest = max(layer.length + self._pending(i) for i, cache in enumerate(self.caches) for layer in cache.layers)
         if longest + 1 > self.keys.shape[3]:
             self._settle()
             self._rebuild(list(range(len(self))))  # room for SPARE more steps
