@@ -22,6 +22,9 @@ gets an int8 copy of its own. Measured (README, STUDIES): perplexity and speed a
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import logging
 import time
 import warnings
@@ -37,6 +40,7 @@ log = logging.getLogger("kvsieve.quantize")
 
 QUANTIZE_CHOICES = ("none", "int8")
 FUSED_ROWS = 8  # rows up to which a CPU product takes the fused kernel (a batch of decoding steps)
+QUANTIZE_ROWS = 4096  # output rows quantized at a time (a 49152-row LM head would need 3 float copies at once)
 
 
 def _fused_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -90,11 +94,15 @@ class Int8Linear(torch.nn.Module):
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
-        weight = linear.weight.detach().float()
-        scale = (weight.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        weight = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("weight", torch.round(weight / scale[:, None]).to(torch.int8))
-        self.register_buffer("scale", scale)
+        self.register_buffer("weight", torch.empty_like(weight, dtype=torch.int8))
+        self.register_buffer("scale", torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device))
+        for start in range(0, weight.shape[0], QUANTIZE_ROWS):  # float temporaries of a block of rows at a time
+            rows = weight[start : start + QUANTIZE_ROWS].float()
+            scale = (rows.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+            self.weight[start : start + QUANTIZE_ROWS] = torch.round(rows / scale[:, None]).to(torch.int8)
+            self.scale[start : start + QUANTIZE_ROWS] = scale
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -121,7 +129,29 @@ def quantize(model: PreTrainedModel, scheme: str | None) -> PreTrainedModel:
                 setattr(module, name, Int8Linear(child))
     if getattr(model.config, "tie_word_embeddings", False):
         model.config.tie_word_embeddings = False  # the head is an int8 copy now; the embedding stays
+    _release_float_weights(model)
     return model
+
+
+def _release_float_weights(model: PreTrainedModel) -> None:
+    """Give the memory of the replaced float weights back to the system.
+
+    transformers maps a checkpoint's file into memory, and one tensor still using the mapping (the embedding)
+    keeps every weight's pages that quantizing read resident: the float parameters left on the CPU get a copy of
+    their own, so the mapping closes. The quantizing's temporaries are freed into glibc's heap, which keeps them
+    until `malloc_trim`. Measured on SmolLM2 (resident memory after loading and one forward pass): float32 954 MB,
+    int8 1143 MB without this, 739 MB with it. On CUDA the caching allocator's free blocks are released.
+    """
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.device.type == "cpu":
+                parameter.data = parameter.data.clone()
+    gc.collect()
+    libc = ctypes.util.find_library("c")
+    if libc is not None and hasattr(ctypes.CDLL(libc), "malloc_trim"):
+        ctypes.CDLL(libc).malloc_trim(0)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def weight_scheme(model: torch.nn.Module) -> str:
