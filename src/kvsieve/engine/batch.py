@@ -81,8 +81,8 @@ class DecodeBatch:
     """The running requests' caches in shared tables, stepped together (one row: a lone request)."""
 
     def __init__(self, model: PreTrainedModel, static: bool | None = None):
-        """`static`: step rows that do not evict through `StaticStep` (captured as a CUDA graph on CUDA);
-        None: `cuda_graphs_enabled(model)`."""
+        """`static`: step the batch through `StaticStep` (captured as a CUDA graph on CUDA) while every row is
+        `steady`; None: `cuda_graphs_enabled(model)`."""
         self.model = model
         self.static = cuda_graphs_enabled(model) if static is None else static
         self.capture = model.device.type == "cuda"  # off for good once a capture has failed

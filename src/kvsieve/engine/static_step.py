@@ -112,7 +112,8 @@ class StaticStep:
         self.capture_seconds = 0.0
 
     def load(self, positions: list[int], ends: list[list[int]]) -> None:
-        """Each row's next position, and per layer each row's entry count (the column its next entry takes)."""
+        """Each row's next position, and per layer each row's entry count (the column its next entry takes).
+        The numbers go through host tensors copied into the step's own (on the model's device)."""
         self.positions.copy_(torch.tensor(positions).view(-1, 1))
         self.ends.copy_(torch.tensor(ends))
 
