@@ -160,13 +160,15 @@ def test_rows_of_different_lengths_ignore_whatever_their_padding_holds(model):
         torch.testing.assert_close(row, expected, rtol=1e-4, atol=1e-4)
 
 
-STATIC_CASES = [  # the first four start together, the fifth and sixth join midway
+STATIC_CASES = [  # the first four start together, the others join midway
     ("full", {}, 40),
     ("snapkv", {"compress.budget": 24, "compress.policy.window": 4}, 70),
     ("imdc", {"feed.chunk": 16, "feed.memory": 24, "feed.schedule": "square-sqrt"}, 90),  # layers of many sizes
     ("h2o", {"evict.budget": 30}, 50),
     ("gemfilter", {"select.k": 24}, 60),
     ("tova", {"evict.budget": 20}, 45),
+    ("h2o", {"evict.budget": 30}, 66),  # a second H2O and a second TOVA row: each pair scores together
+    ("tova", {"evict.budget": 20}, 52),
 ]
 
 
@@ -199,11 +201,11 @@ def test_static_steps_give_the_ordinary_steps_logits_and_leave_the_same_caches(m
         for d in done[:4]:
             join(d)
         for i, token in enumerate(tokens):
-            if i == 7:  # the second row leaves with its cache, the fifth and sixth join
+            if i == 7:  # the second row leaves with its cache, the others join
                 left.append((batch.entries(1), rows[1][1]))
                 batch.remove([rows[1][0]])
-                join(done[4])
-                join(done[5])
+                for d in done[4:]:
+                    join(d)
             for row in batch.rows:
                 row.token = token
             logits.append(batch.step())
@@ -217,7 +219,7 @@ def test_static_steps_give_the_ordinary_steps_logits_and_leave_the_same_caches(m
     assert eager[3] == 0 and static[3] == steps  # every step of the batch was a static one
     for a, b in zip(eager[0], static[0], strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
-    assert static[1] == eager[1] and eager[1][2] == 30 and eager[1][4] == 20  # the evicting rows at their budgets
+    assert static[1] == eager[1] and [eager[1][i] for i in (2, 4, 5, 6)] == [30, 20, 30, 20]  # evicting: budgets
     for (n_eager, eager_cache), (n_static, static_cache) in zip(eager[2], static[2], strict=True):
         assert n_static == n_eager
         for a, b in zip(eager_cache.layers, static_cache.layers, strict=True):
@@ -229,12 +231,13 @@ def test_static_steps_give_the_ordinary_steps_logits_and_leave_the_same_caches(m
 def test_a_steady_static_step_reads_and_writes_the_same_memory_and_numbers(model):
     """What lets a GPU replay a recorded step: after the first static step, every later one leaves every Python
     number and every tensor the step reads (the rows' buffers, each eviction's scores, ages and clock) exactly
-    where the previous one left them; only their contents change. Rows: full attention, H2O and TOVA."""
+    where the previous one left them; only their contents change. Rows: full attention, two H2O rows (scored
+    together) and TOVA."""
     from kvsieve.engine.batch import Row
     from kvsieve.pipeline import prefill
 
     batch = DecodeBatch(model, static=True)
-    for name, settings, n in [STATIC_CASES[0], STATIC_CASES[3], STATIC_CASES[5]]:
+    for name, settings, n in [STATIC_CASES[0], STATIC_CASES[3], STATIC_CASES[6], STATIC_CASES[5]]:
         d = prefill(model, make_prompt(n, seed=n), method=method(name, settings), reserve=40)
         batch.add(Row(5, d.prefilled.next_position, d.state.evict), d.prefilled.cache)
 

@@ -21,6 +21,7 @@ entries are written in place and an eviction moves at most `interval` entries pe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -530,3 +531,20 @@ class EvictRun:
         else:
             entry.keys = rotated  # a new tensor: one that others may share is never changed
         self.positions[layer] = places
+
+
+def observe_rows(runs: Sequence[EvictRun], layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
+    """`EvictRun.observe` for several rows at once: runs of one policy whose layers hold the same number of
+    entries, query (rows, h, 1, d) and key (rows, kv_heads, n, d) row r's. The policy's per-step rule runs once,
+    vectorized over the rows (`torch.func.vmap`), so a batch of R rows launches each of its kernels once instead
+    of R times (what a GPU's captured step replays one by one)."""
+    policy = runs[0].config.policy
+    if len(runs) == 1 or policy.position_only or any(layer not in run.scores for run in runs):
+        for r, run in enumerate(runs):
+            run.observe(layer, query[r : r + 1], key[r : r + 1])
+        return
+    previous = torch.stack([run.scores[layer] for run in runs])
+    scaling = _scaling(query)
+    updated = torch.func.vmap(lambda p, q, k: policy.step_scores(p, q, k, scaling))(previous, query, key)
+    for run, scores in zip(runs, updated, strict=True):
+        run.scores[layer] = scores

@@ -43,7 +43,7 @@ from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from kvsieve.attention import attention_hooks
-from kvsieve.compress.stages import EvictRun
+from kvsieve.compress.stages import EvictRun, observe_rows
 from kvsieve.models import with_cache
 
 log = logging.getLogger("kvsieve.engine")
@@ -102,6 +102,13 @@ class StaticStep:
         for _, evict, _ in self.evicting:  # scores in tensors of their own, which `_carry` refills every step
             evict.scores = {j: scores.clone() for j, scores in evict.scores.items()}
         self.carried = [(evict, dict(evict.scores)) for _, evict, _ in self.evicting]
+        groups: dict[tuple, list[tuple[int, EvictRun]]] = {}  # rows of one policy and budget score together
+        for i, evict, _ in self.evicting:
+            groups.setdefault((evict.config.policy, evict.budget), []).append((i, evict))
+        self.groups = [
+            (torch.tensor([i for i, _ in members], device=device), [evict for _, evict in members], budget)
+            for (_, budget), members in groups.items()
+        ]
         self.ids = torch.zeros(count, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(count, 1, dtype=torch.long, device=device)
         self.ends = torch.zeros(layers, count, dtype=torch.long, device=device)
@@ -150,9 +157,10 @@ class StaticStep:
         return out.logits[:, -1]
 
     def _observe(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
-        """Each evicting row's eviction observes its own query and its own keys (its entries and the new one)."""
-        for i, evict, cache in self.evicting:
-            evict.observe(layer, query[i : i + 1], key[i : i + 1, :, : cache.layers[layer].length + 1])
+        """Each evicting row's eviction observes its own query and its own keys (its `budget` entries and the new
+        one); rows of one policy and budget at once (`observe_rows`)."""
+        for rows, runs, budget in self.groups:
+            observe_rows(runs, layer, query.index_select(0, rows), key.index_select(0, rows)[:, :, : budget + 1])
 
     def _carry(self) -> None:
         """Copy each eviction's new running scores into the tensors the step read them from, and point it back
