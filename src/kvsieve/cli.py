@@ -48,6 +48,8 @@ def _float_list(text: str) -> list[float]:
 
 
 def _add_model(parser: argparse.ArgumentParser) -> None:
+    from kvsieve.quantize import QUANTIZE_CHOICES
+
     group = parser.add_argument_group("model")
     group.add_argument(
         "--model",
@@ -61,7 +63,7 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--quantize",
-        choices=["none", "int8"],
+        choices=QUANTIZE_CHOICES,
         default="none",
         help="int8: store the linear layers' weights as int8, one scale per output row (weight-only; activations "
         "keep --dtype). A quarter of float32's weight bytes; on the CPU decoding steps run through a compiled "

@@ -128,7 +128,7 @@ class StaticStep:
         """One step with each row feeding `tokens[row]`: (rows, vocab) logits. The first run on CUDA captures
         the step (into memory `pool`); a failed capture is logged and the step's eager result returned, with
         `graph` left None."""
-        self.ids.copy_(torch.tensor(tokens).view(-1, 1))
+        self.ids.copy_(torch.tensor(tokens).view(-1, 1))  # a host tensor copied into the step's own
         if self.graph is not None:
             self.graph.replay()
             return self.logits.clone()
