@@ -35,6 +35,8 @@ may carry settings, e.g. `h2o:evict.interval=8`:
 On CUDA the batch captures its steps as CUDA graphs (`kvsieve.engine.static_step`) where no row evicts;
 `--cuda-graphs both` times every method twice, captured (its name) and eager (`NAME/eager`), side by side,
 and reports the captures and the seconds they took (each capture includes one eager step).
+On a CPU a step's products of a few rows run through kvsieve's compiled kernel (`kvsieve.linear`);
+`--fused-products both` also times every method with PyTorch's own products (`NAME/pytorch`).
 
 Pause other work on the machine while it runs (the timings are wall-clock).
 """
@@ -60,6 +62,7 @@ from kvsieve.compress.cache import wrap_cache
 from kvsieve.data import prompt_case
 from kvsieve.engine.batch import DecodeBatch, Row
 from kvsieve.eval.bench import spread as bench_spread
+from kvsieve.linear import set_enabled as set_fused_products
 from kvsieve.pipeline import Prefill, prefill
 from kvsieve.prompt import Prompt
 from kvsieve.quantize import quantize
@@ -112,8 +115,9 @@ class Decoder:
     """A method's prefilled prompt, copied into `rows` rows of the engine's decoding batch and decoded
     greedily (EOS ignored) in timed stretches of steps. The prefill itself is left as it was."""
 
-    def __init__(self, model, done: Prefill, rows: int, static: bool | None = None):
+    def __init__(self, model, done: Prefill, rows: int, static: bool | None = None, fused: bool = True):
         self.model = model
+        self.fused = fused
         cache, first = done.prefilled.cache, int(torch.argmax(done.prefilled.last_logits))
         self.batch = DecodeBatch(model, static=static)
         self.evicting: list[float] = []
@@ -139,6 +143,7 @@ class Decoder:
         """Decode `steps` more tokens per row; ms per step, tokens/s (all rows) and the eviction's ms per step
         and row."""
         self.evicting.clear()
+        set_fused_products(self.fused)
         _sync(self.model.device)
         start = time.perf_counter()
         for _ in range(steps):
@@ -147,6 +152,7 @@ class Decoder:
                 row.token = token
         _sync(self.model.device)
         seconds = time.perf_counter() - start
+        set_fused_products(True)
         return {
             "ms_per_step": seconds / steps * 1e3,
             "tokens_per_s": steps * len(self.batch) / seconds,
@@ -206,14 +212,16 @@ def profiled(decoder: Decoder, steps: int, top: int = 12) -> dict:
     }
 
 
-def variants(names: list[str], cuda_graphs: str) -> dict[str, tuple[str, bool | None]]:
-    """Each timed label's method and its batch's `static` (None: the default, CUDA graphs on CUDA); with
-    `both`, every method also as `NAME/eager`."""
-    if cuda_graphs == "off":
-        return {name: (name, False) for name in names}
-    labels = {name: (name, None) for name in names}
+def variants(names: list[str], cuda_graphs: str, fused_products: str) -> dict[str, tuple[str, bool | None, bool]]:
+    """Each timed label's method, its batch's `static` (None: the default, CUDA graphs on CUDA) and whether
+    the CPU's few-row products take the fused kernel (`kvsieve.linear`); `both` adds every method as
+    `NAME/eager` (CUDA graphs off) or `NAME/pytorch` (PyTorch's products)."""
+    static, fused = (False if cuda_graphs == "off" else None), fused_products != "off"
+    labels = {name: (name, static, fused) for name in names}
     if cuda_graphs == "both":
-        labels |= {f"{name}/eager": (name, False) for name in names}
+        labels |= {f"{name}/eager": (name, False, fused) for name in names}
+    if fused_products == "both":
+        labels |= {f"{name}/pytorch": (name, static, False) for name in names}
     return labels
 
 
@@ -229,11 +237,11 @@ def timed_runs(model, prompt, names: list[str], args, label: str) -> dict[int, t
     steps, repeats, shared = args.steps, args.repeats, args.shared_prefill
     reserve = WARMUP + steps * (repeats + 1) + 8
     done = {name: prefill(model, prompt, method=spec(name), reserve=reserve) for name in names}
-    labels = variants(names, args.cuda_graphs)
+    labels = variants(names, args.cuda_graphs, args.fused_products)
 
     def decoder_of(name: str, rows: int) -> Decoder:
-        method_name, static = labels[name]
-        return Decoder(model, done[method_name], rows, static)
+        method_name, static, fused = labels[name]
+        return Decoder(model, done[method_name], rows, static, fused)
 
     results = {}
     for rows in [int(b) for b in args.batches.split(",")]:
@@ -305,6 +313,13 @@ def main() -> None:
         default="auto",
         help="auto: the batch's default (steps without eviction captured on CUDA); off: eager steps; both: every "
         "method captured and as NAME/eager, side by side",
+    )
+    parser.add_argument(
+        "--fused-products",
+        choices=("on", "off", "both"),
+        default="on",
+        help="on: a CPU step's few-row products through kvsieve's compiled kernel (the default, `kvsieve.linear`); "
+        "off: PyTorch's products; both: every method both ways, PyTorch's as NAME/pytorch, side by side",
     )
     parser.add_argument(
         "--quantize",

@@ -19,6 +19,7 @@ from conftest import FakeTokenizer, build_model, make_prompt
 
 import kvsieve.quantize as quantize_module
 from kvsieve import KvsieveError, Sampling, method, run
+from kvsieve.linear import FusedProducts
 from kvsieve.pipeline import prefill
 from kvsieve.quantize import Int8Linear, int8_linear, quantize
 
@@ -39,7 +40,7 @@ def test_an_int8_model_computes_what_its_dequantized_weights_compute(arch, singl
     quantized = quantize(copy.deepcopy(model), "int8")
     linears = [m for m in quantized.modules() if isinstance(m, Int8Linear)]
     assert len(linears) == 2 * (7 if arch == "llama" else 4) + 1  # every projection and the head
-    assert not any(type(m) is torch.nn.Linear for m in quantized.modules())
+    assert not any(isinstance(m, torch.nn.Linear) for m in quantized.modules())
     assert quantized.dtype == torch.float32  # int8 weights are buffers; the activations keep the dtype
     twin = dequantized_twin(model, quantized)
     prompt, spec, sampling = make_prompt(60), method("snapkv", {"compress.budget": 32}), Sampling(max_new_tokens=6)
@@ -49,7 +50,7 @@ def test_an_int8_model_computes_what_its_dequantized_weights_compute(arch, singl
     torch.testing.assert_close(ours, prefill(twin, prompt, method=spec).prefilled.last_logits, rtol=1e-5, atol=1e-5)
     # decoding: one row per step, the fused kernel (compiled at its first call)
     answer = run(quantized, FakeTokenizer(), prompt, method=spec, sampling=sampling)
-    assert quantize_module._compiled is not None and not quantize_module._compile_failed
+    assert quantize_module.int8_products.compiled is not None and not quantize_module.int8_products.failed
     assert answer.tokens == run(twin, FakeTokenizer(), prompt, method=spec, sampling=sampling).tokens
     float_logits = prefill(model, prompt, method=spec).prefilled.last_logits
     assert not torch.allclose(ours, float_logits, rtol=1e-5, atol=1e-5)  # int8 did change the weights
@@ -99,8 +100,7 @@ def test_a_head_tied_to_the_embedding_gets_its_own_int8_copy(single_thread):
 
 
 def test_a_failed_compile_falls_back_to_the_dequantized_product(monkeypatch, caplog):
-    monkeypatch.setattr(quantize_module, "_compiled", None)
-    monkeypatch.setattr(quantize_module, "_compile_failed", False)
+    monkeypatch.setattr(quantize_module, "int8_products", FusedProducts("int8 weights", quantize_module._int8_product))
 
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler here")
@@ -108,9 +108,9 @@ def test_a_failed_compile_falls_back_to_the_dequantized_product(monkeypatch, cap
     monkeypatch.setattr(torch, "compile", broken)
     layer = Int8Linear(torch.nn.Linear(16, 8))
     x = torch.randn(1, 16)
-    with caplog.at_level(logging.WARNING, logger="kvsieve.quantize"):
+    with caplog.at_level(logging.WARNING, logger="kvsieve.linear"):
         out = layer(x)
-    assert "no compiler here" in caplog.text and quantize_module._compile_failed
+    assert "no compiler here" in caplog.text and quantize_module.int8_products.failed
     torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.dequantized(), layer.bias))
 
 

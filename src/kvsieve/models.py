@@ -32,6 +32,7 @@ from transformers.utils import logging as hf_logging
 
 from kvsieve.attention import ATTENTION_NAME
 from kvsieve.errors import KvsieveError
+from kvsieve.linear import fuse_linears
 from kvsieve.quantize import QUANTIZE_CHOICES
 from kvsieve.quantize import quantize as quantize_weights
 
@@ -132,7 +133,8 @@ def _cache_keyword(forward: Callable) -> str:
 
 
 def prepare(model: PreTrainedModel) -> PreTrainedModel:
-    """Check that kvsieve supports `model` and route its attention through kvsieve's function.
+    """Check that kvsieve supports `model`, route its attention through kvsieve's function and give its linear
+    layers the fused CPU product for decoding steps (`kvsieve.linear.fuse_linears`).
 
     The function is registered with transformers' public AttentionInterface; no model class is
     patched. Without hooks active it computes plain causal SDPA attention.
@@ -140,7 +142,7 @@ def prepare(model: PreTrainedModel) -> PreTrainedModel:
     architecture(model)
     if model.config._attn_implementation != ATTENTION_NAME:
         model.set_attn_implementation(ATTENTION_NAME)
-    return model.eval()
+    return fuse_linears(model).eval()
 
 
 def _default_model_dir() -> Path:

@@ -6,12 +6,10 @@ Activations stay in the model's dtype; only the stored weights change, rounded t
 255 levels per output row (absmax scaling, symmetric: w ~= scale[o] * q[o, i], |q| <= 127).
 
 How a product runs (`int8_linear`):
-- a few rows (decoding steps, up to `FUSED_ROWS`) on the CPU: one compiled kernel
-  (`torch.compile`, inductor) that reads each int8 weight once, converts it in registers and
-  multiplies-and-sums, so no float copy of the weights is ever written. It is compiled once per
-  process (shapes are dynamic; inductor also caches it on disk for later processes) and the
-  seconds it took are logged. Where it cannot be compiled, the dequantized product runs instead,
-  with a warning;
+- a few rows (decoding steps, up to `FUSED_ROWS`) on the CPU: the fused kernel of
+  `kvsieve.linear` with a scale, which reads each int8 weight once, converts it in registers and
+  multiplies-and-sums, so no float copy of the weights is ever written (where it cannot be compiled,
+  the dequantized product runs instead, with a warning);
 - anything else (a prefill, a GPU): the weights dequantized to the activations' dtype, then
   `F.linear`. On a GPU this saves memory and costs time (an H200's captured step: 3.8 -> 5.8 ms; no
   fused int8 GPU kernel is shipped).
@@ -25,61 +23,33 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
-import logging
-import time
-import warnings
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from kvsieve.errors import KvsieveError
-
-log = logging.getLogger("kvsieve.quantize")
+from kvsieve.linear import FusedProducts, fused_rows
 
 QUANTIZE_CHOICES = ("none", "int8")
 FUSED_ROWS = 8  # rows up to which a CPU product takes the fused kernel (a batch of decoding steps)
 QUANTIZE_ROWS = 4096  # output rows quantized at a time (a 49152-row LM head would need 3 float copies at once)
 
 
-def _fused_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _int8_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """(rows, in) float32 x int8 (out, in) -> (rows, out): each weight read once, scaled after the sum."""
     return (x.unsqueeze(-2) * weight).sum(-1) * scale
 
 
-_compiled: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-_compile_failed = False
-
-
-def _fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
-    """The fused CPU product, compiled at its first call (timed and logged); None once compiling has failed."""
-    global _compiled, _compile_failed
-    if _compile_failed:
-        return None
-    if _compiled is not None:
-        return _compiled(x, weight, scale)
-    start = time.perf_counter()
-    try:
-        with warnings.catch_warnings():  # inductor's own use of APIs torch deprecates is not the caller's concern
-            warnings.simplefilter("ignore", DeprecationWarning)
-            compiled = torch.compile(_fused_product, dynamic=True)
-            out = compiled(x, weight, scale)
-    except Exception as error:  # no C++ compiler, an unsupported platform: the dequantized product still works
-        _compile_failed = True
-        log.warning("int8 weights: compiling the fused CPU product failed (%s); using the dequantized one", error)
-        return None
-    _compiled = compiled
-    log.info("int8 weights: compiled the fused CPU product in %.1f s", time.perf_counter() - start)
-    return out
+int8_products = FusedProducts("int8 weights", _int8_product)
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x (..., in) times int8 `weight` (out, in) with per-row `scale` (out,), plus `bias`; in x's dtype."""
     flat = x.reshape(-1, x.shape[-1])
     out = None
-    if flat.shape[0] <= FUSED_ROWS and x.device.type == "cpu":
-        out = _fused(flat.float(), weight, scale)
+    if fused_rows(x, FUSED_ROWS):
+        out = int8_products(flat.float(), weight, scale)
         out = out.to(x.dtype) if out is not None else None
     if out is None:
         out = F.linear(flat, (weight.float() * scale[:, None]).to(x.dtype))
@@ -125,7 +95,7 @@ def quantize(model: PreTrainedModel, scheme: str | None) -> PreTrainedModel:
         raise KvsieveError(f"Unknown quantization '{scheme}'; choose one of {', '.join(QUANTIZE_CHOICES)}.")
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if type(child) is torch.nn.Linear:
+            if isinstance(child, torch.nn.Linear):
                 setattr(module, name, Int8Linear(child))
     if getattr(model.config, "tie_word_embeddings", False):
         model.config.tie_word_embeddings = False  # the head is an int8 copy now; the embedding stays
