@@ -8,7 +8,7 @@ the same 538 MB with `sum()`. The product written as `(x * w).sum(-1)` and compi
 reads each weight once, in order, with vector instructions: 21.7 ms for the same products.
 
 `FusedProducts` is that kernel, compiled at its first call (shapes are dynamic, so a few compilations
-serves every layer; inductor also caches it on disk for later processes) with its compile time
+serve every layer; inductor also caches them on disk for later processes) with its compile time
 logged; where it cannot be compiled (no C++ compiler), the ordinary product runs, with one warning.
 `FusedLinear` is `torch.nn.Linear` whose forward takes the kernel for up to `FUSED_ROWS` rows on a
 CPU (8 in float32, 1 in bfloat16: where it measured faster) and `F.linear` otherwise (a prefill, a
