@@ -121,3 +121,15 @@ def test_a_failed_compile_falls_back_to_pytorchs_product(monkeypatch, caplog):
         assert torch.equal(layer(x), out)  # tried once: the second call goes straight to PyTorch's product
     assert caplog.text.count("no compiler here") == 1 and linear_module.float_products.failed
     assert torch.equal(out, F.linear(x, layer.weight, layer.bias))
+
+
+def test_warm_up_compiles_the_kernels_a_decoding_step_calls(monkeypatch):
+    """`warm_up` (what `kvsieve serve` runs before answering) leaves the kernel compiled; with the kernels off it
+    runs nothing."""
+    fresh = FusedProducts("float weights", linear_module._float_product)
+    monkeypatch.setattr(linear_module, "float_products", fresh)
+    model = build_model("llama")
+    monkeypatch.setattr(linear_module, "_enabled", False)
+    assert linear_module.warm_up(model) == 0.0 and fresh.compiled is None
+    monkeypatch.setattr(linear_module, "_enabled", True)
+    assert linear_module.warm_up(model) > 0 and fresh.compiled is not None and not fresh.failed

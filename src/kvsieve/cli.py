@@ -197,12 +197,18 @@ def _load_off_main_thread(args: argparse.Namespace):
     workers; a pool left in the main thread by loading beside the engine thread's own oversubscribes the cores,
     and libgomp then stops spinning and puts workers to sleep after every parallel region. Measured on the
     2-core VM: one int8 decoding step in the engine thread took 53.8 ms after loading in the main thread and
-    27.2 ms after loading in a thread that ended (docs/STUDIES.md, issue 26)."""
+    27.2 ms after loading in a thread that ended (docs/STUDIES.md, issue 26). The fused CPU kernels
+    (`kvsieve.linear.warm_up`) are compiled there too, before the server answers anything."""
+    from kvsieve.linear import warm_up
+
     loaded: dict[str, object] = {}
 
     def load() -> None:
         try:
             loaded["model"] = _load(args)
+            seconds = warm_up(loaded["model"][0])  # the first request must not wait for the CPU kernels' compile
+            if seconds > 1:
+                _err(f"kvsieve: compiled the CPU decoding kernels in {seconds:.1f} s")
         except BaseException as error:  # re-raised in the caller's thread, with its own message
             loaded["error"] = error
 
