@@ -11,7 +11,7 @@ reads each weight once, in order, with vector instructions: 21.7 ms for the same
 serve every layer; inductor also caches them on disk for later processes) with its compile time
 logged; where it cannot be compiled (no C++ compiler), the ordinary product runs, with one warning.
 `FusedLinear` is `torch.nn.Linear` whose forward takes the kernel for up to `FUSED_ROWS` rows on a
-CPU (8 in float32, 1 in bfloat16: where it measured faster) and `F.linear` otherwise (a prefill, a
+CPU (4 in float32, 1 in bfloat16: where it measured faster) and `F.linear` otherwise (a prefill, a
 GPU); inside a caller's own `torch.compile` the product is traced into the caller's graph instead.
 `kvsieve.prepare` gives a model's linear layers this forward (`fuse_linears`). int8 weights
 (`kvsieve.quantize`) use the same kernel with a scale. `KVSIEVE_FUSED_PRODUCTS=0` (or
@@ -34,9 +34,10 @@ log = logging.getLogger("kvsieve.linear")
 
 # Rows up to which a CPU product of float weights takes the fused kernel, per dtype, where it measured faster
 # than PyTorch's (the 211 products of a SmolLM2 step, 2-core AMD EPYC, ms): float32 1 row 21.7 vs 44.6,
-# 4 rows 37.9 vs 62.5, 8 rows 55.7 vs 54.8; bfloat16 1 row 15.2 vs 24.3, 4 rows 43.1 vs 26.1; float16 1 row
-# 15.1 vs 9.2 (never). Other dtypes keep PyTorch's product.
-FUSED_ROWS = {torch.float32: 8, torch.bfloat16: 1}
+# 4 rows 37.9 vs 62.5, 8 rows 55.7 vs 54.8 (and whole steps of 8 rows 10-16% slower, of 4 rows 0-15% faster);
+# bfloat16 1 row 15.2 vs 24.3, 4 rows 43.1 vs 26.1; float16 1 row 15.1 vs 9.2 (never). Other dtypes keep
+# PyTorch's product.
+FUSED_ROWS = {torch.float32: 4, torch.bfloat16: 1}
 # Compilations a product may keep: per dtype, one row or several, square weights or not (dynamo specializes a
 # size of 1 and sizes that happen to be equal). Past dynamo's default of 8 it would run the product eagerly,
 # which writes a temporary as large as the weight (3x slower than PyTorch's product).
