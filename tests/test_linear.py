@@ -107,6 +107,30 @@ def test_inside_a_compiled_graph_the_product_is_traced_not_called():
         torch.testing.assert_close(compiled(x), F.linear(x, layer.weight, layer.bias))
 
 
+def test_every_thread_that_multiplies_may_recompile(single_thread):
+    """Dynamo's recompile limit is a per-thread setting (torch >= 2.12): a thread that calls the kernel (the
+    server's engine thread) raises its own, or its ninth variant would run the product eagerly (slower, and
+    rounded differently from the same product in another thread)."""
+    import threading
+
+    layer = fuse_linears(torch.nn.Linear(16, 8))
+    x = torch.randn(1, 16)
+    with torch.no_grad():
+        expected = layer(x)
+    seen = {}
+
+    def work() -> None:
+        with torch.no_grad():
+            seen["out"] = layer(x)
+        seen["limit"] = torch._dynamo.config.recompile_limit
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert seen["limit"] >= linear_module.RECOMPILES
+    assert torch.equal(seen["out"], expected)
+
+
 def test_a_failed_compile_falls_back_to_pytorchs_product(monkeypatch, caplog):
     monkeypatch.setattr(linear_module, "float_products", FusedProducts("float weights", linear_module._float_product))
 

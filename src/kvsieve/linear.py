@@ -40,7 +40,8 @@ log = logging.getLogger("kvsieve.linear")
 FUSED_ROWS = {torch.float32: 4, torch.bfloat16: 1}
 # Compilations a product may keep: per dtype, one row or several, square weights or not (dynamo specializes a
 # size of 1 and sizes that happen to be equal). Past dynamo's default of 8 it would run the product eagerly,
-# which writes a temporary as large as the weight (3x slower than PyTorch's product).
+# which writes a temporary as large as the weight (3x slower than PyTorch's product, and other roundings).
+# Dynamo's config is per thread (torch >= 2.12), so every thread that multiplies raises its own limit.
 RECOMPILES = 32
 _enabled = os.environ.get("KVSIEVE_FUSED_PRODUCTS", "1") != "0"
 
@@ -66,10 +67,14 @@ class FusedProducts:
         self.compiled: Callable[..., torch.Tensor] | None = None
         self.failed = False
         self._lock = threading.Lock()  # the server's engine thread and a caller's thread may both reach it first
+        self._threads = threading.local()  # which threads have raised their own recompile limit
 
     def __call__(self, *tensors: torch.Tensor) -> torch.Tensor | None:
         if self.failed:
             return None
+        if not getattr(self._threads, "limit_raised", False):
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILES)
+            self._threads.limit_raised = True
         if self.compiled is not None:
             return self.compiled(*tensors)
         with self._lock:
@@ -82,7 +87,6 @@ class FusedProducts:
         try:
             with warnings.catch_warnings():  # inductor's own use of APIs torch deprecates is not the caller's concern
                 warnings.simplefilter("ignore", DeprecationWarning)
-                torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILES)
                 compiled = torch.compile(self.product, dynamic=True)
                 out = compiled(*tensors)
         except Exception as error:  # no C++ compiler, an unsupported platform: the ordinary product still works
@@ -102,14 +106,21 @@ def _float_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 float_products = FusedProducts("float weights", _float_product)
 
 
+def plain_rows(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x (..., in) as a new contiguous (rows, in) tensor (in `dtype`, default x's): no view of another tensor and no
+    storage offset. Dynamo guards a view's base and offset too, so views as inputs made a kernel per kind of
+    view (7 compilations for one layer shape in the tests) and which one a product took could depend on how its
+    input was made; a copy of a decoding step's few rows costs about a microsecond."""
+    return x.reshape(-1, x.shape[-1]).to(dtype or x.dtype, memory_format=torch.contiguous_format, copy=True)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through the fused kernel where `fused_rows(x)`."""
     if fused_rows(x, FUSED_ROWS.get(x.dtype, 0)) and not torch.is_grad_enabled():
-        flat = x.reshape(-1, x.shape[-1])
         if torch.compiler.is_compiling():  # inside a caller's compiled graph: inductor fuses the product into it
-            out = _float_product(flat, weight)
+            out = _float_product(x.reshape(-1, x.shape[-1]), weight)
         else:  # detached: dynamo compiles a Parameter's shape as a constant, which would recompile per layer shape
-            out = float_products(flat, weight.detach())
+            out = float_products(plain_rows(x), weight.detach())
         if out is not None:
             out = out if bias is None else out + bias
             return out.view(*x.shape[:-1], weight.shape[0])

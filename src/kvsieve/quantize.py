@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from kvsieve.errors import KvsieveError
-from kvsieve.linear import FusedProducts, fused_rows
+from kvsieve.linear import FusedProducts, fused_rows, plain_rows
 
 QUANTIZE_CHOICES = ("none", "int8")
 FUSED_ROWS = 8  # rows up to which a CPU product takes the fused kernel (a batch of decoding steps)
@@ -49,7 +49,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
     flat = x.reshape(-1, x.shape[-1])
     out = None
     if fused_rows(x, FUSED_ROWS):
-        out = int8_products(flat.float(), weight, scale)
+        out = int8_products(plain_rows(x, torch.float32), weight, scale)
         out = out.to(x.dtype) if out is not None else None
     if out is None:
         out = F.linear(flat, (weight.float() * scale[:, None]).to(x.dtype))
