@@ -1,7 +1,7 @@
 """The fused CPU product of a decoding step's few rows (`kvsieve.linear`, given to every model by `prepare`).
 
 It must compute what `F.linear` computes (up to the order of a float32 sum) for every row count and
-dtype it takes, leave larger products, grad-enabled ones and other dtypes to PyTorch, keep the model's
+dtype it takes, leave larger products, small weights, grad-enabled ones and other dtypes to PyTorch, keep the model's
 parameters, tied weights and state dict, fall back with a warning where it cannot compile, and turn off
 with `set_enabled(False)`.
 """
@@ -18,6 +18,14 @@ from conftest import build_model, tiny_config
 import kvsieve.linear as linear_module
 from kvsieve import prepare
 from kvsieve.linear import FusedLinear, FusedProducts, fuse_linears
+
+SMALLEST_FUSED = linear_module.FUSED_MIN_WEIGHT
+
+
+@pytest.fixture(autouse=True)
+def every_weight_fused(monkeypatch):
+    """The tests' small weights take the kernel too (by default only weights of `FUSED_MIN_WEIGHT` elements do)."""
+    monkeypatch.setattr(linear_module, "FUSED_MIN_WEIGHT", 0)
 
 
 def counted(monkeypatch) -> list[int]:
@@ -65,6 +73,21 @@ def test_other_dtypes_gradients_and_a_switch_keep_pytorchs_product(monkeypatch):
     with torch.no_grad():
         assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
     assert calls == []
+
+
+def test_weights_below_the_threshold_keep_pytorchs_product(monkeypatch):
+    """Only weights of at least `FUSED_MIN_WEIGHT` elements take the kernel: a smaller one is as fast in MKL's
+    product and would only pay for a compiled call (a tiny test model compiles nothing)."""
+    monkeypatch.setattr(linear_module, "FUSED_MIN_WEIGHT", SMALLEST_FUSED)
+    calls = counted(monkeypatch)
+    small, smallest_fused = (fuse_linears(torch.nn.Linear(n, 256, bias=False)) for n in (64, SMALLEST_FUSED // 256))
+    with torch.no_grad():
+        x = torch.randn(1, 64)
+        assert torch.equal(small(x), F.linear(x, small.weight))
+        assert calls == []
+        x = torch.randn(1, SMALLEST_FUSED // 256)
+        torch.testing.assert_close(smallest_fused(x), F.linear(x, smallest_fused.weight))
+    assert calls == [1]
 
 
 def test_prepare_fuses_every_linear_and_keeps_weights_tied():
@@ -132,7 +155,7 @@ def test_every_thread_that_multiplies_may_recompile(single_thread):
 
 
 def test_a_failed_compile_falls_back_to_pytorchs_product(monkeypatch, caplog):
-    monkeypatch.setattr(linear_module, "float_products", FusedProducts("float weights", linear_module._float_product))
+    monkeypatch.setattr(linear_module, "float_products", FusedProducts("float weights", linear_module.float_product))
 
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler here")
@@ -150,7 +173,7 @@ def test_a_failed_compile_falls_back_to_pytorchs_product(monkeypatch, caplog):
 def test_warm_up_compiles_the_kernels_a_decoding_step_calls(monkeypatch):
     """`warm_up` (what `kvsieve serve` runs before answering) leaves the kernel compiled; with the kernels off it
     runs nothing."""
-    fresh = FusedProducts("float weights", linear_module._float_product)
+    fresh = FusedProducts("float weights", linear_module.float_product)
     monkeypatch.setattr(linear_module, "float_products", fresh)
     model = build_model("llama")
     monkeypatch.setattr(linear_module, "_enabled", False)

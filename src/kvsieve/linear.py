@@ -38,6 +38,13 @@ log = logging.getLogger("kvsieve.linear")
 # bfloat16 1 row 15.2 vs 24.3, 4 rows 43.1 vs 26.1; float16 1 row 15.1 vs 9.2 (never). Other dtypes keep
 # PyTorch's product.
 FUSED_ROWS = {torch.float32: 4, torch.bfloat16: 1}
+# Weights (elements) from which a product takes the kernel. A smaller weight sits in the caches, where MKL's
+# product is as fast or faster and a compiled call's ~20 us of Python and guards dominate (one row, us,
+# float32 / bfloat16, weights rotated from memory): 64x64 6 vs 52; 256x128 20 vs 36 / 25 vs 36; 192x576 (SmolLM2's
+# k and v) 42 vs 46 / 37 vs 40; 512x256 65 vs 76 in one run and 63 vs 48 in another; 384x576 83 vs 63 / 54 vs 45;
+# 576x576 119 vs 78 / 64 vs 55. So SmolLM2's k and v products stay PyTorch's (60 fewer compiled calls a step)
+# and a tiny test model compiles nothing.
+FUSED_MIN_WEIGHT = 1 << 17
 # Compilations a product may keep: per dtype, one row or several, square weights or not (dynamo specializes a
 # size of 1 and sizes that happen to be equal). Past dynamo's default of 8 it would run the product eagerly,
 # which writes a temporary as large as the weight (3x slower than PyTorch's product, and other roundings).
@@ -98,12 +105,17 @@ class FusedProducts:
         return out
 
 
-def _float_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """(rows, in) x (out, in) -> (rows, out), each weight read once (inductor accumulates in float32)."""
-    return (x.unsqueeze(-2) * weight).sum(-1)
+def float_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(rows, in) x (out, in) -> (rows, out), each weight read once (inductor accumulates in float32).
+
+    Written with the weight's rows outermost, (out, rows) then transposed, so that the kernel multiplies one
+    weight row by every input row while it is in the cache: with the rows outermost, each input row streamed
+    the whole weight again (SmolLM2's 180 layer products, float32, medians of 15: 2 rows 24.8 -> 20.2 ms,
+    4 rows 31.2 -> 24.8 ms, one row the same)."""
+    return (weight.unsqueeze(1) * x.unsqueeze(0)).sum(-1).t().contiguous()
 
 
-float_products = FusedProducts("float weights", _float_product)
+float_products = FusedProducts("float weights", float_product)
 
 
 def plain_rows(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -118,10 +130,11 @@ def plain_rows(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tenso
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, through the fused kernel where `fused_rows(x)`."""
-    if fused_rows(x, FUSED_ROWS.get(x.dtype, 0)) and not torch.is_grad_enabled():
+    """`F.linear(x, weight, bias)`, through the fused kernel where `fused_rows(x)` and the weight has at least
+    `FUSED_MIN_WEIGHT` elements."""
+    if fused_rows(x, FUSED_ROWS.get(x.dtype, 0)) and weight.numel() >= FUSED_MIN_WEIGHT and not torch.is_grad_enabled():
         if torch.compiler.is_compiling():  # inside a caller's compiled graph: inductor fuses the product into it
-            out = _float_product(x.reshape(-1, x.shape[-1]), weight)
+            out = float_product(x.reshape(-1, x.shape[-1]), weight)
         else:  # detached: dynamo compiles a Parameter's shape as a constant, which would recompile per layer shape
             out = float_products(plain_rows(x), weight.detach())
         if out is not None:

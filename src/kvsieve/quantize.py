@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from kvsieve.errors import KvsieveError
-from kvsieve.linear import FusedProducts, fused_rows, plain_rows
+from kvsieve.linear import FusedProducts, float_product, fused_rows, plain_rows
 
 QUANTIZE_CHOICES = ("none", "int8")
 FUSED_ROWS = 8  # rows up to which a CPU product takes the fused kernel (a batch of decoding steps)
@@ -37,8 +37,9 @@ QUANTIZE_ROWS = 4096  # output rows quantized at a time (a 49152-row LM head wou
 
 
 def _int8_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """(rows, in) float32 x int8 (out, in) -> (rows, out): each weight read once, scaled after the sum."""
-    return (x.unsqueeze(-2) * weight).sum(-1) * scale
+    """(rows, in) float32 x int8 (out, in) -> (rows, out): the float kernel's product (each weight read once),
+    scaled after the sum."""
+    return float_product(x, weight) * scale
 
 
 int8_products = FusedProducts("int8 weights", _int8_product)
