@@ -3,11 +3,14 @@
 Issue 26 asks for a step within 1.5x the weight-streaming limit. This script measures, on the default model:
 1. the weight-streaming limit (one `sum()` over as many bytes as the model's weights, as decode_steps.py);
 2. the model's projection matrices (every layer's, distinct tensors, one-row input) through `F.linear`, and as
-   `x @ W.T` on transposed contiguous copies; the LM head alone both ways;
+   `x @ W.T` on transposed contiguous copies; the LM head alone both ways; and for each of `--rows` (a batch of
+   decoding steps) the layers' products through `F.linear` and through kvsieve's (`kvsieve.linear.linear`: the
+   fused kernel where it applies, see README "Decoding products on the CPU");
 3. a decoding step of transformers' own `StaticCache` + SDPA, eager and under `torch.compile(fullgraph=True)`:
    the upper bound of what compiling the step can give (it removes the Python between operators).
 
     python benchmarks/decode_bound.py --prompt 2048 --steps 20 --out runs/decode_bound.json
+    python benchmarks/decode_bound.py --rows 1,2,4,8 --products-only   # only 1. and 2.
     python benchmarks/decode_bound.py --random-weights CONFIG_DIR --device cuda --dtype bfloat16   # a GPU
 
 On CUDA the compiled step uses `mode="reduce-overhead"` (CUDA graphs).
@@ -27,6 +30,7 @@ from decode_steps import _sync, random_model, weight_stream_ms
 from transformers import StaticCache
 
 from kvsieve import load_model
+from kvsieve.linear import linear
 
 
 def median_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
@@ -62,8 +66,9 @@ def step_times(model, step: Callable, prompt: torch.Tensor, steps: int) -> dict[
     return {"first_ms": times[0] * 1e3, "median_ms": later[len(later) // 2] * 1e3}
 
 
-def product_times(model) -> dict[str, float]:
-    """The model's matrix products on a one-row input (ms, MB): through F.linear and on transposed copies."""
+def product_times(model, batch_rows: list[int]) -> dict[str, object]:
+    """The model's matrix products (ms, MB): one row through F.linear and on transposed copies; `batch_rows` rows
+    through F.linear and through kvsieve's product."""
     device, dtype = model.device, model.dtype
     matrices = [m.weight for m in model.model.modules() if isinstance(m, torch.nn.Linear)]
     head = model.lm_head.weight
@@ -71,13 +76,23 @@ def product_times(model) -> dict[str, float]:
     transposed = [w.t().contiguous() for w in matrices]
     head_t = head.t().contiguous()
     with torch.no_grad():
-        return {
+        result: dict[str, object] = {
             "layers_mb": sum(w.numel() * w.element_size() for w in matrices) / 1e6,
             "layers_linear_ms": median_ms(lambda: [F.linear(rows[w.shape[1]], w) for w in matrices], 20, device),
             "layers_transposed_ms": median_ms(lambda: [rows[w.shape[0]] @ w for w in transposed], 20, device),
             "head_linear_ms": median_ms(lambda: F.linear(rows[head.shape[1]], head), 50, device),
             "head_transposed_ms": median_ms(lambda: rows[head.shape[1]] @ head_t, 50, device),
         }
+        by_rows = {}
+        for count in batch_rows:
+            xs = {w.shape[1]: torch.randn(count, 1, w.shape[1], device=device, dtype=dtype) for w in matrices}
+            by_rows[count] = {
+                "pytorch_ms": median_ms(lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in matrices], 20, device),
+                "kvsieve_ms": median_ms(lambda xs=xs: [linear(xs[w.shape[1]], w, None) for w in matrices], 20, device),
+            }
+            print(f"{len(matrices)} layer products, {count} rows: {by_rows[count]}")
+        result["layers_by_rows"] = by_rows
+    return result
 
 
 def main() -> None:
@@ -87,20 +102,26 @@ def main() -> None:
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available, else cpu)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: the model's loading dtype)")
     parser.add_argument("--random-weights", type=Path, default=None, metavar="CONFIG_DIR", help="as decode_steps.py")
+    parser.add_argument("--rows", default="1,4", help="rows of the layer products through F.linear and kvsieve's")
+    parser.add_argument("--products-only", action="store_true", help="skip the decoding steps (3.)")
     parser.add_argument("--out", type=Path, default=Path("runs/decode_bound.json"))
     args = parser.parse_args()
     model, _ = random_model(args) if args.random_weights else load_model(device=args.device, dtype=args.dtype)
     model.set_attn_implementation("sdpa")  # transformers' own path, not kvsieve's
-    result = {"weight_stream_ms": weight_stream_ms(model), **product_times(model)}
+    batch_rows = [int(n) for n in args.rows.split(",")]
+    result = {"weight_stream_ms": weight_stream_ms(model), **product_times(model, batch_rows)}
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, model.config.vocab_size, (1, args.prompt), generator=generator).to(model.device)
     mode = "reduce-overhead" if model.device.type == "cuda" else None  # CUDA graphs on a GPU
-    result["eager"] = step_times(model, model, prompt, args.steps)
-    result["compiled"] = step_times(model, torch.compile(model.forward, fullgraph=True, mode=mode), prompt, args.steps)
-    result["eager_again"] = step_times(model, model, prompt, args.steps)
+    if not args.products_only:
+        result["eager"] = step_times(model, model, prompt, args.steps)
+        compiled = torch.compile(model.forward, fullgraph=True, mode=mode)
+        result["compiled"] = step_times(model, compiled, prompt, args.steps)
+        result["eager_again"] = step_times(model, model, prompt, args.steps)
     result["settings"] = {
         "prompt": args.prompt,
         "steps": args.steps,
+        "rows": batch_rows,
         "threads": torch.get_num_threads(),
         "device": str(model.device),
         "dtype": str(model.dtype),
