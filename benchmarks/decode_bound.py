@@ -4,13 +4,15 @@ Issue 26 asks for a step within 1.5x the weight-streaming limit. This script mea
 1. the weight-streaming limit (one `sum()` over as many bytes as the model's weights, as decode_steps.py);
 2. the model's projection matrices (every layer's, distinct tensors, one-row input) through `F.linear`, and as
    `x @ W.T` on transposed contiguous copies; the LM head alone both ways; and for each of `--rows` (a batch of
-   decoding steps) the layers' products through `F.linear` and through kvsieve's (`kvsieve.linear.linear`: the
-   fused kernel where it applies, see README "Decoding products on the CPU");
+   decoding steps) the layers' products through `F.linear` and through the model's own layers (kvsieve's fused
+   kernel where it applies, see README "Decoding products on the CPU"; with `--quantize int8` the int8 layers,
+   against `F.linear` on their dequantized float weights);
 3. a decoding step of transformers' own `StaticCache` + SDPA, eager and under `torch.compile(fullgraph=True)`:
    the upper bound of what compiling the step can give (it removes the Python between operators).
 
     python benchmarks/decode_bound.py --prompt 2048 --steps 20 --out runs/decode_bound.json
     python benchmarks/decode_bound.py --rows 1,2,4,8 --products-only   # only 1. and 2.
+    python benchmarks/decode_bound.py --rows 1,4 --products-only --quantize int8
     python benchmarks/decode_bound.py --random-weights CONFIG_DIR --device cuda --dtype bfloat16   # a GPU
 
 On CUDA the compiled step uses `mode="reduce-overhead"` (CUDA graphs).
@@ -30,7 +32,7 @@ from decode_steps import _sync, random_model, weight_stream_ms
 from transformers import StaticCache
 
 from kvsieve import load_model
-from kvsieve.linear import linear
+from kvsieve.quantize import Int8Linear, quantize
 
 
 def median_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
@@ -70,8 +72,9 @@ def product_times(model, batch_rows: list[int]) -> dict[str, object]:
     """The model's matrix products (ms, MB): one row through F.linear and on transposed copies; `batch_rows` rows
     through F.linear and through kvsieve's product."""
     device, dtype = model.device, model.dtype
-    matrices = [m.weight for m in model.model.modules() if isinstance(m, torch.nn.Linear)]
-    head = model.lm_head.weight
+    layers = [m for m in model.model.modules() if isinstance(m, (torch.nn.Linear, Int8Linear))]
+    matrices = [m.dequantized() if isinstance(m, Int8Linear) else m.weight for m in layers]
+    head = model.lm_head.dequantized() if isinstance(model.lm_head, Int8Linear) else model.lm_head.weight
     rows = {w.shape[1]: torch.randn(1, 1, w.shape[1], device=device, dtype=dtype) for w in [*matrices, head]}
     transposed = [w.t().contiguous() for w in matrices]
     head_t = head.t().contiguous()
@@ -85,12 +88,12 @@ def product_times(model, batch_rows: list[int]) -> dict[str, object]:
         }
         by_rows = {}
         for count in batch_rows:
-            xs = {w.shape[1]: torch.randn(count, 1, w.shape[1], device=device, dtype=dtype) for w in matrices}
+            xs = {m.in_features: torch.randn(count, 1, m.in_features, device=device, dtype=dtype) for m in layers}
             by_rows[count] = {
                 "pytorch_ms": median_ms(lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in matrices], 20, device),
-                "kvsieve_ms": median_ms(lambda xs=xs: [linear(xs[w.shape[1]], w, None) for w in matrices], 20, device),
+                "kvsieve_ms": median_ms(lambda xs=xs: [m(xs[m.in_features]) for m in layers], 20, device),
             }
-            print(f"{len(matrices)} layer products, {count} rows: {by_rows[count]}")
+            print(f"{len(layers)} layer products, {count} rows: {by_rows[count]}")
         result["layers_by_rows"] = by_rows
     return result
 
@@ -103,10 +106,12 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: the model's loading dtype)")
     parser.add_argument("--random-weights", type=Path, default=None, metavar="CONFIG_DIR", help="as decode_steps.py")
     parser.add_argument("--rows", default="1,4", help="rows of the layer products through F.linear and kvsieve's")
+    parser.add_argument("--quantize", default=None, help="weights as in `kvsieve.quantize` (int8)")
     parser.add_argument("--products-only", action="store_true", help="skip the decoding steps (3.)")
     parser.add_argument("--out", type=Path, default=Path("runs/decode_bound.json"))
     args = parser.parse_args()
     model, _ = random_model(args) if args.random_weights else load_model(device=args.device, dtype=args.dtype)
+    model = quantize(model, args.quantize)
     model.set_attn_implementation("sdpa")  # transformers' own path, not kvsieve's
     batch_rows = [int(n) for n in args.rows.split(",")]
     result = {"weight_stream_ms": weight_stream_ms(model), **product_times(model, batch_rows)}
@@ -122,6 +127,7 @@ def main() -> None:
         "prompt": args.prompt,
         "steps": args.steps,
         "rows": batch_rows,
+        "quantize": args.quantize,
         "threads": torch.get_num_threads(),
         "device": str(model.device),
         "dtype": str(model.dtype),
