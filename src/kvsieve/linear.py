@@ -4,8 +4,11 @@ A decoding step multiplies one row per request by every weight matrix, so it is 
 weights (docs/STUDIES.md, issue 26). PyTorch's CPU product for a few rows is MKL's matrix-vector
 kernel, which on the AMD EPYC host we measure on reads the weights at a third to a half of the
 memory's speed: the 211 products of one SmolLM2-135M step took 44.6 ms, against 16 ms for reading
-the same 538 MB with `sum()`. The product written as `(x * w).sum(-1)` and compiled by inductor
-reads each weight once, in order, with vector instructions: 21.7 ms for the same products.
+the same 538 MB with `sum()`. The product written as `(w * x).sum(-1)` with the weight's rows
+outermost (`float_product`) and compiled by inductor reads each weight once, in order, with vector
+instructions, each weight row multiplied by every input row while it is in the cache: 21.7 ms for
+the same products. Weights under `FUSED_MIN_WEIGHT` elements sit in the caches, where MKL is as fast
+without a compiled call's overhead, so they keep PyTorch's product.
 
 `FusedProducts` is that kernel, compiled at its first call (shapes are dynamic, so a few compilations
 serve every layer; inductor also caches them on disk for later processes) with its compile time
