@@ -32,7 +32,7 @@ from decode_steps import _sync, random_model, weight_stream_ms
 from transformers import StaticCache
 
 from kvsieve import load_model
-from kvsieve.quantize import Int8Linear, quantize
+from kvsieve.quantize import QUANTIZE_CHOICES, Int8Linear, quantize
 
 
 def median_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: the model's loading dtype)")
     parser.add_argument("--random-weights", type=Path, default=None, metavar="CONFIG_DIR", help="as decode_steps.py")
     parser.add_argument("--rows", default="1,4", help="rows of the layer products through F.linear and kvsieve's")
-    parser.add_argument("--quantize", default=None, help="weights as in `kvsieve.quantize` (int8)")
+    parser.add_argument("--quantize", default=None, choices=QUANTIZE_CHOICES, help="weights as in `kvsieve.quantize`")
     parser.add_argument("--products-only", action="store_true", help="skip the decoding steps (3.)")
     parser.add_argument("--out", type=Path, default=Path("runs/decode_bound.json"))
     args = parser.parse_args()
