@@ -13,6 +13,11 @@ Issue 26 asks for a step within 1.5x the weight-streaming limit. This script mea
     python benchmarks/decode_bound.py --prompt 2048 --steps 20 --out runs/decode_bound.json
     python benchmarks/decode_bound.py --rows 1,2,4,8 --products-only   # only 1. and 2.
     python benchmarks/decode_bound.py --rows 1,4 --products-only --quantize int8
+    python benchmarks/decode_bound.py --shapes 64x64,192x576,576x576 --products-only   # and 4. (no model needed)
+
+4. with `--shapes OUTxIN,...`: one row times weights of each shape, F.linear against the fused kernel
+   (`kvsieve.linear.float_products`) whatever the weight's size, the weights rotated through about 200 MB so that
+   each comes from memory: where `linear.FUSED_MIN_WEIGHT` should lie.
     python benchmarks/decode_bound.py --random-weights CONFIG_DIR --device cuda --dtype bfloat16   # a GPU
 
 On CUDA the compiled step uses `mode="reduce-overhead"` (CUDA graphs).
@@ -32,6 +37,7 @@ from decode_steps import _sync, random_model, weight_stream_ms
 from transformers import StaticCache
 
 from kvsieve import load_model
+from kvsieve.linear import float_products, plain_rows
 from kvsieve.quantize import QUANTIZE_CHOICES, Int8Linear, quantize
 
 
@@ -98,6 +104,23 @@ def product_times(model, batch_rows: list[int]) -> dict[str, object]:
     return result
 
 
+def shape_times(shapes: list[tuple[int, int]], dtype: torch.dtype) -> dict[str, dict[str, float]]:
+    """One row times weights of each (out, in) shape on the CPU (us per product): F.linear and the fused kernel."""
+    result = {}
+    for out_features, in_features in shapes:
+        count = min(400, max(1, 200_000_000 // (out_features * in_features * 4)))
+        weights = [torch.randn(out_features, in_features, dtype=dtype) for _ in range(count)]
+        x = torch.randn(1, in_features, dtype=dtype)
+        with torch.no_grad():
+            pytorch = median_ms(lambda x=x, weights=weights: [F.linear(x, w) for w in weights], 7, x.device)
+            fused = median_ms(
+                lambda x=x, weights=weights: [float_products(plain_rows(x), w) for w in weights], 7, x.device
+            )
+        result[f"{out_features}x{in_features}"] = {"pytorch_us": pytorch * 1e3 / count, "fused_us": fused * 1e3 / count}
+        print(f"{out_features} x {in_features}, one row: {result[f'{out_features}x{in_features}']}")
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt", type=int, default=2048, help="prompt tokens before decoding")
@@ -107,6 +130,7 @@ def main() -> None:
     parser.add_argument("--random-weights", type=Path, default=None, metavar="CONFIG_DIR", help="as decode_steps.py")
     parser.add_argument("--rows", default="1,4", help="rows of the layer products through F.linear and kvsieve's")
     parser.add_argument("--quantize", default=None, choices=QUANTIZE_CHOICES, help="weights as in `kvsieve.quantize`")
+    parser.add_argument("--shapes", default=None, help="OUTxIN,... : one row, F.linear against the fused kernel (4.)")
     parser.add_argument("--products-only", action="store_true", help="skip the decoding steps (3.)")
     parser.add_argument("--out", type=Path, default=Path("runs/decode_bound.json"))
     args = parser.parse_args()
@@ -115,6 +139,9 @@ def main() -> None:
     model.set_attn_implementation("sdpa")  # transformers' own path, not kvsieve's
     batch_rows = [int(n) for n in args.rows.split(",")]
     result = {"weight_stream_ms": weight_stream_ms(model), **product_times(model, batch_rows)}
+    if args.shapes:
+        shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
+        result["shapes"] = shape_times(shapes, model.dtype)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, model.config.vocab_size, (1, args.prompt), generator=generator).to(model.device)
     mode = "reduce-overhead" if model.device.type == "cuda" else None  # CUDA graphs on a GPU

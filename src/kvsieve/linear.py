@@ -45,8 +45,8 @@ FUSED_ROWS = {torch.float32: 4, torch.bfloat16: 1}
 # product is as fast or faster and a compiled call's ~20 us of Python and guards dominate (one row, us,
 # float32 / bfloat16, weights rotated from memory): 64x64 6 vs 52; 256x128 20 vs 36 / 25 vs 36; 192x576 (SmolLM2's
 # k and v) 42 vs 46 / 37 vs 40; 512x256 65 vs 76 in one run and 63 vs 48 in another; 384x576 83 vs 63 / 54 vs 45;
-# 576x576 119 vs 78 / 64 vs 55. So SmolLM2's k and v products stay PyTorch's (60 fewer compiled calls a step)
-# and a tiny test model compiles nothing.
+# 576x576 119 vs 78 / 64 vs 55 (float32 again: `benchmarks/decode_bound.py --shapes`). So SmolLM2's k and v products
+# stay PyTorch's (60 fewer compiled calls a step) and a tiny test model compiles nothing.
 FUSED_MIN_WEIGHT = 1 << 17
 # Compilations a product may keep: per dtype, one row or several, square weights or not (dynamo specializes a
 # size of 1 and sizes that happen to be equal). Past dynamo's default of 8 it would run the product eagerly,
