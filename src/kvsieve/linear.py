@@ -39,7 +39,9 @@ log = logging.getLogger("kvsieve.linear")
 # than PyTorch's (the 211 products of a SmolLM2 step, 2-core AMD EPYC, ms): float32 1 row 21.7 vs 44.6,
 # 4 rows 37.9 vs 62.5, 8 rows 55.7 vs 54.8 (and whole steps of 8 rows 10-16% slower, of 4 rows 0-15% faster);
 # bfloat16 1 row 15.2 vs 24.3, 4 rows 43.1 vs 26.1; float16 1 row 15.1 vs 9.2 (never). Other dtypes keep
-# PyTorch's product.
+# PyTorch's product. With the rows-outermost form (`float_product`; `benchmarks/decode_bound.py --rows`, the 210
+# layer products): float32 1 row 24.1 vs 35.7, 2 rows 26.1 vs 53.9, 4 rows 32.8 vs 52.9; at 8 rows that form was
+# slower than the old one (46.2 vs 38.3 ms), and bfloat16 past one row still lost (4 rows 27.1 vs 17.6): limits kept.
 FUSED_ROWS = {torch.float32: 4, torch.bfloat16: 1}
 # Weights (elements) from which a product takes the kernel. A smaller weight sits in the caches, where MKL's
 # product is as fast or faster and a compiled call's ~20 us of Python and guards dominate (one row, us,
