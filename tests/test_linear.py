@@ -15,9 +15,11 @@ import torch
 import torch.nn.functional as F
 from conftest import build_model, tiny_config
 
+import kvsieve.compiled as compiled_module
 import kvsieve.linear as linear_module
 from kvsieve import prepare
-from kvsieve.linear import FusedLinear, FusedProducts, fuse_linears
+from kvsieve.compiled import Compiled
+from kvsieve.linear import FusedLinear, fuse_linears
 
 SMALLEST_FUSED = linear_module.FUSED_MIN_WEIGHT
 
@@ -150,12 +152,14 @@ def test_every_thread_that_multiplies_may_recompile(single_thread):
     thread = threading.Thread(target=work)
     thread.start()
     thread.join()
-    assert seen["limit"] >= linear_module.RECOMPILES
+    assert seen["limit"] >= compiled_module.RECOMPILES
     assert torch.equal(seen["out"], expected)
 
 
 def test_a_failed_compile_falls_back_to_pytorchs_product(monkeypatch, caplog):
-    monkeypatch.setattr(linear_module, "float_products", FusedProducts("float weights", linear_module.float_product))
+    monkeypatch.setattr(
+        linear_module, "float_products", Compiled("fused product, float weights", linear_module.float_product)
+    )
 
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler here")
@@ -163,7 +167,7 @@ def test_a_failed_compile_falls_back_to_pytorchs_product(monkeypatch, caplog):
     monkeypatch.setattr(torch, "compile", broken)
     layer = fuse_linears(torch.nn.Linear(16, 8))
     x = torch.randn(1, 16)
-    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="kvsieve.linear"):
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="kvsieve.compiled"):
         out = layer(x)
         assert torch.equal(layer(x), out)  # tried once: the second call goes straight to PyTorch's product
     assert caplog.text.count("no compiler here") == 1 and linear_module.float_products.failed
@@ -173,7 +177,7 @@ def test_a_failed_compile_falls_back_to_pytorchs_product(monkeypatch, caplog):
 def test_warm_up_compiles_the_kernels_a_decoding_step_calls(monkeypatch):
     """`warm_up` (what `kvsieve serve` runs before answering) leaves the kernel compiled; with the kernels off it
     runs nothing."""
-    fresh = FusedProducts("float weights", linear_module.float_product)
+    fresh = Compiled("fused product, float weights", linear_module.float_product)
     monkeypatch.setattr(linear_module, "float_products", fresh)
     model = build_model("llama")
     monkeypatch.setattr(linear_module, "_enabled", False)

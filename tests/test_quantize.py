@@ -19,7 +19,7 @@ from conftest import FakeTokenizer, build_model, make_prompt
 
 import kvsieve.quantize as quantize_module
 from kvsieve import KvsieveError, Sampling, method, run
-from kvsieve.linear import FusedProducts
+from kvsieve.compiled import Compiled
 from kvsieve.pipeline import prefill
 from kvsieve.quantize import Int8Linear, int8_linear, quantize
 
@@ -100,7 +100,9 @@ def test_a_head_tied_to_the_embedding_gets_its_own_int8_copy(single_thread):
 
 
 def test_a_failed_compile_falls_back_to_the_dequantized_product(monkeypatch, caplog):
-    monkeypatch.setattr(quantize_module, "int8_products", FusedProducts("int8 weights", quantize_module._int8_product))
+    monkeypatch.setattr(
+        quantize_module, "int8_products", Compiled("fused product, int8 weights", quantize_module._int8_product)
+    )
 
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler here")
@@ -108,7 +110,7 @@ def test_a_failed_compile_falls_back_to_the_dequantized_product(monkeypatch, cap
     monkeypatch.setattr(torch, "compile", broken)
     layer = Int8Linear(torch.nn.Linear(16, 8))
     x = torch.randn(1, 16)
-    with caplog.at_level(logging.WARNING, logger="kvsieve.linear"):
+    with caplog.at_level(logging.WARNING, logger="kvsieve.compiled"):
         out = layer(x)
     assert "no compiler here" in caplog.text and quantize_module.int8_products.failed
     torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.dequantized(), layer.bias))

@@ -10,9 +10,10 @@ instructions, each weight row multiplied by every input row while it is in the c
 the same products. Weights under `FUSED_MIN_WEIGHT` elements sit in the caches, where MKL is as fast
 without a compiled call's overhead, so they keep PyTorch's product.
 
-`FusedProducts` is that kernel, compiled at its first call (shapes are dynamic, so a few compilations
-serve every layer; inductor also caches them on disk for later processes) with its compile time
-logged; where it cannot be compiled (no C++ compiler), the ordinary product runs, with one warning.
+`float_products` is that kernel, compiled at its first call (`kvsieve.compiled`: shapes are dynamic,
+so a few compilations serve every layer, and inductor caches them on disk for later processes) with
+its compile time logged; where it cannot be compiled (no C++ compiler), the ordinary product runs,
+with one warning.
 `FusedLinear` is `torch.nn.Linear` whose forward takes the kernel for up to `FUSED_ROWS` rows on a
 CPU (4 in float32, 1 in bfloat16: where it measured faster) and `F.linear` otherwise (a prefill, a
 GPU); inside a caller's own `torch.compile` the product is traced into the caller's graph instead.
@@ -23,17 +24,13 @@ GPU); inside a caller's own `torch.compile` the product is traced into the calle
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
 import time
-import warnings
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger("kvsieve.linear")
+from kvsieve.compiled import Compiled
 
 # Rows up to which a CPU product of float weights takes the fused kernel, per dtype, where it measured faster
 # than PyTorch's (the 211 products of a SmolLM2 step, 2-core AMD EPYC, ms): float32 1 row 21.7 vs 44.6,
@@ -50,11 +47,6 @@ FUSED_ROWS = {torch.float32: 4, torch.bfloat16: 1}
 # 576x576 119 vs 78 / 64 vs 55 (float32 again: `benchmarks/decode_bound.py --shapes`). So SmolLM2's k and v products
 # stay PyTorch's (60 fewer compiled calls a step) and a tiny test model compiles nothing.
 FUSED_MIN_WEIGHT = 1 << 17
-# Compilations a product may keep: per dtype, one row or several, square weights or not (dynamo specializes a
-# size of 1 and sizes that happen to be equal). Past dynamo's default of 8 it would run the product eagerly,
-# which writes a temporary as large as the weight (3x slower than PyTorch's product, and other roundings).
-# Dynamo's config is per thread (torch >= 2.12), so every thread that multiplies raises its own limit.
-RECOMPILES = 32
 _enabled = os.environ.get("KVSIEVE_FUSED_PRODUCTS", "1") != "0"
 
 
@@ -69,47 +61,6 @@ def fused_rows(x: torch.Tensor, most: int) -> bool:
     return _enabled and x.device.type == "cpu" and x.numel() <= most * x.shape[-1]
 
 
-class FusedProducts:
-    """One product `rows x weight^T` compiled by inductor at its first call; None from `__call__` once compiling
-    has failed (the caller then runs the ordinary product)."""
-
-    def __init__(self, name: str, product: Callable[..., torch.Tensor]):
-        self.name = name
-        self.product = product
-        self.compiled: Callable[..., torch.Tensor] | None = None
-        self.failed = False
-        self._lock = threading.Lock()  # the server's engine thread and a caller's thread may both reach it first
-        self._threads = threading.local()  # which threads have raised their own recompile limit
-
-    def __call__(self, *tensors: torch.Tensor) -> torch.Tensor | None:
-        if self.failed:
-            return None
-        if not getattr(self._threads, "limit_raised", False):
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILES)
-            self._threads.limit_raised = True
-        if self.compiled is not None:
-            return self.compiled(*tensors)
-        with self._lock:
-            if self.compiled is None and not self.failed:
-                return self._compile(*tensors)
-        return self(*tensors)
-
-    def _compile(self, *tensors: torch.Tensor) -> torch.Tensor | None:
-        start = time.perf_counter()
-        try:
-            with warnings.catch_warnings():  # inductor's own use of APIs torch deprecates is not the caller's concern
-                warnings.simplefilter("ignore", DeprecationWarning)
-                compiled = torch.compile(self.product, dynamic=True)
-                out = compiled(*tensors)
-        except Exception as error:  # no C++ compiler, an unsupported platform: the ordinary product still works
-            self.failed = True
-            log.warning("%s: compiling the fused CPU product failed (%s); using PyTorch's product", self.name, error)
-            return None
-        self.compiled = compiled
-        log.info("%s: compiled the fused CPU product in %.1f s", self.name, time.perf_counter() - start)
-        return out
-
-
 def float_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """(rows, in) x (out, in) -> (rows, out), each weight read once (inductor accumulates in float32).
 
@@ -120,7 +71,7 @@ def float_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (weight.unsqueeze(1) * x.unsqueeze(0)).sum(-1).t().contiguous()
 
 
-float_products = FusedProducts("float weights", float_product)
+float_products = Compiled("fused product, float weights", float_product)
 
 
 def plain_rows(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -136,12 +87,15 @@ def plain_rows(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tenso
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through the fused kernel where `fused_rows(x)` and the weight has at least
-    `FUSED_MIN_WEIGHT` elements."""
-    if fused_rows(x, FUSED_ROWS.get(x.dtype, 0)) and weight.numel() >= FUSED_MIN_WEIGHT and not torch.is_grad_enabled():
+    `FUSED_MIN_WEIGHT` elements; inside a compiled graph (the CPU's compiled step) the product is traced into it
+    whatever the weight's size (SmolLM2's k and v products: 60 calls to MKL's product, 2.5 ms of a 32 ms step)."""
+    if fused_rows(x, FUSED_ROWS.get(x.dtype, 0)) and not torch.is_grad_enabled():
         if torch.compiler.is_compiling():  # inside a caller's compiled graph: inductor fuses the product into it
-            out = float_product(x.reshape(-1, x.shape[-1]), weight)
-        else:  # detached: dynamo compiles a Parameter's shape as a constant, which would recompile per layer shape
+            out = float_product(x.reshape(-1, x.shape[-1]), weight)  # (no call of its own: small weights too)
+        elif weight.numel() >= FUSED_MIN_WEIGHT:  # detached: dynamo compiles a Parameter's shape as a constant
             out = float_products(plain_rows(x), weight.detach())
+        else:
+            out = None
         if out is not None:
             out = out if bias is None else out + bias
             return out.view(*x.shape[:-1], weight.shape[0])

@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from kvsieve.compiled import Compiled
 from kvsieve.errors import KvsieveError
-from kvsieve.linear import FusedProducts, float_product, fused_rows, plain_rows
+from kvsieve.linear import float_product, fused_rows, plain_rows
 
 QUANTIZE_CHOICES = ("none", "int8")
 FUSED_ROWS = 8  # rows up to which a CPU product takes the fused kernel (a batch of decoding steps)
@@ -42,14 +43,16 @@ def _int8_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) ->
     return float_product(x, weight) * scale
 
 
-int8_products = FusedProducts("int8 weights", _int8_product)
+int8_products = Compiled("fused product, int8 weights", _int8_product)
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x (..., in) times int8 `weight` (out, in) with per-row `scale` (out,), plus `bias`; in x's dtype."""
     flat = x.reshape(-1, x.shape[-1])
     out = None
-    if fused_rows(x, FUSED_ROWS):
+    if fused_rows(x, FUSED_ROWS) and torch.compiler.is_compiling():  # a caller's compiled graph: traced into it
+        out = _int8_product(flat.float(), weight, scale).to(x.dtype)
+    elif fused_rows(x, FUSED_ROWS):
         out = int8_products(plain_rows(x, torch.float32), weight, scale)
         out = out.to(x.dtype) if out is not None else None
     if out is None:
