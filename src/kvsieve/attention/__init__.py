@@ -12,9 +12,13 @@ plain causal SDPA. Inside, two things can change:
   chunked feed marks its earlier passes `intermediate`, and they are skipped there. A finisher
   runs with the layer index once that layer's attention is done (compression layer by layer);
 - a prefill kernel replaces dense attention for multi-token queries (e.g. CritiPrefill);
-- key lengths mark right padding in a batch of ragged caches (the engine's batched decoding): row b
-  of layer j holds `key_lengths[j][b]` keys, its query i (of q) attends to the first
-  `key_lengths[j][b] - q + i + 1` of them, and the columns after them are padding.
+
+Key lengths mark right padding in a batch of ragged caches (the engine's batched decoding): row b of
+layer j holds `key_lengths[j][b]` keys, its query i (of q) attends to the first
+`key_lengths[j][b] - q + i + 1` of them, and the columns after them are padding. They are not a hook
+but an argument of the model's forward (`model(..., key_lengths=...)`), which transformers hands on
+to the attention function: so a compiled decoding step (`engine.static_step`) takes them as inputs.
+A compiled region sees no hooks at all (dynamo cannot trace the context variable that holds them).
 """
 
 from __future__ import annotations
@@ -48,7 +52,6 @@ class StopForward(Exception):
 class _Hooks:
     observers: tuple[Observer, ...] = ()
     kernel: PrefillKernel | None = None
-    key_lengths: Sequence[torch.Tensor] | None = None
     last_pass: tuple[Observer, ...] = ()
     finishers: tuple[Finisher, ...] = ()
     intermediate: bool = False
@@ -64,19 +67,16 @@ _active: ContextVar[_Hooks | None] = ContextVar("kvsieve_attention_hooks", defau
 def attention_hooks(
     observers: Sequence[Observer] = (),
     kernel: PrefillKernel | None = None,
-    key_lengths: Sequence[torch.Tensor] | None = None,
     *,
     last_pass: Sequence[Observer] = (),
     finishers: Sequence[Finisher] = (),
     intermediate: bool | None = None,
 ) -> Iterator[None]:
-    """Activate observers, a prefill kernel and/or key padding for forward passes inside the block.
+    """Activate observers and/or a prefill kernel for forward passes inside the block.
 
     Nested blocks add their observers (and last-pass observers, finishers) to the outer ones and
     keep the outer kernel unless they name their own, so e.g. GemFilter's scoring pass runs
-    under a CritiPrefill kernel. `key_lengths[layer]` is a (batch,) tensor: each row's key count, the
-    columns after it padding (batched decoding of requests whose caches differ in length, right-padded
-    to the longest). `intermediate=True` marks passes that are not a feed's last:
+    under a CritiPrefill kernel. `intermediate=True` marks passes that are not a feed's last:
     last-pass observers and finishers skip them.
     """
     outer = _active.get() or _Hooks()
@@ -84,7 +84,6 @@ def attention_hooks(
         _Hooks(
             observers=outer.observers + tuple(observers),
             kernel=kernel or outer.kernel,
-            key_lengths=key_lengths if key_lengths is not None else outer.key_lengths,
             last_pass=outer.last_pass + tuple(last_pass),
             finishers=outer.finishers + tuple(finishers),
             intermediate=outer.intermediate if intermediate is None else intermediate,
@@ -104,18 +103,19 @@ def kvsieve_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    key_lengths: Sequence[torch.Tensor] | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """AttentionInterface entry point: returns (b, q, h, d) like transformers' SDPA function.
 
     transformers builds no mask for a custom implementation name; causality is bottom-right
-    and computed by the kernel. Batches are unpadded unless `attention_hooks(key_lengths=...)`
-    marks right padding.
+    and computed by the kernel. Batches are unpadded unless the model's forward got `key_lengths`
+    (per layer, each row's key count: right padding).
     """
-    hooks = _active.get() or _Hooks()
+    hooks = _Hooks() if torch.compiler.is_compiling() else (_active.get() or _Hooks())
     layer = module.layer_idx
     kernel = hooks.kernel if query.shape[2] > 1 else None
-    lengths = hooks.key_lengths[layer] if hooks.key_lengths is not None else None
+    lengths = key_lengths[layer] if key_lengths is not None else None
     observers = hooks.active_observers()
     fused = [o for o in observers if isinstance(o, AccumulatedScores)]
     if not fused or kernel is not None or lengths is not None or query.shape[0] != 1:
