@@ -37,6 +37,9 @@ On CUDA the batch captures its steps as CUDA graphs (`kvsieve.engine.static_step
 and reports the captures and the seconds they took (each capture includes one eager step).
 On a CPU a step's products of a few rows run through kvsieve's compiled kernel (`kvsieve.linear`);
 `--fused-products both` also times every method with PyTorch's own products (`NAME/pytorch`).
+`--compiled-steps both` also times every method with the batch's whole step compiled on the CPU
+(`NAME/compiled`, `DecodeBatch(compiled=True)`; rows that evict take the ordinary step there); each
+timing records its batch's first step (`first_step_s`: there, the compile).
 
 Pause other work on the machine while it runs (the timings are wall-clock).
 """
@@ -115,11 +118,14 @@ class Decoder:
     """A method's prefilled prompt, copied into `rows` rows of the engine's decoding batch and decoded
     greedily (EOS ignored) in timed stretches of steps. The prefill itself is left as it was."""
 
-    def __init__(self, model, done: Prefill, rows: int, static: bool | None = None, fused: bool = True):
+    def __init__(
+        self, model, done: Prefill, rows: int, static: bool | None = None, fused: bool = True, compiled: bool = False
+    ):
         self.model = model
         self.fused = fused
         cache, first = done.prefilled.cache, int(torch.argmax(done.prefilled.last_logits))
-        self.batch = DecodeBatch(model, static=static)
+        self.batch = DecodeBatch(model, static=static, compiled=compiled)
+        self.first_step_s: float | None = None  # the batch's first step (a compiled step's compile time)
         self.evicting: list[float] = []
         for _ in range(rows):
             row_cache = wrap_cache(model, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers])
@@ -147,7 +153,12 @@ class Decoder:
         _sync(self.model.device)
         start = time.perf_counter()
         for _ in range(steps):
-            logits = self.batch.step()
+            if self.first_step_s is None:
+                begun = time.perf_counter()
+                logits = self.batch.step()
+                self.first_step_s = time.perf_counter() - begun
+            else:
+                logits = self.batch.step()
             for row, token in zip(self.batch.rows, torch.argmax(logits, dim=-1).tolist(), strict=True):
                 row.token = token
         _sync(self.model.device)
@@ -160,6 +171,7 @@ class Decoder:
             "kv_entries": self.batch.entries(0),
             "captures": self.batch.captures,
             "capture_s": self.batch.capture_seconds,
+            "first_step_s": self.first_step_s,
         }
 
 
@@ -212,16 +224,21 @@ def profiled(decoder: Decoder, steps: int, top: int = 12) -> dict:
     }
 
 
-def variants(names: list[str], cuda_graphs: str, fused_products: str) -> dict[str, tuple[str, bool | None, bool]]:
-    """Each timed label's method, its batch's `static` (None: the default, CUDA graphs on CUDA) and whether
-    the CPU's few-row products take the fused kernel (`kvsieve.linear`); `both` adds every method as
-    `NAME/eager` (CUDA graphs off) or `NAME/pytorch` (PyTorch's products)."""
-    static, fused = (False if cuda_graphs == "off" else None), fused_products != "off"
-    labels = {name: (name, static, fused) for name in names}
+def variants(
+    names: list[str], cuda_graphs: str, fused_products: str, compiled_steps: str = "off"
+) -> dict[str, tuple[str, bool | None, bool, bool]]:
+    """Each timed label's method, its batch's `static` (None: the default, CUDA graphs on CUDA), whether the
+    CPU's few-row products take the fused kernel (`kvsieve.linear`) and whether the CPU's step is compiled;
+    `both` adds every method as `NAME/eager` (CUDA graphs off), `NAME/pytorch` (PyTorch's products) or
+    `NAME/compiled` (the step compiled)."""
+    static, fused, compiled = (False if cuda_graphs == "off" else None), fused_products != "off", compiled_steps == "on"
+    labels = {name: (name, static, fused, compiled) for name in names}
     if cuda_graphs == "both":
-        labels |= {f"{name}/eager": (name, False, fused) for name in names}
+        labels |= {f"{name}/eager": (name, False, fused, compiled) for name in names}
     if fused_products == "both":
-        labels |= {f"{name}/pytorch": (name, static, False) for name in names}
+        labels |= {f"{name}/pytorch": (name, static, False, compiled) for name in names}
+    if compiled_steps == "both":
+        labels |= {f"{name}/compiled": (name, None, fused, True) for name in names}
     return labels
 
 
@@ -237,11 +254,11 @@ def timed_runs(model, prompt, names: list[str], args, label: str) -> dict[int, t
     steps, repeats, shared = args.steps, args.repeats, args.shared_prefill
     reserve = WARMUP + steps * (repeats + 1) + 8
     done = {name: prefill(model, prompt, method=spec(name), reserve=reserve) for name in names}
-    labels = variants(names, args.cuda_graphs, args.fused_products)
+    labels = variants(names, args.cuda_graphs, args.fused_products, args.compiled_steps)
 
     def decoder_of(name: str, rows: int) -> Decoder:
-        method_name, static, fused = labels[name]
-        return Decoder(model, done[method_name], rows, static, fused)
+        method_name, static, fused, compiled = labels[name]
+        return Decoder(model, done[method_name], rows, static, fused, compiled)
 
     results = {}
     for rows in [int(b) for b in args.batches.split(",")]:
@@ -322,6 +339,13 @@ def main() -> None:
         "off: PyTorch's products; both: every method both ways, PyTorch's as NAME/pytorch, side by side",
     )
     parser.add_argument(
+        "--compiled-steps",
+        choices=("on", "off", "both"),
+        default="off",
+        help="on: the CPU's whole decoding step compiled (`DecodeBatch(compiled=True)`); off: the default; both: "
+        "every method both ways, compiled as NAME/compiled, side by side",
+    )
+    parser.add_argument(
         "--quantize",
         default="none",
         help="weight schemes timed one after the other in this run, e.g. none,int8 (`kvsieve.quantize`); rows of "
@@ -382,6 +406,7 @@ def main() -> None:
                             "evict_ms_per_step": spread(evict) if evict else None,
                             "captures": runs[name][-1]["captures"],
                             "capture_s": runs[name][-1]["capture_s"],
+                            "first_step_s": runs[name][0]["first_step_s"],
                             "profile": profiles.get(name),
                         }
                     )

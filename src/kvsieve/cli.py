@@ -69,6 +69,13 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
         "keep --dtype). A quarter of float32's weight bytes; on the CPU decoding steps run through a compiled "
         "int8 kernel (compiled once, a few seconds). Default none",
     )
+    group.add_argument(
+        "--compile-steps",
+        action="store_true",
+        help="on a CPU, compile the whole decoding step of a lone request whose cache does not evict "
+        "(torch.compile): up to 1.8x faster per token on SmolLM2 (least with a long full-attention cache), after "
+        "a compile of one to two minutes (cached on disk for later runs). Worth it for long answers and servers",
+    )
 
 
 def _methods_epilog() -> str:
@@ -186,8 +193,11 @@ def _read_context(source: str) -> str:
 
 
 def _load(args: argparse.Namespace):
+    from kvsieve.engine.batch import set_compiled_steps
     from kvsieve.models import load_model
 
+    if args.compile_steps:
+        set_compiled_steps(True)
     return load_model(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)
 
 
@@ -197,9 +207,10 @@ def _load_off_main_thread(args: argparse.Namespace):
     workers; a pool left in the main thread by loading beside the engine thread's own oversubscribes the cores,
     and libgomp then stops spinning and puts workers to sleep after every parallel region. Measured on the
     2-core VM: one int8 decoding step in the engine thread took 53.8 ms after loading in the main thread and
-    27.2 ms after loading in a thread that ended (docs/STUDIES.md, issue 26). The fused CPU kernels
-    (`kvsieve.linear.warm_up`) are compiled there too, before the server answers anything."""
-    from kvsieve.linear import warm_up
+    27.2 ms after loading in a thread that ended (docs/STUDIES.md, issue 26). The fused CPU kernels and, with
+    --compile-steps, the decoding step (`kvsieve.engine.batch.warm_up`) are compiled there too, before the
+    server answers anything."""
+    from kvsieve.engine.batch import warm_up
 
     loaded: dict[str, object] = {}
 
@@ -208,7 +219,7 @@ def _load_off_main_thread(args: argparse.Namespace):
             loaded["model"] = _load(args)
             seconds = warm_up(loaded["model"][0])  # the first request must not wait for the CPU kernels' compile
             if seconds > 1:
-                _err(f"kvsieve: compiled the CPU decoding kernels in {seconds:.1f} s")
+                _err(f"kvsieve: compiled the CPU decoding kernels{' and step' * args.compile_steps} in {seconds:.1f} s")
         except BaseException as error:  # re-raised in the caller's thread, with its own message
             loaded["error"] = error
 

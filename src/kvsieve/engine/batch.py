@@ -10,7 +10,7 @@ value table, (layers, rows, kv_heads, capacity, head_dim): row b's entries of la
 2. writes each row's new key and value at its own next column, in place (no copy of the caches
    per step, which at 8 requests of 2K tokens would cost several times the forward pass), while
    kvsieve's attention masks the padding of rows shorter than the longest
-   (`attention_hooks(key_lengths=...)`) and the rows' eviction observers each see their own query
+   (the forward's `key_lengths`) and the rows' eviction observers each see their own query
    and keys,
 3. lets each row's eviction compact that row in place (`EvictRun.after_step` on the row's buffers:
    at most the evicted count of entries moves per layer and KV head).
@@ -32,6 +32,7 @@ tables lazily (`_settle`), before anything reads them.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,7 @@ from kvsieve.compress.cache import DecodeBuffer
 from kvsieve.compress.stages import EvictRun
 from kvsieve.engine.static_step import StaticStep, steady
 from kvsieve.errors import KvsieveError
+from kvsieve.linear import warm_up as warm_up_products
 from kvsieve.models import with_cache
 
 SPARE = 128  # columns of room for new tokens when the tables are (re)allocated
@@ -77,14 +79,47 @@ def cuda_graphs_enabled(model: PreTrainedModel) -> bool:
     return model.device.type == "cuda" and os.environ.get("KVSIEVE_CUDA_GRAPHS", "1") != "0"
 
 
+def set_compiled_steps(enabled: bool) -> None:
+    """Compile the CPU's decoding steps (`engine.static_step.compiled_steps`) from now on, or stop. Off by default:
+    compiling SmolLM2's step takes 1-2 minutes on a 2-core machine, more than a short answer's whole decode. The
+    setting is the environment's KVSIEVE_COMPILED_STEPS, so worker processes (`kvsieve bench`'s) inherit it."""
+    os.environ["KVSIEVE_COMPILED_STEPS"] = "1" if enabled else "0"
+
+
+def compiled_steps_enabled(model: PreTrainedModel) -> bool:
+    """Whether `model`'s decoding steps run compiled by default: on a CPU, with KVSIEVE_COMPILED_STEPS=1 (the
+    CLI's `--compile-steps`, `set_compiled_steps(True)`)."""
+    return model.device.type == "cpu" and os.environ.get("KVSIEVE_COMPILED_STEPS", "0") == "1"
+
+
+def warm_up(model: PreTrainedModel) -> float:
+    """Compile now what `model`'s CPU decoding steps will run, so that no request waits for it; seconds spent:
+    the fused products (`kvsieve.linear.warm_up`) and, with compiled steps on, the step (a short prompt's steps
+    through a batch of one row)."""
+    start = time.perf_counter()
+    warm_up_products(model)
+    if compiled_steps_enabled(model):
+        batch, cache = DecodeBatch(model), DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=model.device), **with_cache(model, cache))
+            batch.add(Row(0, 4), cache)
+            batch.step()
+            batch.step()
+        batch.remove(list(batch.rows))
+    return time.perf_counter() - start
+
+
 class DecodeBatch:
     """The running requests' caches in shared tables, stepped together (one row: a lone request)."""
 
-    def __init__(self, model: PreTrainedModel, static: bool | None = None):
+    def __init__(self, model: PreTrainedModel, static: bool | None = None, compiled: bool | None = None):
         """`static`: step the batch through `StaticStep` (captured as a CUDA graph on CUDA) while every row is
-        `steady`; None: `cuda_graphs_enabled(model)`."""
+        `steady`; None: `cuda_graphs_enabled(model)` or `compiled`. `compiled`: on a CPU, a lone row that does not
+        evict takes static steps whose forward pass is compiled (other batches take the ordinary step); None:
+        `compiled_steps_enabled(model)`."""
         self.model = model
-        self.static = cuda_graphs_enabled(model) if static is None else static
+        self.compiled = compiled_steps_enabled(model) if compiled is None else compiled
+        self.static = (cuda_graphs_enabled(model) or self.compiled) if static is None else static
         self.capture = model.device.type == "cuda"  # off for good once a capture has failed
         self.rows: list[Row] = []
         self.caches: list[Cache] = []  # each row's own cache object, its layers DecodeBuffers over the tables
@@ -142,10 +177,7 @@ class DecodeBatch:
         if longest + 1 > self.keys.shape[3]:
             self._settle()
             self._rebuild(list(range(len(self))))  # room for SPARE more steps
-        if self.static and (
-            self.static_step is not None
-            or all(steady(row.evict, cache) for row, cache in zip(self.rows, self.caches, strict=True))
-        ):
+        if self.static and (self.static_step is not None or self._steady()):
             return self._static()
         self._settle()
         self.static_step = None  # its tensors no longer say where the rows stand
@@ -161,21 +193,39 @@ class DecodeBatch:
         else:
             observers = [self._observe] if evicting else []
             key_lengths = self._key_lengths()
-        with torch.no_grad(), attention_hooks(observers=observers, key_lengths=key_lengths):
+        with torch.no_grad(), attention_hooks(observers=observers):
             cache = with_cache(self.model, self.cache)
-            out = self.model(input_ids=ids, position_ids=positions, **cache, use_cache=True, logits_to_keep=1)
+            out = self.model(
+                input_ids=ids,
+                position_ids=positions,
+                **cache,
+                use_cache=True,
+                logits_to_keep=1,
+                key_lengths=key_lengths,
+            )
             for row, own in zip(self.rows, self.caches, strict=True):
                 row.position += 1
                 if row.evict is not None:
                     row.evict.after_step(own)
         return out.logits[:, -1]
 
+    def _steady(self) -> bool:
+        """Whether the rows can take static steps: every one `steady`; on the CPU with compiled steps, one row that
+        does not evict. A row that evicts would run its static step eagerly (its observers and compaction are not
+        compiled), over the tables' padded capacity, for no gain; and several rows' compiled step measured 2.5-3x
+        slower than their ordinary step (SmolLM2, 4 rows at 2K: 250 against 88 ms; docs/STUDIES.md)."""
+        if self.compiled and not self.capture:
+            return len(self.rows) == 1 and self.rows[0].evict is None
+        return all(steady(row.evict, cache) for row, cache in zip(self.rows, self.caches, strict=True))
+
     def _static(self) -> torch.Tensor:
         """The step through the current tables' `StaticStep` (made, and on CUDA captured, at its first run)."""
         if self.static_step is None:
             self._settle()
             rows = [(row.evict, cache) for row, cache in zip(self.rows, self.caches, strict=True)]
-            self.static_step = StaticStep(self.model, self.keys, self.values, rows, capture=self.capture)
+            self.static_step = StaticStep(
+                self.model, self.keys, self.values, rows, capture=self.capture, compiled=self.compiled
+            )
             self.static_step.load(
                 [row.position for row in self.rows],
                 [[cache.layers[j].length for cache in self.caches] for j in range(self.keys.shape[0])],

@@ -29,8 +29,13 @@ and cuBLAS), then captured; every later step replays the graph. The capture is v
 generation of the tables (their memory and capacity): the batch drops it when rows join or leave, when
 the tables grow (every `SPARE` steps) or when a step has to run eagerly. The capacity is the shape
 bucket: a cache growing by one entry a step is captured again once per `SPARE` steps, not every step.
-On the CPU the same step runs eagerly (capturing there gains nothing: docs/STUDIES.md) and is what
-the tests check against the batch's ordinary step.
+On the CPU there is no graph to replay, but the same step's forward pass can be compiled whole
+(`compiled_steps`, `DecodeBatch(compiled=True)`, the CLI's `--compile-steps`): inductor fuses the
+norms, rotary embedding, products and attention of every layer and the Python between them goes.
+Every number being a tensor is what lets one graph serve every step: the capacity is a dynamic
+size, so the tables' growth compiles nothing new. It serves a lone row that does not evict (several
+rows' compiled step measured slower than their ordinary one); eagerly, the same step is what the
+tests check against the batch's ordinary step.
 """
 
 from __future__ import annotations
@@ -43,10 +48,46 @@ from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from kvsieve.attention import attention_hooks
+from kvsieve.compiled import Compiled
 from kvsieve.compress.stages import EvictRun, observe_rows
 from kvsieve.models import with_cache
 
 log = logging.getLogger("kvsieve.engine")
+
+
+def model_step(
+    model: PreTrainedModel,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    cache: dict[str, Cache],
+    key_lengths: torch.Tensor,
+) -> torch.Tensor:
+    """The forward pass of a static step: each row's token `ids` (rows, 1) at `positions` (rows, 1), written into
+    `cache` (`with_cache`'s keyword) and attending over `key_lengths[layer, row]` keys; (rows, vocab) logits."""
+    out = model(input_ids=ids, position_ids=positions, **cache, use_cache=True, logits_to_keep=1,
+                key_lengths=key_lengths)  # fmt: skip
+    return out.logits[:, -1]
+
+
+# Guards dynamo may skip on a model's modules: that no hook was registered, that an attribute is absent, a
+# module's type. A step checks thousands of guards (most of them these, one set per module); the guards that
+# hold what the graph bakes in (module constants such as a norm's epsilon, tensors' dtypes and shapes) stay,
+# so another model, even of the same architecture with other constants, is not given this graph.
+SKIPPED_MODULE_GUARDS = frozenset(
+    {"EMPTY_NN_MODULE_HOOKS_DICT", "NOT_PRESENT_IN_GENERIC_DICT", "DICT_NOT_CONTAINS", "TYPE_MATCH", "HASATTR"}
+)
+
+
+def step_guards(entries: list) -> list[bool]:
+    """dynamo's `guard_filter_fn` for the compiled step: every guard but `SKIPPED_MODULE_GUARDS` on modules."""
+    return [
+        not (entry.guard_type in SKIPPED_MODULE_GUARDS and entry.orig_guard.source.is_unspecialized_nn_module())
+        for entry in entries
+    ]
+
+
+# The CPU's compiled step (`DecodeBatch(compiled=True)`).
+compiled_steps = Compiled("decoding step", model_step, options={"guard_filter_fn": step_guards})
 
 
 class _ScatterLayer(DynamicLayer):
@@ -90,10 +131,14 @@ class StaticStep:
         rows: list[tuple[EvictRun | None, Cache]],
         *,
         capture: bool,
+        compiled: bool = False,
     ):
         """`keys`/`values` are the batch tables (layers, rows, kv_heads, capacity, d), `rows` each row's
-        eviction (or None) and own cache, every one `steady`; `load` then sets where each row stands."""
+        eviction (or None) and own cache, every one `steady`; `load` then sets where each row stands. `capture`:
+        record a CUDA graph at the first run; `compiled`: run the forward pass through `compiled_steps` (the
+        CPU's compiled step) where no row evicts (an eviction's observers and compaction stay eager)."""
         self.model, self.keys, self.values, self.capture = model, keys, values, capture
+        self.compiled = compiled and not any(evict is not None for evict, _ in rows)
         layers, count = keys.shape[:2]
         device = keys.device
         self.evicting = [(i, evict, cache) for i, (evict, cache) in enumerate(rows) if evict is not None]
@@ -139,14 +184,11 @@ class StaticStep:
     def _forward(self) -> torch.Tensor:
         lengths = self.ends + 1  # each row's keys once this step's entry is written
         observers = [self._observe] if self.evicting else []
-        with torch.no_grad(), attention_hooks(observers=observers, key_lengths=list(lengths)):
-            out = self.model(
-                input_ids=self.ids,
-                position_ids=self.positions,
-                **with_cache(self.model, self.cache),
-                use_cache=True,
-                logits_to_keep=1,
-            )
+        with torch.no_grad(), attention_hooks(observers=observers):
+            arguments = (self.model, self.ids, self.positions, with_cache(self.model, self.cache), lengths)
+            logits = compiled_steps(*arguments) if self.compiled else None
+            if logits is None:  # not compiled, or compiling failed
+                logits = model_step(*arguments)
             for _, evict, cache in self.evicting:
                 for layer in cache.layers:  # the new entry at column `budget`, as the ordinary step leaves it
                     layer.truncate(layer.length + 1)
@@ -154,7 +196,7 @@ class StaticStep:
             self._carry()
         self.ends.add_(self.step_ends)
         self.positions.add_(1)
-        return out.logits[:, -1]
+        return logits
 
     def _observe(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
         """Each evicting row's eviction observes its own query and its own keys (its `budget` entries and the new

@@ -1,0 +1,158 @@
+"""The CPU's compiled decoding step (`engine.static_step.compiled_steps`, `DecodeBatch(compiled=True)`).
+
+It runs a lone row that does not evict. It must give the ordinary step's logits (up to the order of
+float32 sums) while the tables grow and rows join and leave (several rows take the ordinary step),
+compile once (not per step or per capacity), give another model its own logits, leave rows that evict
+to the ordinary step, and run eagerly, with one warning, where compiling fails.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from conftest import build_model, make_prompt
+
+from kvsieve import method
+from kvsieve.compiled import Compiled
+from kvsieve.compress.cache import wrap_cache
+from kvsieve.engine import static_step as static_step_module
+from kvsieve.engine.batch import SPARE, DecodeBatch, Row, set_compiled_steps, warm_up
+from kvsieve.engine.static_step import step_guards
+from kvsieve.pipeline import Prefill, prefill
+from kvsieve.quantize import quantize
+
+CASES = [  # the first decodes alone, then the others join; none evicts
+    ("full", {}, 40),
+    ("snapkv", {"compress.budget": 24, "compress.policy.window": 4}, 70),
+    ("imdc", {"feed.chunk": 16, "feed.memory": 24, "feed.schedule": "square-sqrt"}, 90),  # layers of many sizes
+]
+
+
+@pytest.fixture
+def model(single_thread):
+    return build_model("llama", num_layers=2, max_positions=512)
+
+
+def prefilled(model, cases, reserve: int) -> list[Prefill]:
+    return [prefill(model, make_prompt(n, seed=n), method=method(name, s), reserve=reserve) for name, s, n in cases]
+
+
+def decode(
+    model, done: list[Prefill], tokens: list[int], compiled: bool | None = None, join_at: int = 3
+) -> tuple[list, int]:
+    """Teacher-forced steps: the first prefill alone, the others joining at step `join_at` and leaving five steps
+    later; each step's logits and how many steps were static. `compiled` None: the batch's default."""
+    batch, logits, rows, static = DecodeBatch(model, static=compiled, compiled=compiled), [], [], 0
+
+    def join(d: Prefill) -> None:
+        layers = [(layer.keys.clone(), layer.values.clone()) for layer in d.prefilled.cache.layers]
+        rows.append(Row(0, d.prefilled.next_position, copy.deepcopy(d.state.evict)))
+        batch.add(rows[-1], wrap_cache(model, layers))
+
+    join(done[0])
+    for i, token in enumerate(tokens):
+        if i == join_at:
+            for d in done[1:]:
+                join(d)
+        if i == join_at + 5:
+            batch.remove(rows[1:])
+        for row in batch.rows:
+            row.token = token
+        logits.append(batch.step())
+        static += batch.static_step is not None
+    return logits, static
+
+
+def unique_graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def test_compiled_steps_give_the_ordinary_steps_logits_and_compile_once(model):
+    """One row alone for more steps than the tables' spare room (rebuilt: a new capacity), then rows join
+    for five steps (the ordinary step) and leave: every step's logits agree with the ordinary step's, every step
+    of the lone row is compiled, and the whole run compiles one graph, whatever capacities it meets."""
+    steps = SPARE + 20
+    done = prefilled(model, CASES, reserve=steps + 8)
+    tokens = torch.randint(3, 200, (steps,), generator=torch.Generator().manual_seed(5)).tolist()
+    eager, eager_static = decode(model, done, tokens, compiled=False, join_at=SPARE + 5)
+    before = unique_graphs()
+    compiled, compiled_static = decode(model, done, tokens, compiled=True, join_at=SPARE + 5)
+    assert eager_static == 0 and compiled_static == steps - 5
+    assert unique_graphs() - before == 1
+    for a, b in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+def test_another_model_gets_its_own_logits(model):
+    """The compiled step skips some of dynamo's guards on the model's modules; another model must still get its
+    own logits: other weights (the parameters are the graph's inputs), another norm epsilon (a constant the graph
+    bakes in), another layer count, int8 weights (their product traced into the step) and
+    bfloat16."""
+    other_epsilon = build_model("llama", num_layers=2, max_positions=512)
+    for module in other_epsilon.modules():
+        if hasattr(module, "variance_epsilon"):
+            module.variance_epsilon = 0.5
+    others = [
+        (build_model("llama", num_layers=2, max_positions=512, seed=1), 1e-4),
+        (other_epsilon, 1e-4),
+        (build_model("llama", num_layers=3), 1e-4),
+        (quantize(build_model("llama", num_layers=2, max_positions=512, seed=2), "int8"), 1e-4),
+        # inductor keeps a fused kernel's intermediates in float32 where eager rounds every operator's output to
+        # bfloat16: logits of magnitude up to ~10 differ by a few of their bfloat16 steps (0.03-0.06)
+        (build_model("llama", num_layers=2, max_positions=512, seed=3).to(torch.bfloat16), 1e-1),
+    ]
+    tokens = list(range(5, 15))
+    for m, tolerance in [(model, 1e-4), *others]:
+        done = prefilled(m, CASES[:1], reserve=20)
+        eager, _ = decode(m, done, tokens, compiled=False)
+        compiled, _ = decode(m, done, tokens, compiled=True)
+        for a, b in zip(eager, compiled, strict=True):
+            torch.testing.assert_close(b, a, rtol=tolerance, atol=tolerance)
+
+
+def test_rows_that_evict_take_the_ordinary_step(model):
+    """An evicting row's observers and compaction are not compiled: a batch holding one steps eagerly."""
+    done = prefilled(model, [CASES[0], ("h2o", {"evict.budget": 30}, 50)], reserve=20)
+    tokens = list(range(5, 15))
+    eager, _ = decode(model, done, tokens, compiled=False)
+    compiled, static = decode(model, done, tokens, compiled=True)
+    assert static == 5  # the full-attention row alone: before the H2O row joins (3 steps), after it leaves (2)
+    for a, b in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+def test_a_failed_compile_runs_the_step_eagerly(model, monkeypatch, caplog):
+    monkeypatch.setattr(static_step_module, "compiled_steps", Compiled("decoding step", static_step_module.model_step))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    done = prefilled(model, CASES[:1], reserve=20)
+    tokens = list(range(5, 10))
+    eager, _ = decode(model, done, tokens, compiled=False)
+    with caplog.at_level(logging.WARNING, logger="kvsieve.compiled"):
+        compiled, static = decode(model, done, tokens, compiled=True)
+    assert static == len(tokens) and caplog.text.count("no compiler here") == 1
+    for a, b in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_warm_up_compiles_the_steps_a_server_will_run(model, monkeypatch):
+    """With compiled steps on (`--compile-steps`: the environment's KVSIEVE_COMPILED_STEPS), `warm_up` (what
+    `kvsieve serve` runs before answering) compiles the step; requests' steps after it compile nothing more.
+    Off, batches step the ordinary way."""
+    monkeypatch.setenv("KVSIEVE_COMPILED_STEPS", "0")
+    assert not DecodeBatch(model).compiled and not DecodeBatch(model).static
+    set_compiled_steps(True)  # what the CLI's --compile-steps does
+    assert DecodeBatch(model).compiled and DecodeBatch(model).static
+    fresh = Compiled("decoding step", static_step_module.model_step, options={"guard_filter_fn": step_guards})
+    monkeypatch.setattr(static_step_module, "compiled_steps", fresh)
+    assert warm_up(model) > 0 and fresh.compiled is not None
+    warmed = unique_graphs()
+    done = prefilled(model, CASES, reserve=30)
+    logits, static = decode(model, done, list(range(5, 25)))
+    assert static == 15 and unique_graphs() == warmed
