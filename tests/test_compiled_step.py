@@ -25,6 +25,10 @@ from kvsieve.engine.static_step import step_guards
 from kvsieve.pipeline import Prefill, prefill
 from kvsieve.quantize import quantize
 
+# Every test here compiles the same tiny model's step (about 10 s with an empty inductor cache): one worker
+# runs them all, so that it compiles once (`--dist loadgroup`).
+pytestmark = pytest.mark.xdist_group("compiled_step")
+
 CASES = [  # the first decodes alone, then the others join; none evicts
     ("full", {}, 40),
     ("snapkv", {"compress.budget": 24, "compress.policy.window": 4}, 70),
@@ -107,15 +111,15 @@ def test_another_model_gets_its_own_logits(model):
             torch.testing.assert_close(b, a, rtol=tolerance, atol=tolerance)
 
 
-def test_rows_that_evict_take_the_ordinary_step(model):
-    """An evicting row's observers and compaction are not compiled: a batch holding one steps eagerly."""
-    done = prefilled(model, [CASES[0], ("h2o", {"evict.budget": 30}, 50)], reserve=20)
+def test_a_lone_row_that_evicts_takes_the_ordinary_step(model):
+    """An evicting row's observers and compaction are not compiled: alone, it steps the ordinary way."""
+    done = prefilled(model, [("h2o", {"evict.budget": 30}, 50)], reserve=20)
     tokens = list(range(5, 15))
     eager, _ = decode(model, done, tokens, compiled=False)
     compiled, static = decode(model, done, tokens, compiled=True)
-    assert static == 5  # the full-attention row alone: before the H2O row joins (3 steps), after it leaves (2)
+    assert static == 0
     for a, b in zip(eager, compiled, strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
 def test_a_failed_compile_runs_the_step_eagerly(model, monkeypatch, caplog):
