@@ -25,10 +25,6 @@ from kvsieve.engine.static_step import step_guards
 from kvsieve.pipeline import Prefill, prefill
 from kvsieve.quantize import quantize
 
-# Every test here compiles the same tiny model's step (about 10 s with an empty inductor cache): one worker
-# runs them all, so that it compiles once (`--dist loadgroup`).
-pytestmark = pytest.mark.xdist_group("compiled_step")
-
 CASES = [  # the first decodes alone, then the others join; none evicts
     ("full", {}, 40),
     ("snapkv", {"compress.budget": 24, "compress.policy.window": 4}, 70),
@@ -78,7 +74,8 @@ def unique_graphs() -> int:
 def test_compiled_steps_give_the_ordinary_steps_logits_and_compile_once(model):
     """One row alone for more steps than the tables' spare room (rebuilt: a new capacity), then rows join
     for five steps (the ordinary step) and leave: every step's logits agree with the ordinary step's, every step
-    of the lone row is compiled, and the whole run compiles one graph, whatever capacities it meets."""
+    of the lone row is compiled, and the whole run compiles at most one graph (none where an earlier test compiled
+    this model's step), whatever capacities it meets."""
     steps = SPARE + 20
     done = prefilled(model, CASES, reserve=steps + 8)
     tokens = torch.randint(3, 200, (steps,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -86,7 +83,7 @@ def test_compiled_steps_give_the_ordinary_steps_logits_and_compile_once(model):
     before = unique_graphs()
     compiled, compiled_static = decode(model, done, tokens, compiled=True, join_at=SPARE + 5)
     assert eager_static == 0 and compiled_static == steps - 5
-    assert unique_graphs() - before == 1
+    assert unique_graphs() - before <= 1
     for a, b in zip(eager, compiled, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
