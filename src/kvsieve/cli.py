@@ -74,7 +74,7 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="on a CPU, compile the whole decoding step of a lone request whose cache does not evict "
         "(torch.compile): up to 1.8x faster per token on SmolLM2 (least with a long full-attention cache), after "
-        "a compile of one to two minutes (cached on disk for later runs). Worth it for long answers and servers",
+        "a compile of one to two and a half minutes per process on 2 cores. Worth it for long answers and servers",
     )
 
 

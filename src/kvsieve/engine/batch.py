@@ -81,7 +81,7 @@ def cuda_graphs_enabled(model: PreTrainedModel) -> bool:
 
 def set_compiled_steps(enabled: bool) -> None:
     """Compile the CPU's decoding steps (`engine.static_step.compiled_steps`) from now on, or stop. Off by default:
-    compiling SmolLM2's step takes 1-2 minutes on a 2-core machine, more than a short answer's whole decode. The
+    compiling SmolLM2's step takes 1.5-2.5 minutes on a 2-core machine, more than a short answer's whole decode. The
     setting is the environment's KVSIEVE_COMPILED_STEPS, so worker processes (`kvsieve bench`'s) inherit it."""
     os.environ["KVSIEVE_COMPILED_STEPS"] = "1" if enabled else "0"
 
