@@ -70,9 +70,10 @@ def model_step(
 
 
 # Guards dynamo may skip on a model's modules: that no hook was registered, that an attribute is absent, a
-# module's type. A step checks thousands of guards (most of them these, one set per module); the guards that
-# hold what the graph bakes in (module constants such as a norm's epsilon, tensors' dtypes and shapes) stay,
-# so another model, even of the same architecture with other constants, is not given this graph.
+# module's type. A step checks thousands of guards (most of them these, one set per module); the guards on what
+# the graph depends on (modules' integer constants, parameters' dtypes and shapes) stay, so a model the graph does
+# not fit is compiled anew. One with other weights reuses it with its own (parameters and float constants are
+# the graph's inputs).
 SKIPPED_MODULE_GUARDS = frozenset(
     {"EMPTY_NN_MODULE_HOOKS_DICT", "NOT_PRESENT_IN_GENERIC_DICT", "DICT_NOT_CONTAINS", "TYPE_MATCH", "HASATTR"}
 )
