@@ -12,7 +12,7 @@ length per layer. Here they are tensors:
 - `ends` (layers, rows): the column where each row's next entry of each layer goes;
 - each layer scatters its rows' new keys and values into the batch tables at `ends` and attends over
   the tables' whole capacity, the columns from `ends + 1` on masked as padding (the batch's padded
-  attention, `attention_hooks(key_lengths=...)`, whose logits are float32);
+  attention, the forward's `key_lengths`, whose logits are float32);
 - the step advances `positions` and `ends` itself, so a replay needs only the tokens copied in.
 
 A row that evicts joins in its steady state (`steady`): its cache at the budget, evicting one entry per
