@@ -11,6 +11,7 @@ from conftest import make_prompt
 
 from kvsieve.attention import (
     ATTENTION_NAME,
+    NO_HOOKS,
     StopForward,
     attention_hooks,
     bottom_right_causal_mask,
@@ -142,6 +143,25 @@ def test_kvsieve_attention_without_hooks_is_dense_and_transposed():
     assert weights is None
     assert out.shape == (1, 4, 4, 8)  # (b, q, h, d)
     torch.testing.assert_close(out, reference_attention(query, key, value).transpose(1, 2))
+
+
+def test_a_forward_given_no_hooks_reads_none_of_the_contexts():
+    """What the compiled decoding step passes (`kvsieve_hooks=NO_HOOKS`): the active observers and kernel are not
+    called; without the argument the same call runs them."""
+    seen = []
+
+    def kernel(layer, q, k, v, scaling):
+        seen.append("kernel")
+        return torch.full_like(q, 2.0)
+
+    query, key, value = _qkv(4)
+    module = SimpleNamespace(layer_idx=0)
+    with attention_hooks(observers=[lambda *args: seen.append("observer")], kernel=kernel):
+        out, _ = kvsieve_attention(module, query, key, value, None, kvsieve_hooks=NO_HOOKS)
+        assert seen == []
+        torch.testing.assert_close(out, reference_attention(query, key, value).transpose(1, 2))
+        out, _ = kvsieve_attention(module, query, key, value, None)
+        assert seen == ["observer", "kernel"] and torch.all(out == 2.0)
 
 
 def test_nested_hooks_keep_outer_observers_and_kernel():

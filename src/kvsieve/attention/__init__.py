@@ -18,7 +18,9 @@ layer j holds `key_lengths[j][b]` keys, its query i (of q) attends to the first
 `key_lengths[j][b] - q + i + 1` of them, and the columns after them are padding. They are not a hook
 but an argument of the model's forward (`model(..., key_lengths=...)`), which transformers hands on
 to the attention function: so a compiled decoding step (`engine.static_step`) takes them as inputs.
-A compiled region sees no hooks at all (dynamo cannot trace the context variable that holds them).
+The hooks themselves live in a context variable, which dynamo cannot trace (a graph break in every
+layer); a forward given `kvsieve_hooks=NO_HOOKS` reads none, which is what the compiled step passes.
+Anything else compiled by its caller still reads the context's hooks (through the graph break).
 """
 
 from __future__ import annotations
@@ -49,7 +51,9 @@ class StopForward(Exception):
 
 
 @dataclass(frozen=True)
-class _Hooks:
+class Hooks:
+    """What a forward pass's attention is steered by (`attention_hooks` sets them for a block)."""
+
     observers: tuple[Observer, ...] = ()
     kernel: PrefillKernel | None = None
     last_pass: tuple[Observer, ...] = ()
@@ -60,7 +64,8 @@ class _Hooks:
         return self.observers if self.intermediate else self.observers + self.last_pass
 
 
-_active: ContextVar[_Hooks | None] = ContextVar("kvsieve_attention_hooks", default=None)
+_active: ContextVar[Hooks | None] = ContextVar("kvsieve_attention_hooks", default=None)
+NO_HOOKS = Hooks()  # `model(..., kvsieve_hooks=NO_HOOKS)`: a forward that reads no hooks (a compiled step)
 
 
 @contextmanager
@@ -79,9 +84,9 @@ def attention_hooks(
     under a CritiPrefill kernel. `intermediate=True` marks passes that are not a feed's last:
     last-pass observers and finishers skip them.
     """
-    outer = _active.get() or _Hooks()
+    outer = _active.get() or Hooks()
     token = _active.set(
-        _Hooks(
+        Hooks(
             observers=outer.observers + tuple(observers),
             kernel=kernel or outer.kernel,
             last_pass=outer.last_pass + tuple(last_pass),
@@ -104,15 +109,17 @@ def kvsieve_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     key_lengths: Sequence[torch.Tensor] | None = None,
+    kvsieve_hooks: Hooks | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """AttentionInterface entry point: returns (b, q, h, d) like transformers' SDPA function.
 
     transformers builds no mask for a custom implementation name; causality is bottom-right
     and computed by the kernel. Batches are unpadded unless the model's forward got `key_lengths`
-    (per layer, each row's key count: right padding).
+    (per layer, each row's key count: right padding). The hooks are the context's unless the forward got
+    `kvsieve_hooks` (`NO_HOOKS`).
     """
-    hooks = _Hooks() if torch.compiler.is_compiling() else (_active.get() or _Hooks())
+    hooks = kvsieve_hooks or _active.get() or NO_HOOKS
     layer = module.layer_idx
     kernel = hooks.kernel if query.shape[2] > 1 else None
     lengths = key_lengths[layer] if key_lengths is not None else None
@@ -145,6 +152,8 @@ __all__ = [
     "ATTENTION_NAME",
     "AccumulatedScores",
     "Finisher",
+    "Hooks",
+    "NO_HOOKS",
     "Observer",
     "PrefillKernel",
     "StopForward",

@@ -47,7 +47,7 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from kvsieve.attention import attention_hooks
+from kvsieve.attention import NO_HOOKS, Hooks, attention_hooks
 from kvsieve.compiled import Compiled
 from kvsieve.compress.stages import EvictRun, observe_rows
 from kvsieve.models import with_cache
@@ -61,11 +61,13 @@ def model_step(
     positions: torch.Tensor,
     cache: dict[str, Cache],
     key_lengths: torch.Tensor,
+    hooks: Hooks | None = None,
 ) -> torch.Tensor:
     """The forward pass of a static step: each row's token `ids` (rows, 1) at `positions` (rows, 1), written into
-    `cache` (`with_cache`'s keyword) and attending over `key_lengths[layer, row]` keys; (rows, vocab) logits."""
+    `cache` (`with_cache`'s keyword) and attending over `key_lengths[layer, row]` keys; (rows, vocab) logits.
+    `hooks`: the attention's (`kvsieve.attention.NO_HOOKS` when compiled), None for the context's."""
     out = model(input_ids=ids, position_ids=positions, **cache, use_cache=True, logits_to_keep=1,
-                key_lengths=key_lengths)  # fmt: skip
+                key_lengths=key_lengths, kvsieve_hooks=hooks)  # fmt: skip
     return out.logits[:, -1]
 
 
@@ -187,7 +189,7 @@ class StaticStep:
         observers = [self._observe] if self.evicting else []
         with torch.no_grad(), attention_hooks(observers=observers):
             arguments = (self.model, self.ids, self.positions, with_cache(self.model, self.cache), lengths)
-            logits = compiled_steps(*arguments) if self.compiled else None
+            logits = compiled_steps(*arguments, NO_HOOKS) if self.compiled else None  # no eviction to observe
             if logits is None:  # not compiled, or compiling failed
                 logits = model_step(*arguments)
             for _, evict, cache in self.evicting:
