@@ -50,10 +50,11 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
     """x (..., in) times int8 `weight` (out, in) with per-row `scale` (out,), plus `bias`; in x's dtype."""
     flat = x.reshape(-1, x.shape[-1])
     out = None
-    if fused_rows(x, FUSED_ROWS) and torch.compiler.is_compiling():  # a caller's compiled graph: traced into it
-        out = _int8_product(flat.float(), weight, scale).to(x.dtype)
-    elif fused_rows(x, FUSED_ROWS):
-        out = int8_products(plain_rows(x, torch.float32), weight, scale)
+    if fused_rows(x, FUSED_ROWS):
+        if torch.compiler.is_compiling():  # inside a caller's compiled graph: traced into it
+            out = _int8_product(flat.float(), weight, scale)
+        else:
+            out = int8_products(plain_rows(x, torch.float32), weight, scale)
         out = out.to(x.dtype) if out is not None else None
     if out is None:
         out = F.linear(flat, (weight.float() * scale[:, None]).to(x.dtype))
