@@ -39,7 +39,9 @@ On a CPU a step's products of a few rows run through kvsieve's compiled kernel (
 `--fused-products both` also times every method with PyTorch's own products (`NAME/pytorch`).
 `--compiled-steps both` also times every method with the batch's whole step compiled on the CPU
 (`NAME/compiled`, `DecodeBatch(compiled=True)`; rows that evict take the ordinary step there); each
-timing records its batch's first step (`first_step_s`: there, the compile).
+timing records its batch's first step (`first_step_s`: there, the compile). A CPU step's attention runs
+through kvsieve's decoding attention kernel (`kvsieve.attention.decode_kernel`); `--attention-kernel both`
+also times every method with PyTorch's attention (`NAME/torch-attention`).
 
 Pause other work on the machine while it runs (the timings are wall-clock).
 """
@@ -54,6 +56,7 @@ import statistics
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -61,6 +64,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from kvsieve import load_model, prepare
+from kvsieve.attention.decode_kernel import set_enabled as set_attention_kernel
 from kvsieve.compress.cache import wrap_cache
 from kvsieve.data import prompt_case
 from kvsieve.engine.batch import DecodeBatch, Row
@@ -118,13 +122,11 @@ class Decoder:
     """A method's prefilled prompt, copied into `rows` rows of the engine's decoding batch and decoded
     greedily (EOS ignored) in timed stretches of steps. The prefill itself is left as it was."""
 
-    def __init__(
-        self, model, done: Prefill, rows: int, static: bool | None = None, fused: bool = True, compiled: bool = False
-    ):
+    def __init__(self, model, done: Prefill, rows: int, variant: Variant):
         self.model = model
-        self.fused = fused
+        self.variant = variant
         cache, first = done.prefilled.cache, int(torch.argmax(done.prefilled.last_logits))
-        self.batch = DecodeBatch(model, static=static, compiled=compiled)
+        self.batch = DecodeBatch(model, static=variant.static, compiled=variant.compiled)
         self.first_step_s: float | None = None  # the batch's first step (a compiled step's compile time)
         self.evicting: list[float] = []
         for _ in range(rows):
@@ -149,7 +151,8 @@ class Decoder:
         """Decode `steps` more tokens per row; ms per step, tokens/s (all rows) and the eviction's ms per step
         and row."""
         self.evicting.clear()
-        set_fused_products(self.fused)
+        set_fused_products(self.variant.fused)
+        set_attention_kernel(self.variant.kernel)
         _sync(self.model.device)
         start = time.perf_counter()
         for _ in range(steps):
@@ -164,6 +167,7 @@ class Decoder:
         _sync(self.model.device)
         seconds = time.perf_counter() - start
         set_fused_products(True)
+        set_attention_kernel(True)
         return {
             "ms_per_step": seconds / steps * 1e3,
             "tokens_per_s": steps * len(self.batch) / seconds,
@@ -224,21 +228,43 @@ def profiled(decoder: Decoder, steps: int, top: int = 12) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class Variant:
+    """How a timed label decodes: its method, its batch's `static` (None: the default, CUDA graphs on CUDA),
+    whether the CPU's few-row products take the fused kernel (`kvsieve.linear`), whether the CPU's step is
+    compiled, whether the CPU's attention takes kvsieve's kernel (`kvsieve.attention.decode_kernel`)."""
+
+    method: str
+    static: bool | None
+    fused: bool
+    compiled: bool
+    kernel: bool
+
+
 def variants(
-    names: list[str], cuda_graphs: str, fused_products: str, compiled_steps: str = "off"
-) -> dict[str, tuple[str, bool | None, bool, bool]]:
-    """Each timed label's method, its batch's `static` (None: the default, CUDA graphs on CUDA), whether the
-    CPU's few-row products take the fused kernel (`kvsieve.linear`) and whether the CPU's step is compiled;
-    `both` adds every method as `NAME/eager` (CUDA graphs off), `NAME/pytorch` (PyTorch's products) or
-    `NAME/compiled` (the step compiled)."""
-    static, fused, compiled = (False if cuda_graphs == "off" else None), fused_products != "off", compiled_steps == "on"
-    labels = {name: (name, static, fused, compiled) for name in names}
-    if cuda_graphs == "both":
-        labels |= {f"{name}/eager": (name, False, fused, compiled) for name in names}
-    if fused_products == "both":
-        labels |= {f"{name}/pytorch": (name, static, False, compiled) for name in names}
-    if compiled_steps == "both":
-        labels |= {f"{name}/compiled": (name, None, fused, True) for name in names}
+    names: list[str], cuda_graphs: str, fused_products: str, compiled_steps: str = "off", attention_kernel: str = "on"
+) -> dict[str, Variant]:
+    """Each timed label's `Variant`; `both` adds every method as `NAME/eager` (CUDA graphs off), `NAME/pytorch`
+    (PyTorch's products), `NAME/compiled` (the step compiled) or `NAME/torch-attention` (PyTorch's attention)."""
+    base = {
+        name: Variant(
+            name,
+            False if cuda_graphs == "off" else None,
+            fused_products != "off",
+            compiled_steps == "on",
+            attention_kernel != "off",
+        )
+        for name in names
+    }
+    labels = dict(base)
+    for option, suffix, change in (
+        (cuda_graphs, "eager", {"static": False}),
+        (fused_products, "pytorch", {"fused": False}),
+        (compiled_steps, "compiled", {"static": None, "compiled": True}),
+        (attention_kernel, "torch-attention", {"kernel": False}),
+    ):
+        if option == "both":
+            labels |= {f"{name}/{suffix}": replace(variant, **change) for name, variant in base.items()}
     return labels
 
 
@@ -254,11 +280,10 @@ def timed_runs(model, prompt, names: list[str], args, label: str) -> dict[int, t
     steps, repeats, shared = args.steps, args.repeats, args.shared_prefill
     reserve = WARMUP + steps * (repeats + 1) + 8
     done = {name: prefill(model, prompt, method=spec(name), reserve=reserve) for name in names}
-    labels = variants(names, args.cuda_graphs, args.fused_products, args.compiled_steps)
+    labels = variants(names, args.cuda_graphs, args.fused_products, args.compiled_steps, args.attention_kernel)
 
     def decoder_of(name: str, rows: int) -> Decoder:
-        method_name, static, fused, compiled = labels[name]
-        return Decoder(model, done[method_name], rows, static, fused, compiled)
+        return Decoder(model, done[labels[name].method], rows, labels[name])
 
     results = {}
     for rows in [int(b) for b in args.batches.split(",")]:
@@ -308,6 +333,16 @@ def random_model(args: argparse.Namespace) -> tuple[torch.nn.Module, None]:
     return prepare(AutoModelForCausalLM.from_config(config, dtype=dtype).to(device)), None
 
 
+def both_ways(parser: argparse.ArgumentParser, flag: str, default: str, on: str, off: str, suffix: str) -> None:
+    """A setting timed `on`, `off` or `both` ways (every method also as NAME/`suffix`, the way not the default)."""
+    parser.add_argument(
+        flag,
+        choices=("on", "off", "both"),
+        default=default,
+        help=f"on: {on}; off: {off}; both: every method both ways, the other way as NAME/{suffix}, side by side",
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -331,19 +366,29 @@ def main() -> None:
         help="auto: the batch's default (steps without eviction captured on CUDA); off: eager steps; both: every "
         "method captured and as NAME/eager, side by side",
     )
-    parser.add_argument(
+    both_ways(
+        parser,
         "--fused-products",
-        choices=("on", "off", "both"),
-        default="on",
-        help="on: a CPU step's few-row products through kvsieve's compiled kernel (the default, `kvsieve.linear`); "
-        "off: PyTorch's products; both: every method both ways, PyTorch's as NAME/pytorch, side by side",
+        "on",
+        "a CPU step's few-row products through kvsieve's compiled kernel (the default, `kvsieve.linear`)",
+        "PyTorch's products",
+        "pytorch",
     )
-    parser.add_argument(
+    both_ways(
+        parser,
         "--compiled-steps",
-        choices=("on", "off", "both"),
-        default="off",
-        help="on: the CPU's whole decoding step compiled (`DecodeBatch(compiled=True)`); off: the default; both: "
-        "every method both ways, compiled as NAME/compiled, side by side",
+        "off",
+        "the CPU's whole decoding step compiled (`DecodeBatch(compiled=True)`)",
+        "the default",
+        "compiled",
+    )
+    both_ways(
+        parser,
+        "--attention-kernel",
+        "on",
+        "a CPU step's attention through kvsieve's kernel (the default, `kvsieve.attention.decode_kernel`)",
+        "PyTorch's attention",
+        "torch-attention",
     )
     parser.add_argument(
         "--quantize",

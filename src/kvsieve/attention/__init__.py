@@ -34,6 +34,7 @@ import torch
 from transformers import AttentionInterface
 
 from kvsieve.attention.accumulate import AccumulatedScores, accumulating_attention
+from kvsieve.attention.decode_kernel import kernel_attention
 from kvsieve.attention.dense import bottom_right_causal_mask, dense_attention, grouped_attention, repeat_kv
 
 ATTENTION_NAME = "kvsieve"
@@ -130,8 +131,10 @@ def kvsieve_attention(
     for observer in observers:
         if not any(observer is f for f in fused):
             observer(layer, query, key)
-    if lengths is not None:
-        out = grouped_attention(query, key, value, scaling, lengths)
+    if lengths is not None:  # a padded batch's decoding step: the CPU's kernel where it serves it
+        out = kernel_attention(query, key, value, scaling, lengths)
+        if out is None:
+            out = grouped_attention(query, key, value, scaling, lengths)
     elif fused:
         out, scores = accumulating_attention(query, key, value, scaling, [f.alpha for f in fused])
         for observer, layer_scores in zip(fused, scores, strict=True):

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from kvsieve.attention.decode_kernel import kernel_attention
+
 GROUPED_FROM = 4096  # rows x keys of a CPU decoding step from which the grouped matmul beats SDPA (measured)
 # A single query on CUDA: every SDPA kernel but cuDNN's, whose per-shape plans a growing cache rebuilds every step.
 SINGLE_QUERY_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -32,15 +34,19 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:
     """Causal SDPA. query (b, h, q, d); key/value (b, kv_heads, k, d), never stored repeated.
 
-    Returns (b, h, q, d). A decoding step (one query) on the CPU over at least GROUPED_FROM keys in all
-    (rows x keys) takes `grouped_attention` instead: PyTorch's CPU SDPA kernel was 1.3 to 2x slower there on
-    decoding's cache views, and faster below. On CUDA a single query never goes to cuDNN, which SDPA picks
-    for bfloat16 and which plans anew for every key length: a growing cache paid about 1.2 ms per layer and
-    step on an H200 (docs/STUDIES.md, issue 26).
+    Returns (b, h, q, d). A decoding step (one query) on the CPU takes kvsieve's kernel where it serves the
+    tensors (`decode_kernel`), else, over at least GROUPED_FROM keys in all (rows x keys), `grouped_attention`:
+    PyTorch's CPU SDPA kernel was 1.3 to 2x slower there on decoding's cache views, and faster below. On CUDA
+    a single query never goes to cuDNN, which SDPA picks for bfloat16 and which plans anew for every key length:
+    a growing cache paid about 1.2 ms per layer and step on an H200 (docs/STUDIES.md, issue 26).
     """
     q_len, k_len = query.shape[2], key.shape[2]
-    if q_len == 1 and query.device.type == "cpu" and query.shape[0] * k_len >= GROUPED_FROM:
-        return grouped_attention(query, key, value, scaling)
+    if q_len == 1 and query.device.type == "cpu":
+        out = kernel_attention(query, key, value, scaling)
+        if out is not None:
+            return out
+        if query.shape[0] * k_len >= GROUPED_FROM:
+            return grouped_attention(query, key, value, scaling)
     if q_len == 1 and query.device.type == "cuda":
         with sdpa_kernel(SINGLE_QUERY_BACKENDS):
             return F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=True)

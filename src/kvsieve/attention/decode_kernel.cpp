@@ -1,0 +1,247 @@
+// kvsieve::decode_attention: a decoding step's attention on a CPU (one query per row) in one pass over the cache.
+//
+// Built and loaded by kvsieve/attention/decode_kernel.py. A decoding step's attention reads every cached key and
+// value once and does little arithmetic on them, so its floor is the memory's speed. PyTorch's products for it
+// (a (rows x d) by (d x keys) product per KV head, then probabilities by values) are matrix kernels that repack
+// their operands, and read the cache at a third to a half of that speed (docs/STUDIES.md, issue 26). Here:
+//
+// - the keys of a KV head are split into chunks of CHUNK; the chunks of every row and KV head are shared out
+//   among PyTorch's threads (at::parallel_for), each chunk read once from memory;
+// - in a chunk, the query heads that share the KV head (up to 4 at a time) take their logits from each key
+//   while it is in the registers; the chunk's softmax and its probabilities times the values follow while the
+//   chunk is in the cache;
+// - the chunks' partial results (their maximum, sum of exponentials and weighted values) are merged with the
+//   usual rescaling by exp(m_chunk - m_row) (flash-decoding).
+//
+// Float32 throughout; the arithmetic uses GCC's generic vectors, which the compiler maps onto the machine's vector
+// instructions (the library is built for the machine it runs on).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <vector>
+
+namespace {
+
+typedef float vec __attribute__((vector_size(64)));
+typedef int ivec __attribute__((vector_size(64)));
+constexpr int W = 16;          // floats per vector
+constexpr int64_t CHUNK = 256;  // keys per unit of work
+constexpr int KEYS = 4;         // keys whose logits are accumulated at once (independent chains of additions)
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+inline vec load(const float* p) {
+  vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
+
+inline float sum(vec v) {
+  float s = 0.f;
+  for (int i = 0; i < W; ++i) s += v[i];
+  return s;
+}
+
+// exp(x) for x <= 0 (a softmax's logits minus their maximum): 2^n p(r) with r = x - n ln2, Cephes' polynomial for
+// exp(r) on [-ln2/2, ln2/2] (relative error about 1e-7); below -87.3 it returns exp(-87.3), about 1e-38.
+inline vec exp_nonpositive(vec x) {
+  x = x < -87.33654f ? vec{} - 87.33654f : x;
+  vec fx = x * 1.44269504088896341f + 0.5f;
+  vec n = __builtin_convertvector(__builtin_convertvector(fx, ivec), vec);
+  n = n > fx ? n - 1.f : n;  // floor
+  const vec r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vec p = vec{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+  vec scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// One chunk of `len` keys of one KV head for HEADS query heads of DV vectors each: the heads' logits (scaled) into
+// `logits` (a row of `stride` per head), then their maximum `m`, sum of exponentials `s` and unnormalised output
+// `o` (HEADS x D).
+template <int DV, int HEADS>
+void chunk_heads(const float* q, const float* k, int64_t k_step, const float* v, int64_t v_step, int64_t len,
+                 float scale, float* logits, int64_t stride, float* m, float* s, float* o) {
+  constexpr int D = DV * W;
+  vec qv[HEADS][DV];
+  for (int h = 0; h < HEADS; ++h)
+    for (int c = 0; c < DV; ++c) qv[h][c] = load(q + h * D + c * W);
+  int64_t n = 0;
+  for (; n + KEYS <= len; n += KEYS) {
+    vec acc[HEADS][KEYS] = {};
+    for (int c = 0; c < DV; ++c) {
+      vec kv[KEYS];
+      for (int j = 0; j < KEYS; ++j) kv[j] = load(k + (n + j) * k_step + c * W);
+      for (int h = 0; h < HEADS; ++h)
+        for (int j = 0; j < KEYS; ++j) acc[h][j] += qv[h][c] * kv[j];
+    }
+    for (int h = 0; h < HEADS; ++h)
+      for (int j = 0; j < KEYS; ++j) logits[h * stride + n + j] = sum(acc[h][j]) * scale;
+  }
+  for (; n < len; ++n) {
+    vec acc[HEADS] = {};
+    for (int c = 0; c < DV; ++c) {
+      const vec kv = load(k + n * k_step + c * W);
+      for (int h = 0; h < HEADS; ++h) acc[h] += qv[h][c] * kv;
+    }
+    for (int h = 0; h < HEADS; ++h) logits[h * stride + n] = sum(acc[h]) * scale;
+  }
+  for (int h = 0; h < HEADS; ++h) {
+    float* row = logits + h * stride;
+    const float top = *std::max_element(row, row + len);
+    vec total = {};
+    int64_t i = 0;
+    for (; i + W <= len; i += W) {
+      const vec e = exp_nonpositive(load(row + i) - top);
+      store(row + i, e);
+      total += e;
+    }
+    float tail = 0.f;
+    for (; i < len; ++i) {
+      row[i] = std::exp(row[i] - top);
+      tail += row[i];
+    }
+    m[h] = top;
+    s[h] = sum(total) + tail;
+  }
+  vec out[HEADS][DV] = {};
+  for (int64_t i = 0; i < len; ++i) {
+    vec vv[DV];
+    for (int c = 0; c < DV; ++c) vv[c] = load(v + i * v_step + c * W);
+    for (int h = 0; h < HEADS; ++h) {
+      const vec p = vec{} + logits[h * stride + i];
+      for (int c = 0; c < DV; ++c) out[h][c] += p * vv[c];
+    }
+  }
+  for (int h = 0; h < HEADS; ++h)
+    for (int c = 0; c < DV; ++c) store(o + h * D + c * W, out[h][c]);
+}
+
+// All `heads` query heads of one KV head over one chunk, up to 4 at a time.
+template <int DV>
+void chunk(const float* q, const float* k, int64_t k_step, const float* v, int64_t v_step, int64_t len,
+           int64_t heads, float scale, float* logits, float* m, float* s, float* o) {
+  constexpr int D = DV * W;
+  for (int64_t h = 0; h < heads; h += 4) {
+    const int64_t group = std::min<int64_t>(4, heads - h);
+    auto run = group == 4   ? chunk_heads<DV, 4>
+               : group == 3 ? chunk_heads<DV, 3>
+               : group == 2 ? chunk_heads<DV, 2>
+                            : chunk_heads<DV, 1>;
+    run(q + h * D, k, k_step, v, v_step, len, scale, logits + h * CHUNK, CHUNK, m + h, s + h, o + h * D);
+  }
+}
+
+using ChunkFn = void (*)(const float*, const float*, int64_t, const float*, int64_t, int64_t, int64_t, float, float*,
+                         float*, float*, float*);
+
+ChunkFn chunk_for(int64_t dim) {
+  switch (dim) {
+    case 16: return chunk<1>;
+    case 32: return chunk<2>;
+    case 64: return chunk<4>;
+    case 96: return chunk<6>;
+    case 128: return chunk<8>;
+    case 256: return chunk<16>;
+    default: return nullptr;
+  }
+}
+
+// query (b, h, 1, d); key, value (b, g, n, d) with h a multiple of g and d contiguous; lengths (b,) int64: row b
+// attends to its first lengths[b] keys (all n without). Returns (b, h, 1, d): query head i reads KV head i / (h/g).
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                            const std::optional<at::Tensor>& lengths, double scale) {
+  TORCH_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat,
+              "float32 tensors only");
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && query.size(2) == 1, "one query per row");
+  const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(3);
+  const int64_t kv_heads = key.size(1), keys = key.size(2);
+  TORCH_CHECK(key.sizes() == value.sizes() && key.size(0) == rows && key.size(3) == dim && heads % kv_heads == 0,
+              "query (b, h, 1, d) and key/value (b, g, n, d) with h a multiple of g");
+  TORCH_CHECK(key.stride(3) == 1 && value.stride(3) == 1, "keys and values contiguous in d");
+  const ChunkFn run = chunk_for(dim);
+  TORCH_CHECK(run != nullptr, "head dimension ", dim, " is not one of 16, 32, 64, 96, 128, 256");
+  const int64_t group = heads / kv_heads;
+  std::vector<int64_t> ends(rows, keys);
+  if (lengths.has_value()) {
+    const at::Tensor counts = lengths->to(at::kLong).contiguous();
+    TORCH_CHECK(counts.numel() == rows, "one length per row");
+    const int64_t* c = counts.data_ptr<int64_t>();
+    for (int64_t b = 0; b < rows; ++b) {
+      TORCH_CHECK(c[b] >= 1 && c[b] <= keys, "a row's length must be in 1..", keys, ", got ", c[b]);
+      ends[b] = c[b];
+    }
+  }
+  const int64_t chunks = (*std::max_element(ends.begin(), ends.end()) + CHUNK - 1) / CHUNK;
+  const at::Tensor q = query.contiguous();
+  const auto options = query.options();
+  at::Tensor part_m = at::empty({rows, kv_heads, chunks, group}, options);
+  at::Tensor part_s = at::empty({rows, kv_heads, chunks, group}, options);
+  at::Tensor part_o = at::empty({rows, kv_heads, chunks, group, dim}, options);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = key.data_ptr<float>();
+  const float* vp = value.data_ptr<float>();
+  float* pm = part_m.data_ptr<float>();
+  float* ps = part_s.data_ptr<float>();
+  float* po = part_o.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, rows * kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> logits(group * CHUNK);
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t b = unit / (kv_heads * chunks), g = unit / chunks % kv_heads, c = unit % chunks;
+      const int64_t first = c * CHUNK, last = std::min(ends[b], first + CHUNK);
+      if (first >= last) {  // past this row's keys
+        std::fill(pm + unit * group, pm + (unit + 1) * group, NEG_INF);
+        continue;
+      }
+      run(qp + (b * heads + g * group) * dim, kp + b * key.stride(0) + g * key.stride(1) + first * key.stride(2),
+          key.stride(2), vp + b * value.stride(0) + g * value.stride(1) + first * value.stride(2), value.stride(2),
+          last - first, group, sc, logits.data(), pm + unit * group, ps + unit * group, po + unit * group * dim);
+    }
+  });
+  at::Tensor out = at::empty({rows, heads, 1, dim}, options);
+  float* op = out.data_ptr<float>();
+  for (int64_t bg = 0; bg < rows * kv_heads; ++bg) {  // merge the chunks: bg * group + h is the query head
+    for (int64_t h = 0; h < group; ++h) {
+      float top = NEG_INF;
+      for (int64_t c = 0; c < chunks; ++c) top = std::max(top, pm[(bg * chunks + c) * group + h]);
+      float* row = op + (bg * group + h) * dim;
+      std::fill(row, row + dim, 0.f);
+      float total = 0.f;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t at = (bg * chunks + c) * group + h;
+        if (pm[at] == NEG_INF) continue;
+        const float weight = std::exp(pm[at] - top);
+        total += weight * ps[at];
+        for (int64_t i = 0; i < dim; ++i) row[i] += weight * po[at * dim + i];
+      }
+      for (int64_t i = 0; i < dim; ++i) row[i] /= total;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvsieve, m) {
+  m.def("decode_attention(Tensor query, Tensor key, Tensor value, Tensor? lengths, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvsieve, CPU, m) { m.impl("decode_attention", &decode_attention); }

@@ -1,0 +1,141 @@
+"""The CPU's decoding attention kernel (kvsieve.attention.decode_kernel) against PyTorch's attention."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kvsieve.attention import decode_kernel, dense_attention, grouped_attention
+from kvsieve.attention.decode_kernel import kernel_attention, supports
+
+
+def cache_views(rows: int, kv_heads: int, keys: int, dim: int, spare: int = 9, seed: int = 0):
+    """Keys and values as the engine hands them over: views of wider tables (capacity past the keys)."""
+    generator = torch.Generator().manual_seed(seed)
+    keys_table = torch.randn(rows, kv_heads, keys + spare, dim, generator=generator)
+    values_table = torch.randn(rows, kv_heads, keys + spare, dim, generator=generator)
+    return keys_table[:, :, :keys], values_table[:, :, :keys]
+
+
+@pytest.mark.parametrize(
+    ("rows", "heads", "kv_heads", "dim", "keys"),
+    [
+        (1, 9, 3, 64, 2176),  # SmolLM2's shape, several chunks of 256 keys
+        (1, 4, 4, 16, 1),  # one key
+        (2, 4, 2, 16, 255),  # one chunk, less a key
+        (2, 8, 2, 32, 256),  # exactly one chunk (four query heads per KV head)
+        (3, 10, 2, 96, 257),  # five query heads per KV head: a group of four, then one
+        (1, 12, 2, 128, 600),  # six per KV head: four, then two
+        (2, 2, 1, 256, 300),
+    ],
+)
+@pytest.mark.parametrize("ragged", [False, True])
+def test_the_kernel_matches_pytorchs_attention(rows, heads, kv_heads, dim, keys, ragged):
+    key, value = cache_views(rows, kv_heads, keys, dim)
+    query = torch.randn(rows, heads, 1, dim, generator=torch.Generator().manual_seed(1))
+    lengths = torch.tensor([max(1, keys - 97 * b) for b in range(rows)]) if ragged else None
+    out = kernel_attention(query, key, value, None, lengths)
+    assert out is not None and out.shape == query.shape
+    torch.testing.assert_close(out, grouped_attention(query, key, value, None, lengths), rtol=1e-5, atol=1e-5)
+
+
+def test_large_logits_and_a_given_scale():
+    """Logits of several hundred (a softmax that would overflow unshifted) and a scale other than 1/sqrt(d)."""
+    key, value = cache_views(2, 2, 700, 64)
+    query = 8 * torch.randn(2, 6, 1, 64, generator=torch.Generator().manual_seed(2))
+    lengths = torch.tensor([700, 333])
+    out = kernel_attention(query, key, value, 0.5, lengths)
+    reference = grouped_attention(query, key, value, 0.5, lengths)
+    assert reference.isfinite().all()
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_reads_only_its_own_keys():
+    """Keys past a row's length (the batch's padding) change nothing, however large."""
+    key, value = cache_views(2, 1, 300, 16)
+    query = torch.randn(2, 2, 1, 16)
+    lengths = torch.tensor([120, 300])
+    before = kernel_attention(query, key, value, None, lengths)
+    key[0, :, 120:] = 1e4
+    value[0, :, 120:] = float("nan")
+    after = kernel_attention(query, key, value, None, lengths)
+    torch.testing.assert_close(after, before)
+
+
+def test_tensors_the_kernel_does_not_serve_take_pytorchs_attention():
+    key, value = cache_views(1, 2, 50, 64)
+    query = torch.randn(1, 4, 1, 64)
+    assert supports(query, key, value)
+    assert not supports(query.bfloat16(), key.bfloat16(), value.bfloat16())
+    assert not supports(torch.randn(1, 4, 3, 64), key, value)  # several queries (a prefill)
+    key80, value80 = cache_views(1, 2, 50, 80)
+    assert kernel_attention(torch.randn(1, 4, 1, 80), key80, value80, None) is None
+    strided = key.transpose(-1, -2).contiguous().transpose(-1, -2)  # d not contiguous
+    assert kernel_attention(query, strided, value, None) is None
+    bf16 = dense_attention(query.bfloat16(), key.bfloat16(), value.bfloat16(), None)  # still answered, by SDPA
+    torch.testing.assert_close(bf16.float(), kernel_attention(query, key, value, None), rtol=0.02, atol=0.02)
+
+
+def test_dense_attention_takes_the_kernel_for_one_query(monkeypatch):
+    key, value = cache_views(1, 2, 40, 16)
+    query = torch.randn(1, 4, 1, 16)
+    calls = []
+    monkeypatch.setattr(torch.ops.kvsieve, "decode_attention", lambda *args: calls.append(args) or args[0])
+    dense_attention(query, key, value, None)
+    assert len(calls) == 1
+    decode_kernel.set_enabled(False)
+    try:
+        dense_attention(query, key, value, None)
+    finally:
+        decode_kernel.set_enabled(True)
+    assert len(calls) == 1
+
+
+def test_a_compiled_graph_calls_the_operator_without_a_break():
+    key, value = cache_views(1, 2, 300, 16)
+    query = torch.randn(1, 4, 1, 16)
+    lengths = torch.tensor([250])
+
+    def attend(query, key, value, lengths):
+        return kernel_attention(query * 2, key, value, None, lengths) + 1
+
+    compiled = torch.compile(attend, fullgraph=True, dynamic=True)
+    torch.testing.assert_close(compiled(query, key, value, lengths), attend(query, key, value, lengths))
+
+
+def test_bad_lengths_are_refused():
+    key, value = cache_views(1, 1, 10, 16)
+    query = torch.randn(1, 1, 1, 16)
+    for bad in (0, 11):
+        with pytest.raises(RuntimeError, match="length must be in 1..10"):
+            kernel_attention(query, key, value, None, torch.tensor([bad]))
+
+
+def test_a_built_library_is_reused(monkeypatch):
+    assert decode_kernel.load()
+    path = decode_kernel.library_path()
+    assert path.exists()
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(decode_kernel.subprocess, "run", no_compiler)
+    assert decode_kernel.build() == path
+
+
+def test_without_a_compiler_attention_falls_back_with_one_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CXX", "false")  # a compiler that fails
+    monkeypatch.setenv("KVSIEVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(decode_kernel, "_state", {})
+    key, value = cache_views(1, 2, 40, 16)
+    query = torch.randn(1, 4, 1, 16)
+    with caplog.at_level(logging.WARNING, logger="kvsieve.attention"):
+        assert kernel_attention(query, key, value, None) is None
+        assert kernel_attention(query, key, value, None) is None
+        out = dense_attention(query, key, value, None)
+    assert [r.message for r in caplog.records if "unavailable" in r.message] and len(caplog.records) == 1
+    assert "compiling decode_kernel.cpp failed" in caplog.records[0].message
+    torch.testing.assert_close(out, grouped_attention(query, key, value, None), rtol=1e-5, atol=1e-5)
+    assert not list(tmp_path.rglob("*.so"))
