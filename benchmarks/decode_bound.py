@@ -20,6 +20,12 @@ Issue 26 asks for a step within 1.5x the weight-streaming limit. This script mea
    each comes from memory: where `linear.FUSED_MIN_WEIGHT` should lie.
     python benchmarks/decode_bound.py --random-weights CONFIG_DIR --device cuda --dtype bfloat16   # a GPU
 
+5. with `--attention KEYS,...`: one decoding step's attention in every layer alone (the model's heads, float32
+   caches of KEYS entries per layer, distinct tensors, for each of `--rows`): PyTorch's (`dense_attention` for one
+   row, SDPA, and `grouped_attention` for several, the products), kvsieve's kernel
+   (`kvsieve.attention.decode_kernel`), and one `sum()` over the same keys and values (what reading them takes).
+    python benchmarks/decode_bound.py --attention 2048,8000 --rows 1,4 --products-only
+
 On CUDA the compiled step uses `mode="reduce-overhead"` (CUDA graphs).
 """
 
@@ -37,6 +43,7 @@ from decode_steps import _sync, random_model, weight_stream_ms
 from transformers import StaticCache
 
 from kvsieve import load_model
+from kvsieve.attention import decode_kernel, dense_attention, grouped_attention
 from kvsieve.linear import float_products, plain_rows
 from kvsieve.quantize import QUANTIZE_CHOICES, Int8Linear, quantize
 
@@ -121,6 +128,38 @@ def shape_times(shapes: list[tuple[int, int]], dtype: torch.dtype) -> dict[str, 
     return result
 
 
+def attention_times(model, key_counts: list[int], batch_rows: list[int]) -> dict[str, dict[str, float]]:
+    """One step's attention in every layer (ms): PyTorch's, kvsieve's kernel and a `sum()` of the same cache."""
+    config, result = model.config, {}
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    for keys, rows in [(keys, rows) for keys in key_counts for rows in batch_rows]:
+        layers = [
+            (torch.randn(rows, heads, 1, dim), *torch.randn(2, rows, kv_heads, keys, dim).unbind())
+            for _ in range(config.num_hidden_layers)
+        ]
+        lengths = torch.full((rows,), keys)
+
+        def pytorch(layers=layers, lengths=lengths, rows=rows):
+            if rows == 1:  # what a lone row's step calls (SDPA below GROUPED_FROM keys)
+                return [dense_attention(q, k, v, None) for q, k, v in layers]
+            return [grouped_attention(q, k, v, None, lengths) for q, k, v in layers]
+
+        def kernel(layers=layers, lengths=lengths):
+            return [decode_kernel.kernel_attention(q, k, v, None, lengths) for q, k, v in layers]
+
+        decode_kernel.set_enabled(False)
+        try:
+            times = {"pytorch_ms": median_ms(pytorch, 15, model.device)}
+        finally:
+            decode_kernel.set_enabled(True)
+        times["kernel_ms"] = median_ms(kernel, 15, model.device)
+        times["sum_ms"] = median_ms(lambda layers=layers: [(k.sum(), v.sum()) for _, k, v in layers], 15, model.device)
+        result[f"{keys} keys x {rows} rows"] = times
+        print(f"attention, {keys} keys, {rows} rows: {times}")
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt", type=int, default=2048, help="prompt tokens before decoding")
@@ -131,6 +170,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4", help="rows of the layer products through F.linear and kvsieve's")
     parser.add_argument("--quantize", default=None, choices=QUANTIZE_CHOICES, help="weights as in `kvsieve.quantize`")
     parser.add_argument("--shapes", default=None, help="OUTxIN,... : one row, F.linear against the fused kernel (4.)")
+    parser.add_argument("--attention", default=None, help="KEYS,... : one step's attention alone (5.)")
     parser.add_argument("--products-only", action="store_true", help="skip the decoding steps (3.)")
     parser.add_argument("--out", type=Path, default=Path("runs/decode_bound.json"))
     args = parser.parse_args()
@@ -142,6 +182,8 @@ def main() -> None:
     if args.shapes:
         shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
         result["shapes"] = shape_times(shapes, model.dtype)
+    if args.attention:
+        result["attention"] = attention_times(model, [int(n) for n in args.attention.split(",")], batch_rows)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, model.config.vocab_size, (1, args.prompt), generator=generator).to(model.device)
     mode = "reduce-overhead" if model.device.type == "cuda" else None  # CUDA graphs on a GPU
