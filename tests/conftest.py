@@ -37,6 +37,7 @@ from transformers import (
 import kvsieve
 import kvsieve.data
 import kvsieve.models
+from kvsieve.attention import decode_kernel
 from kvsieve.prompt import Prompt
 
 
@@ -273,13 +274,19 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
-    """Under pytest-xdist, convert the default model (once per machine) before the workers start.
+    """Under pytest-xdist, convert the default model and build the CPU's decoding attention kernel (once per
+    machine) before the workers start.
 
-    `load_model` converts the shipped GGUF on first use; on a fresh machine several workers would do
-    it at once, into the same folder. The controller does it first, so the workers only read it.
+    `load_model` converts the shipped GGUF on first use, and the first decoding step builds the kernel; on a
+    fresh machine several workers would each do both at once. The controller does them first, so the workers
+    only read them.
     """
     if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
         return  # a worker, or no workers: the first test that needs the model converts it
+    try:
+        decode_kernel.build()
+    except RuntimeError:
+        pass  # no compiler: the kernel's tests say so themselves
     if not (kvsieve.models.converted_default_dir() / "config.json").is_file():
         try:
             kvsieve.load_model()

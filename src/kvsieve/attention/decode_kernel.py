@@ -97,7 +97,11 @@ def build() -> Path:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         output = Path(scratch) / path.name
-        done = subprocess.run(compile_command(output), capture_output=True, text=True)
+        command = compile_command(output)
+        try:
+            done = subprocess.run(command, capture_output=True, text=True)
+        except OSError as error:
+            raise RuntimeError(f"no C++ compiler {command[0]!r} ({error}); set CXX to one") from error
         if done.returncode != 0:
             raise RuntimeError(f"compiling {SOURCE.name} failed: {done.stderr.strip()[-2000:]}")
         os.replace(output, path)
