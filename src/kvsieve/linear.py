@@ -73,6 +73,21 @@ def float_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 float_products = Compiled("fused product, float weights", float_product)
 
+# Rows up to which a product inside a compiled graph (the CPU's compiled step) is traced into it, per dtype (more:
+# PyTorch's product in the graph). The compiled step serves at most `engine.batch.COMPILED_ROWS` rows.
+TRACED_ROWS = {torch.float32: 8, torch.bfloat16: 1}
+
+
+def traced_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(rows, in) x (out, in) -> (rows, out) as a compiled graph should trace it: `float_product` for one row,
+    rows first for several. Inside a graph inductor keeps `float_product`'s (out, rows) result in that layout,
+    so the next product's sum runs over a strided dimension and inductor vectorises across the rows instead
+    (SmolLM2's compiled step, 4 rows at 2K: 287.5 ms, rows first 50.0 ms, the ordinary step 59.3;
+    docs/STUDIES.md)."""
+    if x.shape[0] == 1:
+        return float_product(x, weight)
+    return (x.unsqueeze(1) * weight.unsqueeze(0)).sum(-1)
+
 
 def plain_rows(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """x (..., in) as a new contiguous (rows, in) tensor (in `dtype`, default x's): no view of another tensor and no
@@ -87,19 +102,20 @@ def plain_rows(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tenso
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through the fused kernel where `fused_rows(x)` and the weight has at least
-    `FUSED_MIN_WEIGHT` elements; inside a compiled graph (the CPU's compiled step) the product is traced into it
-    whatever the weight's size (SmolLM2's k and v products: 60 calls to MKL's product, 2.5 ms of a 32 ms step)."""
-    if fused_rows(x, FUSED_ROWS.get(x.dtype, 0)) and not torch.is_grad_enabled():
+    `FUSED_MIN_WEIGHT` elements; inside a compiled graph (the CPU's compiled step) the product of up to
+    `TRACED_ROWS` rows is traced into it (`traced_product`) whatever the weight's size (SmolLM2's k and v
+    products: 60 calls to MKL's product, 2.5 ms of a 32 ms step)."""
+    out = None
+    if not torch.is_grad_enabled():
         if torch.compiler.is_compiling():  # inside a caller's compiled graph: inductor fuses the product into it
-            out = float_product(x.reshape(-1, x.shape[-1]), weight)  # (no call of its own: small weights too)
-        elif weight.numel() >= FUSED_MIN_WEIGHT:  # detached: dynamo compiles a Parameter's shape as a constant
-            out = float_products(plain_rows(x), weight.detach())
-        else:
-            out = None
-        if out is not None:
-            out = out if bias is None else out + bias
-            return out.view(*x.shape[:-1], weight.shape[0])
-    return F.linear(x, weight, bias)
+            if fused_rows(x, TRACED_ROWS.get(x.dtype, 0)):
+                out = traced_product(x.reshape(-1, x.shape[-1]), weight)
+        elif fused_rows(x, FUSED_ROWS.get(x.dtype, 0)) and weight.numel() >= FUSED_MIN_WEIGHT:
+            out = float_products(plain_rows(x), weight.detach())  # detached: dynamo compiles a Parameter's shape
+    if out is None:
+        return F.linear(x, weight, bias)
+    out = out if bias is None else out + bias
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 class FusedLinear(torch.nn.Linear):

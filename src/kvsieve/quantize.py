@@ -30,7 +30,7 @@ from transformers import PreTrainedModel
 
 from kvsieve.compiled import Compiled
 from kvsieve.errors import KvsieveError
-from kvsieve.linear import float_product, fused_rows, plain_rows
+from kvsieve.linear import float_product, fused_rows, plain_rows, traced_product
 
 QUANTIZE_CHOICES = ("none", "int8")
 FUSED_ROWS = 8  # rows up to which a CPU product takes the fused kernel (a batch of decoding steps)
@@ -52,7 +52,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
     out = None
     if fused_rows(x, FUSED_ROWS):
         if torch.compiler.is_compiling():  # inside a caller's compiled graph: traced into it
-            out = _int8_product(flat.float(), weight, scale)
+            out = traced_product(flat.float(), weight) * scale
         else:
             out = int8_products(plain_rows(x, torch.float32), weight, scale)
         out = out.to(x.dtype) if out is not None else None

@@ -48,6 +48,9 @@ from kvsieve.linear import warm_up as warm_up_products
 from kvsieve.models import with_cache
 
 SPARE = 128  # columns of room for new tokens when the tables are (re)allocated
+# Rows up to which a CPU batch takes compiled steps (`compiled`), none of them evicting. Measured up to 8 (SmolLM2,
+# SnapKV rows at 2K, ordinary -> compiled: 2 rows 55.7 -> 33.9 ms, 4 rows 59.3 -> 50.0, 8 rows 107.9 -> 72.7).
+COMPILED_ROWS = 8
 
 
 @dataclass
@@ -94,17 +97,19 @@ def compiled_steps_enabled(model: PreTrainedModel) -> bool:
 
 def warm_up(model: PreTrainedModel) -> float:
     """Compile now what `model`'s CPU decoding steps will run, so that no request waits for it; seconds spent:
-    the fused products (`kvsieve.linear.warm_up`) and, with compiled steps on, the step (a short prompt's steps
-    through a batch of one row)."""
+    the fused products (`kvsieve.linear.warm_up`) and, with compiled steps on, the step's two graphs (one row,
+    and several: a short prompt's steps through a batch of one row, then of two)."""
     start = time.perf_counter()
     warm_up_products(model)
     if compiled_steps_enabled(model):
-        batch, cache = DecodeBatch(model), DynamicCache(config=model.config)
+        batch = DecodeBatch(model)
         with torch.no_grad():
-            model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=model.device), **with_cache(model, cache))
-            batch.add(Row(0, 4), cache)
-            batch.step()
-            batch.step()
+            for _ in range(2):
+                cache = DynamicCache(config=model.config)
+                model(input_ids=torch.zeros((1, 4), dtype=torch.long, device=model.device), **with_cache(model, cache))
+                batch.add(Row(0, 4), cache)
+                batch.step()
+                batch.step()
         batch.remove(list(batch.rows))
     return time.perf_counter() - start
 
@@ -114,9 +119,9 @@ class DecodeBatch:
 
     def __init__(self, model: PreTrainedModel, static: bool | None = None, compiled: bool | None = None):
         """`static`: step the batch through `StaticStep` (captured as a CUDA graph on CUDA) while every row is
-        `steady`; None: `cuda_graphs_enabled(model)` or `compiled`. `compiled`: on a CPU, a lone row that does not
-        evict takes static steps whose forward pass is compiled (other batches take the ordinary step); None:
-        `compiled_steps_enabled(model)`."""
+        `steady`; None: `cuda_graphs_enabled(model)` or `compiled`. `compiled`: on a CPU, up to `COMPILED_ROWS`
+        rows none of which evicts take static steps whose forward pass is compiled (other batches take the ordinary
+        step); None: `compiled_steps_enabled(model)`."""
         self.model = model
         self.compiled = compiled_steps_enabled(model) if compiled is None else compiled
         self.static = (cuda_graphs_enabled(model) or self.compiled) if static is None else static
@@ -210,12 +215,11 @@ class DecodeBatch:
         return out.logits[:, -1]
 
     def _steady(self) -> bool:
-        """Whether the rows can take static steps: every one `steady`; on the CPU with compiled steps, one row that
-        does not evict. A row that evicts would run its static step eagerly (its observers and compaction are not
-        compiled), over the tables' padded capacity, for no gain; and several rows' compiled step measured 2.5-3x
-        slower than their ordinary step (SmolLM2, 4 rows at 2K: 250 against 88 ms; docs/STUDIES.md)."""
+        """Whether the rows can take static steps: every one `steady`; on the CPU with compiled steps, up to
+        `COMPILED_ROWS` rows none of which evicts. A row that evicts would run its static step eagerly (its
+        observers and compaction are not compiled), over the tables' padded capacity, for no gain."""
         if self.compiled and not self.capture:
-            return len(self.rows) == 1 and self.rows[0].evict is None
+            return len(self.rows) <= COMPILED_ROWS and all(row.evict is None for row in self.rows)
         return all(steady(row.evict, cache) for row, cache in zip(self.rows, self.caches, strict=True))
 
     def _static(self) -> torch.Tensor:

@@ -33,9 +33,9 @@ On the CPU there is no graph to replay, but the same step's forward pass can be 
 (`compiled_steps`, `DecodeBatch(compiled=True)`, the CLI's `--compile-steps`): inductor fuses the
 norms, rotary embedding, products and attention of every layer and the Python between them goes.
 Every number being a tensor is what lets one graph serve every step: the capacity is a dynamic
-size, so the tables' growth compiles nothing new. It serves a lone row that does not evict (several
-rows' compiled step measured slower than their ordinary one); eagerly, the same step is what the
-tests check against the batch's ordinary step.
+size, so the tables' growth compiles nothing new; so is the number of rows past one (dynamo compiles one row
+apart). It serves up to `engine.batch.COMPILED_ROWS` rows none of which evicts; eagerly, the same step is
+what the tests check against the batch's ordinary step.
 """
 
 from __future__ import annotations
