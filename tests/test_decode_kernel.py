@@ -123,7 +123,7 @@ def test_a_built_library_is_reused(monkeypatch):
 def test_without_a_compiler_attention_falls_back_with_one_warning(compiler, said, monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CXX", compiler)  # a compiler that fails, one that is not there
     monkeypatch.setenv("KVSIEVE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(decode_kernel, "_state", {})
+    monkeypatch.setattr(decode_kernel, "_loaded", None)
     key, value = cache_views(1, 2, 40, 16)
     query = torch.randn(1, 4, 1, 16)
     with caplog.at_level(logging.WARNING, logger="kvsieve.attention"):

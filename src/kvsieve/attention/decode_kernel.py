@@ -39,7 +39,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 _enabled = os.environ.get("KVSIEVE_ATTENTION_KERNEL", "1") != "0"
 _lock = threading.Lock()
-_state: dict[str, bool] = {}  # "loaded" once the operator is registered, "failed" once building or loading failed
+_loaded: bool | None = None  # whether the operator is registered; None until the first `load`
 
 
 def set_enabled(enabled: bool) -> None:
@@ -112,18 +112,19 @@ def build() -> Path:
 @torch.compiler.assume_constant_result  # a compiled graph asks once, while tracing, and calls the operator
 def load() -> bool:
     """Build (where needed) and load the kernel once per process; False (with one warning) where that failed."""
-    if "loaded" in _state or "failed" in _state:
-        return "loaded" in _state
+    global _loaded
+    if _loaded is not None:
+        return _loaded
     with _lock:
-        if not _state:
+        if _loaded is None:
             try:
                 torch.ops.load_library(str(build()))
                 torch.library.register_fake("kvsieve::decode_attention")(_fake)
-                _state["loaded"] = True
+                _loaded = True
             except Exception as error:  # no compiler, an unsupported platform: PyTorch's attention still works
-                _state["failed"] = True
+                _loaded = False
                 log.warning("decoding attention kernel unavailable (%s); using PyTorch's attention", error)
-    return "loaded" in _state
+    return _loaded
 
 
 def _fake(query, key, value, lengths, scale):
