@@ -100,7 +100,7 @@ class _ScatterLayer(DynamicLayer):
     The entries go into the whole tables with one `index_put_` (layer, row and column indices), not into the
     layer's view of them: a compiled graph writes into its inputs in place, but a view of another input is
     copied out and back, the layer's whole table every step (SmolLM2's compiled step with full attention:
-    70.2 -> 35.5 ms at 8K, 28.7 -> 25.1 ms at 2K; docs/STUDIES.md)."""
+    70.2 -> 27.4 ms at 8K, 28.7 -> 24.8 ms at 2K; docs/STUDIES.md)."""
 
     def __init__(self, step: StaticStep, layer: int):
         super().__init__()
