@@ -135,7 +135,6 @@ class DecodeBatch:
         self.behind = 0  # static steps whose entries the rows' buffers do not show yet
         self.captures = 0  # CUDA graphs captured, and the seconds they took (warm-up step included)
         self.capture_seconds = 0.0
-        self._pool = None  # one CUDA graph memory pool for every capture of this batch
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -234,11 +233,9 @@ class DecodeBatch:
                 [row.position for row in self.rows],
                 [[cache.layers[j].length for cache in self.caches] for j in range(self.keys.shape[0])],
             )
-            if self.capture and self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
         step = self.static_step
         captured = step.graph is not None
-        logits = step.run([row.token for row in self.rows], self._pool)
+        logits = step.run([row.token for row in self.rows])
         if not captured and step.graph is not None:
             self.captures += 1
             self.capture_seconds += step.capture_seconds

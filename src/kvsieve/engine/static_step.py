@@ -102,18 +102,21 @@ class _ScatterLayer(DynamicLayer):
     copied out and back, the layer's whole table every step (SmolLM2's compiled step with full attention:
     70.2 -> 27.4 ms at 8K, 28.7 -> 24.8 ms at 2K; docs/STUDIES.md)."""
 
-    def __init__(self, step: StaticStep, layer: int):
+    def __init__(self, layer: int, keys: torch.Tensor, values: torch.Tensor, indices: tuple[torch.Tensor, ...]):
+        """Layer `layer` of the tables `keys`/`values`; `indices`: the step's (layer_ids, row_ids, ends). The layer
+        holds the step's tensors, not the step: no reference cycle, so a dropped step (its CUDA graph, its memory
+        pool, the old tables) is freed at once rather than at the next garbage collection."""
         super().__init__()
-        self.step, self.layer = step, layer
-        self.lazy_initialization(step.keys[layer], step.values[layer])
-        self.keys, self.values = step.keys[layer], step.values[layer]
+        self.layer, self.tables, self.indices = layer, (keys, values), indices
+        self.lazy_initialization(keys[layer], values[layer])
+        self.keys, self.values = keys[layer], values[layer]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        step = self.step
-        where = (step.layer_ids[self.layer], step.row_ids, slice(None), step.ends[self.layer])  # (rows,) each
-        step.keys[where] = key_states[:, :, 0]
-        step.values[where] = value_states[:, :, 0]
-        return step.keys[self.layer], step.values[self.layer]  # views made in the graph (`self.keys` alias an input)
+        (keys, values), (layer_ids, row_ids, ends) = self.tables, self.indices
+        where = (layer_ids[self.layer], row_ids, slice(None), ends[self.layer])  # (rows,) each
+        keys[where] = key_states[:, :, 0]
+        values[where] = value_states[:, :, 0]
+        return keys[self.layer], values[self.layer]  # views made in the graph (`self.keys` alias an input)
 
 
 def steady(evict: EvictRun | None, cache: Cache) -> bool:
@@ -169,7 +172,8 @@ class StaticStep:
         self.row_ids = torch.arange(count, device=device)  # the cache layers' indices into the tables
         self.layer_ids = torch.arange(layers, device=device).view(-1, 1).expand(layers, count)
         self.cache = DynamicCache(config=model.config)
-        self.cache.layers = [_ScatterLayer(self, j) for j in range(layers)]
+        indices = (self.layer_ids, self.row_ids, self.ends)
+        self.cache.layers = [_ScatterLayer(j, keys, values, indices) for j in range(layers)]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # the graph's output, overwritten by every replay
         self.capture_seconds = 0.0
@@ -180,17 +184,16 @@ class StaticStep:
         self.positions.copy_(torch.tensor(positions).view(-1, 1))
         self.ends.copy_(torch.tensor(ends))
 
-    def run(self, tokens: list[int], pool=None) -> torch.Tensor:
+    def run(self, tokens: list[int]) -> torch.Tensor:
         """One step with each row feeding `tokens[row]`: (rows, vocab) logits. The first run on CUDA captures
-        the step (into memory `pool`); a failed capture is logged and the step's eager result returned, with
-        `graph` left None."""
+        the step; a failed capture is logged and the step's eager result returned, with `graph` left None."""
         self.ids.copy_(torch.tensor(tokens).view(-1, 1))  # a host tensor copied into the step's own
         if self.graph is not None:
             self.graph.replay()
             return self.logits.clone()
         if not self.capture:
             return self._forward()
-        return self._capture(pool)
+        return self._capture()
 
     def _forward(self) -> torch.Tensor:
         lengths = self.ends + 1  # each row's keys once this step's entry is written
@@ -223,7 +226,11 @@ class StaticStep:
                 tensor.copy_(evict.scores[j])
             evict.scores = dict(tensors)
 
-    def _capture(self, pool) -> torch.Tensor:
+    def _capture(self) -> torch.Tensor:
+        """Run the step eagerly on a side stream, then record it. The graph takes a memory pool of its own: a
+        pool shared with an earlier capture of the batch (`graph_pool_handle`) broke the next capture once that
+        graph was freed (PyTorch 2.11, H100: the allocator's `use_count > 0` assertion) and the batch then
+        decoded eagerly. A step's own memory is small (its activations and logits); it goes with the step."""
         start = time.perf_counter()
         device = self.keys.device
         side = torch.cuda.Stream(device)
@@ -233,7 +240,7 @@ class StaticStep:
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self.logits = self._forward()
         except Exception as error:  # e.g. a model whose forward reads a tensor on the host (a sync)
             log.warning("decoding without a CUDA graph: capturing the step failed (%s)", error)
