@@ -283,6 +283,50 @@ def test_cuda_graph_steps_give_the_eager_steps_logits(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_cuda_graph_steps_give_the_eager_steps_logits(dtype):
+    """`compiled=True` on CUDA: the step's forward pass compiled by inductor, then captured as a CUDA graph and
+    replayed; three rows of full attention (padded to each other's lengths), teacher-forced over more steps than
+    the tables' spare room (a second capture, the compiled graph reused at the new capacity), end with the same
+    entries as the eager ordinary step and give its logits: in float32 to its tolerance; in bfloat16, where the
+    fused kernels round less often than eager ones, no further from the float32 model's logits than eager is."""
+    import copy
+
+    from kvsieve.compress.cache import wrap_cache
+    from kvsieve.engine.batch import SPARE, DecodeBatch, Row
+
+    assert torch.cuda.is_available(), "the gpu tests need CUDA (run them with `make test-gpu` on a GPU machine)"
+    model = model_in(dtype, arch="llama", device="cuda")
+    steps, lengths = SPARE + 16, (30, 47, 61)
+    tokens = torch.randint(3, 200, (steps,), generator=torch.Generator().manual_seed(5)).tolist()
+
+    def decode(model, compiled: bool) -> tuple[torch.Tensor, DecodeBatch]:
+        batch = DecodeBatch(model, static=compiled, compiled=compiled)
+        for n in lengths:
+            done = prefill(model, make_prompt(n, seed=n), method=method("full"), reserve=steps).prefilled
+            batch.add(
+                Row(0, done.next_position, None), wrap_cache(model, [(x.keys, x.values) for x in done.cache.layers])
+            )
+        logits = []
+        for token in tokens:
+            for row in batch.rows:
+                row.token = token
+            logits.append(batch.step().float())
+        return torch.stack(logits), batch
+
+    eager, eager_batch = decode(model, False)
+    compiled, batch = decode(model, True)
+    assert batch.captures == 2 and batch.static_step.graph is not None and batch.static_step.compiled
+    expected = [n + steps for n in lengths]
+    assert [batch.entries(i) for i in range(3)] == [eager_batch.entries(i) for i in range(3)] == expected
+    if dtype == torch.float32:
+        torch.testing.assert_close(compiled, eager, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    else:
+        reference, _ = decode(copy.deepcopy(model).float(), False)
+        assert (compiled - reference).abs().max() <= 1.5 * (eager - reference).abs().max()
+
+
+@pytest.mark.gpu
 def test_int8_weights_on_cuda_decode_as_their_dequantized_weights():
     """`--quantize int8` on CUDA (the dequantized product, inside the captured decoding step): the greedy answer of
     a bfloat16 model with int8 weights is the answer of the same model with the dequantized weights."""
