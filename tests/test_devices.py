@@ -284,7 +284,7 @@ def test_cuda_graph_steps_give_the_eager_steps_logits(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_cuda_graph_steps_give_the_eager_steps_logits(dtype):
+def test_compiled_cuda_graph_steps_give_the_eager_steps_logits(dtype, monkeypatch):
     """`compiled=True` on CUDA: the step's forward pass compiled by inductor, then captured as a CUDA graph and
     replayed; three rows of full attention (padded to each other's lengths), teacher-forced over more steps than
     the tables' spare room (a second capture, the compiled graph reused at the new capacity), end with the same
@@ -314,6 +314,11 @@ def test_compiled_cuda_graph_steps_give_the_eager_steps_logits(dtype):
             logits.append(batch.step().float())
         return torch.stack(logits), batch
 
+    monkeypatch.setenv("KVSIEVE_COMPILED_STEPS", "1")  # --compile-steps: compiled and captured by default
+    assert DecodeBatch(model).compiled and DecodeBatch(model).capture
+    monkeypatch.setenv("KVSIEVE_CUDA_GRAPHS", "0")
+    assert DecodeBatch(model).compiled and not DecodeBatch(model).capture
+    monkeypatch.delenv("KVSIEVE_CUDA_GRAPHS")
     eager, eager_batch = decode(model, False)
     compiled, batch = decode(model, True)
     assert batch.captures == 2 and batch.static_step.graph is not None and batch.static_step.compiled

@@ -83,16 +83,17 @@ def cuda_graphs_enabled(model: PreTrainedModel) -> bool:
 
 
 def set_compiled_steps(enabled: bool) -> None:
-    """Compile the CPU's decoding steps (`engine.static_step.compiled_steps`) from now on, or stop. Off by default:
-    compiling SmolLM2's step takes 1.5-2.5 minutes on a 2-core machine, more than a short answer's whole decode. The
+    """Compile the decoding steps (`engine.static_step.compiled_steps`) from now on, or stop; on CUDA the compiled
+    step is then captured as a CUDA graph. Off by default: compiling SmolLM2's step takes 1.5-2.5 minutes on a
+    2-core machine, more than a short answer's whole decode, and 80-90 s per graph on the H100's machine. The
     setting is the environment's KVSIEVE_COMPILED_STEPS, so worker processes (`kvsieve bench`'s) inherit it."""
     os.environ["KVSIEVE_COMPILED_STEPS"] = "1" if enabled else "0"
 
 
 def compiled_steps_enabled(model: PreTrainedModel) -> bool:
-    """Whether `model`'s decoding steps run compiled by default: on a CPU, with KVSIEVE_COMPILED_STEPS=1 (the
-    CLI's `--compile-steps`, `set_compiled_steps(True)`)."""
-    return model.device.type == "cpu" and os.environ.get("KVSIEVE_COMPILED_STEPS", "0") == "1"
+    """Whether `model`'s decoding steps run compiled by default: on a CPU or CUDA, with KVSIEVE_COMPILED_STEPS=1
+    (the CLI's `--compile-steps`, `set_compiled_steps(True)`)."""
+    return model.device.type in ("cpu", "cuda") and os.environ.get("KVSIEVE_COMPILED_STEPS", "0") == "1"
 
 
 def warm_up(model: PreTrainedModel) -> float:
@@ -119,13 +120,14 @@ class DecodeBatch:
 
     def __init__(self, model: PreTrainedModel, static: bool | None = None, compiled: bool | None = None):
         """`static`: step the batch through `StaticStep` (captured as a CUDA graph on CUDA) while every row is
-        `steady`; None: `cuda_graphs_enabled(model)` or `compiled`. `compiled`: on a CPU, up to `COMPILED_ROWS`
-        rows none of which evicts take static steps whose forward pass is compiled (other batches take the ordinary
-        step); None: `compiled_steps_enabled(model)`."""
+        `steady`; None: `cuda_graphs_enabled(model)` or `compiled`. `compiled`: static steps whose forward pass is
+        compiled, for up to `COMPILED_ROWS` rows none of which evicts (other batches take the ordinary step); on
+        CUDA with graphs, every captured step's (rows that evict are captured uncompiled); None:
+        `compiled_steps_enabled(model)`."""
         self.model = model
         self.compiled = compiled_steps_enabled(model) if compiled is None else compiled
         self.static = (cuda_graphs_enabled(model) or self.compiled) if static is None else static
-        self.capture = model.device.type == "cuda"  # off for good once a capture has failed
+        self.capture = cuda_graphs_enabled(model)  # off for good once a capture has failed
         self.rows: list[Row] = []
         self.caches: list[Cache] = []  # each row's own cache object, its layers DecodeBuffers over the tables
         self.keys: torch.Tensor | None = None  # (layers, rows, kv_heads, capacity, d) once a row joins
@@ -214,7 +216,7 @@ class DecodeBatch:
         return out.logits[:, -1]
 
     def _steady(self) -> bool:
-        """Whether the rows can take static steps: every one `steady`; on the CPU with compiled steps, up to
+        """Whether the rows can take static steps: every one `steady`; with compiled steps and no CUDA graph, up to
         `COMPILED_ROWS` rows none of which evicts. A row that evicts would run its static step eagerly (its
         observers and compaction are not compiled), over the tables' padded capacity, for no gain."""
         if self.compiled and not self.capture:
