@@ -9,10 +9,13 @@ the server step), with the methods interleaved inside every repeat. It reports t
 repeat (min / median / max over repeats). For eviction methods it also times the eviction itself
 (`EvictRun.after_step`, mean ms per step and row: with `evict.interval` > 1 most steps evict nothing).
 
-Every run first measures the weight-streaming limit: the time to read a tensor as large as the
-weights a step reads once (`tensor.sum()`, the fastest of 5; `step_bytes`), the least a batch-1
-decoding step can take when memory bandwidth bounds it. Each row gives its step time as a multiple of
-that limit. `--quantize none,int8` times the same methods with int8 weights too (`kvsieve.quantize`),
+The weight-streaming limit is the time to read a tensor as large as the weights a step reads once
+(`tensor.sum()`; `step_bytes`), the least a batch-1 decoding step can take when memory bandwidth bounds
+it. It is measured just before and just after every timed stretch (the fastest of those 6 reads), so each
+repeat's step time is a multiple of the limit measured beside it (`x_weight_limit`; the limits themselves in
+`weight_stream_ms`): on a VM whose memory speed drifts over minutes, a limit measured once at the start
+(the record's top-level `weight_stream_ms`, fastest of 5) can be off by more than the steps differ.
+`--quantize none,int8` times the same methods with int8 weights too (`kvsieve.quantize`),
 after the float32 ones, in the same run (rows `METHOD+int8`, each against its own scheme's limit).
 
     python benchmarks/decode_steps.py --methods full,snapkv,h2o,a2sf --lengths 2048,8000 --steps 48 --repeats 3 \\
@@ -103,19 +106,30 @@ def step_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in unique.values())
 
 
+class WeightStream:
+    """A float32 tensor of `step_bytes(model)`, read with `sum()`: the floor of a batch-1 decoding step, which
+    reads every weight once. Kept for a whole run, so that the limit can be measured beside every timed stretch
+    (a VM's memory speed can drift by more than the steps differ: docs/STUDIES.md)."""
+
+    def __init__(self, model):
+        self.device = model.device
+        self.flat = torch.ones(step_bytes(model) // 4, dtype=torch.float32, device=model.device)
+
+    def ms(self, repeats: int = 5) -> float:
+        """One read's time, fastest of `repeats`."""
+        times = []
+        for _ in range(repeats):
+            _sync(self.device)
+            start = time.perf_counter()
+            self.flat.sum()
+            _sync(self.device)
+            times.append(time.perf_counter() - start)
+        return min(times) * 1e3
+
+
 def weight_stream_ms(model, repeats: int = 5) -> float:
-    """The time to read, once, a float32 tensor of `step_bytes(model)`, fastest of `repeats`: the floor of a
-    batch-1 decoding step, which reads every weight once."""
-    nbytes = step_bytes(model)
-    flat = torch.ones(nbytes // 4, dtype=torch.float32, device=model.device)
-    times = []
-    for _ in range(repeats):
-        _sync(model.device)
-        start = time.perf_counter()
-        flat.sum()
-        _sync(model.device)
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
+    """The weight-streaming limit of `model`'s batch-1 step, measured once (`WeightStream`)."""
+    return WeightStream(model).ms(repeats)
 
 
 class Decoder:
@@ -147,9 +161,11 @@ class Decoder:
 
         run.after_step = timed_after_step
 
-    def timed(self, steps: int) -> dict:
+    def timed(self, steps: int, stream: WeightStream | None = None) -> dict:
         """Decode `steps` more tokens per row; ms per step, tokens/s (all rows) and the eviction's ms per step
-        and row."""
+        and row; with `stream`, the weight-streaming limit measured just before and just after the stretch
+        (fastest of 3 reads each side, `limit_ms`)."""
+        limits = [stream.ms(3)] if stream is not None else []
         self.evicting.clear()
         set_fused_products(self.variant.fused)
         set_attention_kernel(self.variant.kernel)
@@ -166,6 +182,7 @@ class Decoder:
                 row.token = token
         _sync(self.model.device)
         seconds = time.perf_counter() - start
+        limits += [stream.ms(3)] if stream is not None else []
         set_fused_products(True)
         set_attention_kernel(True)
         return {
@@ -176,6 +193,7 @@ class Decoder:
             "captures": self.batch.captures,
             "capture_s": self.batch.capture_seconds,
             "first_step_s": self.first_step_s,
+            "limit_ms": min(limits) if limits else None,
         }
 
 
@@ -281,6 +299,7 @@ def timed_runs(model, prompt, names: list[str], args, label: str) -> dict[int, t
     reserve = WARMUP + steps * (repeats + 1) + 8
     done = {name: prefill(model, prompt, method=spec(name), reserve=reserve) for name in names}
     labels = variants(names, args.cuda_graphs, args.fused_products, args.compiled_steps, args.attention_kernel)
+    stream = WeightStream(model)
 
     def decoder_of(name: str, rows: int) -> Decoder:
         return Decoder(model, done[labels[name].method], rows, labels[name])
@@ -295,7 +314,7 @@ def timed_runs(model, prompt, names: list[str], args, label: str) -> dict[int, t
         for _ in tqdm(range(repeats), desc=f"{label} x {rows}", unit="repeat"):
             for name in labels:
                 decoder = decoders[name] if shared else decoder_of(name, rows)
-                runs[name].append(decoder.timed(steps))
+                runs[name].append(decoder.timed(steps, stream))
         profiles = {}
         if args.profile:
             for name in labels:
@@ -427,23 +446,24 @@ def main() -> None:
         else:
             _, prompt = prompt_case(tokenizer, "needle", length, 0.5)
         for scheme, scheme_model in models.items():
-            suffix, limit = ("" if scheme == "none" else f"+{scheme}"), limits[scheme]
+            suffix = "" if scheme == "none" else f"+{scheme}"
             timed = timed_runs(scheme_model, prompt, names, args, f"{length} tokens {scheme}")
             for batch, (runs, profiles) in timed.items():
                 base = bases.setdefault((length, batch), runs[names[0]])  # the first scheme's first method
                 for name in runs:
                     evict = [r["evict_ms_per_step"] for r in runs[name] if r["evict_ms_per_step"] is not None]
                     step_ms = [r["ms_per_step"] for r in runs[name]]
+                    beside = [r["limit_ms"] for r in runs[name]]  # the limit measured around each stretch
                     rows.append(
                         {
                             "method": name + suffix,
                             "quantize": scheme,
-                            "weight_stream_ms": limit,
+                            "weight_stream_ms": spread(beside),
                             "length": length,
                             "batch": batch,
                             "kv_entries": runs[name][0]["kv_entries"],
                             "ms_per_step": spread(step_ms),
-                            "x_weight_limit": spread([ms / limit for ms in step_ms]),
+                            "x_weight_limit": spread([ms / lim for ms, lim in zip(step_ms, beside, strict=True)]),
                             "tokens_per_s": spread([r["tokens_per_s"] for r in runs[name]]),
                             "ratio": spread(
                                 [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs[name], base, strict=True)]
@@ -468,10 +488,10 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
     for scheme, limit in limits.items():
-        print(f"weight-streaming limit ({scheme}): {limit:.2f} ms per step")
+        print(f"weight-streaming limit ({scheme}) at the start: {limit:.2f} ms per step")
     width = max(12, *(len(r["method"]) for r in rows))
     print(
-        f"{'method':{width}s} {'tokens':>6s} {'batch':>5s} {'ms/step (min/med/max)':>22s} {'x limit':>7s}"
+        f"{'method':{width}s} {'tokens':>6s} {'batch':>5s} {'ms/step (min/med/max)':>22s} {'limit':>6s} {'x limit':>7s}"
         f" {'vs ' + names[0]:>18s} {'evict ms':>9s}"
     )
     for r in rows:
@@ -479,7 +499,7 @@ def main() -> None:
         e = f"{r['evict_ms_per_step']['median']:.2f}" if r["evict_ms_per_step"] else "-"
         print(
             f"{r['method']:{width}s} {r['length']:6d} {r['batch']:5d}"
-            f" {t['min']:6.1f} {t['median']:6.1f} {t['max']:6.1f}"
+            f" {t['min']:6.1f} {t['median']:6.1f} {t['max']:6.1f} {r['weight_stream_ms']['median']:6.1f}"
             f"  {r['x_weight_limit']['median']:6.2f}   {q['min']:5.2f} {q['median']:5.2f} {q['max']:5.2f} {e:>9s}"
             + (f"  ({r['captures']} CUDA graphs, {r['capture_s']:.2f} s)" if r["captures"] else "")
         )
