@@ -1,10 +1,10 @@
 """The CPU's compiled decoding step (`engine.static_step.compiled_steps`, `DecodeBatch(compiled=True)`).
 
-It runs up to COMPILED_ROWS rows none of which evicts. It must give the ordinary step's logits (up to the order
-of float32 sums) while the tables grow and rows join and leave, compile once for one row and once for several
-(not per step, capacity or row count), give another model its own logits (other weights, int8
-weights under bfloat16), leave rows that evict to the ordinary step, and run eagerly, with one warning, where
-compiling fails.
+It runs up to COMPILED_ROWS rows, evicting ones at their budget included. It must give the ordinary step's logits
+(up to the order of float32 sums) while the tables grow and rows join and leave, compile once for one row and once
+for several (not per step, capacity or row count), give another model its own logits (other weights, int8
+weights under bfloat16), trace evicting rows' observers into the step (a batch with a row under its budget steps the
+ordinary way until the row reaches it), and run eagerly, with one warning, where compiling fails.
 """
 
 from __future__ import annotations
@@ -117,15 +117,27 @@ def test_int8_weights_under_bfloat16_get_their_own_logits(model):
         torch.testing.assert_close(b, a, rtol=1e-1, atol=1e-1)
 
 
-def test_a_lone_row_that_evicts_takes_the_ordinary_step(model):
-    """An evicting row's observers and compaction are not compiled: alone, it steps the ordinary way."""
-    done = prefilled(model, [("h2o", {"evict.budget": 30}, 50)], reserve=20)
-    tokens = list(range(5, 15))
-    eager, _ = decode(model, done, tokens, compiled=False)
-    compiled, static = decode(model, done, tokens, compiled=True)
-    assert static == 0
+EVICTING = [  # an H2O row under its budget, a second H2O row (the two scored together) and an A2SF row
+    ("h2o", {"evict.budget": 30}, 20),
+    ("h2o", {"evict.budget": 30}, 61),
+    ("a2sf", {"evict.budget": 24}, 47),
+]
+
+
+def test_evicting_rows_are_compiled_with_their_observers_once_at_their_budget(model):
+    """Rows that evict every step at their budget: their policies' observers are traced into the compiled step and
+    their compaction runs after it. The first row's prompt (20 tokens) is under its budget (30): the batch steps the
+    ordinary way for the 10 steps it takes to reach it, then every step is compiled (one graph), and every step's
+    logits are the ordinary step's (so each compiled step evicted the same entries)."""
+    tokens = list(range(5, 21))
+    done = prefilled(model, EVICTING, reserve=len(tokens) + 8)
+    eager, eager_static = decode(model, done, tokens, compiled=False, join_at=0)
+    before = unique_graphs()
+    compiled, static = decode(model, done, tokens, compiled=True, join_at=0)
+    assert eager_static == 0 and static == len(tokens) - 10
+    assert unique_graphs() - before <= 1
     for a, b in zip(eager, compiled, strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
 def test_a_failed_compile_runs_the_step_eagerly(model, monkeypatch, caplog):

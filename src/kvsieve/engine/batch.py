@@ -48,7 +48,7 @@ from kvsieve.linear import warm_up as warm_up_products
 from kvsieve.models import with_cache
 
 SPARE = 128  # columns of room for new tokens when the tables are (re)allocated
-# Rows up to which a CPU batch takes compiled steps (`compiled`), none of them evicting. Measured up to 8 (SmolLM2,
+# Rows up to which a CPU batch takes compiled steps (`compiled`). Measured up to 8 (SmolLM2,
 # SnapKV rows at 2K, ordinary -> compiled: 2 rows 55.7 -> 33.9 ms, 4 rows 59.3 -> 50.0, 8 rows 107.9 -> 72.7).
 COMPILED_ROWS = 8
 
@@ -121,9 +121,9 @@ class DecodeBatch:
     def __init__(self, model: PreTrainedModel, static: bool | None = None, compiled: bool | None = None):
         """`static`: step the batch through `StaticStep` (captured as a CUDA graph on CUDA) while every row is
         `steady`; None: `cuda_graphs_enabled(model)` or `compiled`. `compiled`: static steps whose forward pass is
-        compiled, for up to `COMPILED_ROWS` rows none of which evicts (other batches take the ordinary step); on
-        CUDA with graphs, every captured step's (rows that evict are captured uncompiled); None:
-        `compiled_steps_enabled(model)`."""
+        compiled (evicting rows' observers in it), for up to `COMPILED_ROWS` steady rows (other batches take the
+        ordinary step); on CUDA with graphs, every captured step's but where a row evicts (captured uncompiled);
+        None: `compiled_steps_enabled(model)`."""
         self.model = model
         self.compiled = compiled_steps_enabled(model) if compiled is None else compiled
         self.static = (cuda_graphs_enabled(model) or self.compiled) if static is None else static
@@ -216,11 +216,10 @@ class DecodeBatch:
         return out.logits[:, -1]
 
     def _steady(self) -> bool:
-        """Whether the rows can take static steps: every one `steady`; with compiled steps and no CUDA graph, up to
-        `COMPILED_ROWS` rows none of which evicts. A row that evicts would run its static step eagerly (its
-        observers and compaction are not compiled), over the tables' padded capacity, for no gain."""
-        if self.compiled and not self.capture:
-            return len(self.rows) <= COMPILED_ROWS and all(row.evict is None for row in self.rows)
+        """Whether the rows can take static steps: every one `steady` (an evicting row at its budget, evicting
+        every step); with compiled steps and no CUDA graph, at most `COMPILED_ROWS` of them."""
+        if self.compiled and not self.capture and len(self.rows) > COMPILED_ROWS:
+            return False
         return all(steady(row.evict, cache) for row, cache in zip(self.rows, self.caches, strict=True))
 
     def _static(self) -> torch.Tensor:

@@ -36,9 +36,12 @@ Python; on CUDA the compiled step is what gets captured, with fewer and fused ke
 SmolLM2's architecture in bfloat16: 3.9 -> 1.6 ms a step for one row at 2K, docs/STUDIES.md).
 Every number being a tensor is what lets one graph serve every step: the capacity is a dynamic
 size, so the tables' growth compiles nothing new; so is the number of rows past one (dynamo compiles one row
-apart). Without a graph it serves up to `engine.batch.COMPILED_ROWS` rows none of which evicts; captured, any
-number of rows (a batch with an evicting row is captured uncompiled: eviction's observers and compaction are not
-compiled). Eagerly, the same step is what the tests check against the batch's ordinary step.
+apart). An evicting row's observers (its policy's per-step scores, `observe_rows`) are traced into the compiled
+forward as its hooks; its compaction (`EvictRun.after_step`) runs eagerly after it. Each policy, and each mix of
+policies in a batch, is a graph of its own, compiled at its first steady step. Without a graph the compiled step
+serves up to `engine.batch.COMPILED_ROWS` rows; captured, any number (a batch with an evicting row is captured
+uncompiled on CUDA: that mix has not run on a GPU yet). Eagerly, the same step is what the tests check against
+the batch's ordinary step.
 """
 
 from __future__ import annotations
@@ -150,10 +153,11 @@ class StaticStep:
     ):
         """`keys`/`values` are the batch tables (layers, rows, kv_heads, capacity, d), `rows` each row's
         eviction (or None) and own cache, every one `steady`; `load` then sets where each row stands. `capture`:
-        record a CUDA graph at the first run; `compiled`: run the forward pass through `compiled_steps` (the
-        CPU's compiled step) where no row evicts (an eviction's observers and compaction stay eager)."""
+        record a CUDA graph at the first run; `compiled`: run the forward pass through `compiled_steps`, the
+        evicting rows' observers traced into it (their compaction, `EvictRun.after_step`, stays eager)."""
         self.model, self.keys, self.values, self.capture = model, keys, values, capture
-        self.compiled = compiled and not any(evict is not None for evict, _ in rows)
+        # On CUDA a batch with an evicting row is captured uncompiled: its compiled observers were not yet run on a GPU.
+        self.compiled = compiled and not (capture and any(evict is not None for evict, _ in rows))
         layers, count = keys.shape[:2]
         device = keys.device
         self.evicting = [(i, evict, cache) for i, (evict, cache) in enumerate(rows) if evict is not None]
@@ -177,6 +181,8 @@ class StaticStep:
         self.cache = DynamicCache(config=model.config)
         indices = (self.layer_ids, self.row_ids, self.ends)
         self.cache.layers = [_ScatterLayer(j, keys, values, indices) for j in range(layers)]
+        # A compiled forward reads no context: the evicting rows' observers go in as its hooks.
+        self.hooks = Hooks(observers=(self._observe,)) if self.evicting else NO_HOOKS
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # the graph's output, overwritten by every replay
         self.capture_seconds = 0.0
@@ -203,7 +209,7 @@ class StaticStep:
         observers = [self._observe] if self.evicting else []
         with torch.no_grad(), attention_hooks(observers=observers):
             arguments = (self.model, self.ids, self.positions, with_cache(self.model, self.cache), lengths)
-            logits = compiled_steps(*arguments, NO_HOOKS) if self.compiled else None  # no eviction to observe
+            logits = compiled_steps(*arguments, self.hooks) if self.compiled else None
             if logits is None:  # not compiled, or compiling failed
                 logits = model_step(*arguments)
             for _, evict, cache in self.evicting:
