@@ -72,9 +72,10 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--compile-steps",
         action="store_true",
-        help="compile the whole decoding step (torch.compile). On a CPU, for up to 8 requests whose caches do not "
-        "evict: up to 2.3x faster per token on SmolLM2 (least with a long full-attention cache), after a compile of "
-        "one to two and a half minutes per process on 2 cores. On CUDA, the compiled step is captured as a CUDA "
+        help="compile the whole decoding step (torch.compile). On a CPU, for up to 8 requests (those that evict "
+        "once at their budget): up to 2.3x faster per token on SmolLM2 (least with a long full-attention cache), "
+        "after a compile of one to two and a half minutes per process on 2 cores, and about a minute more for each "
+        "eviction policy at its first use. On CUDA, the compiled step is captured as a CUDA "
         "graph: 1.7-2.5x faster than the captured uncompiled step on an H100, after 80-90 s. Worth it for long "
         "answers and servers",
     )
