@@ -249,6 +249,7 @@ SLOW_FIRST = (
     "test_compiled_step.py::test_int8_weights_under_bfloat16_get_their_own_logits",  # 28 s, empty inductor cache
     "test_compiled_step.py::test_compiled_steps_give_the_ordinary_steps_logits_and_compile_once",  # 13 s, cold
     "test_entry_points.py::test_bench_runs_each_configuration_in_its_own_process",  # 32 s
+    "test_compiled_step.py::test_evicting_rows_are_compiled_with_their_observers_once_at_their_budget",  # 12 s, cold
     "test_real_model.py::test_needle_answered_with_critiprefill",  # 23 s
     "test_cli.py::test_niah_ppl_and_report_on_the_real_model",  # 20 s
     "test_real_model.py::test_bfloat16_default_model_answers_through_gemfilter",  # 17 s
