@@ -19,7 +19,8 @@ import pytest
 import torch
 from conftest import build_model, make_prompt, word_level_tokenizer
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+# One worker runs both tests, so the module's offline run (a subprocess, about 5 s) happens once.
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.xdist_group("offline_hub")]
 
 MODEL_ID = "kvsieve-test/tiny-llama"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
