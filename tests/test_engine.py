@@ -259,26 +259,26 @@ def test_a_steady_static_step_reads_and_writes_the_same_memory_and_numbers(model
     assert int(batch.rows[1].evict.clock) == clock + 5 and batch.entries(0) == 40 + 6
 
 
-def test_a_dropped_static_step_is_freed_at_once(model):
-    """A static step the batch drops when its tables grow (on CUDA with its graph, the graph's memory and the old
-    tables) is freed then, not at some later garbage collection: nothing it holds refers back to it."""
+@pytest.mark.parametrize("name,settings", [("full", {}), ("h2o", {"evict.budget": 24})])
+def test_a_dropped_static_step_is_freed_at_once(model, name, settings):
+    """A static step the batch drops (a row joins; on CUDA the step holds its graph, the graph's memory and the
+    tables) is freed then, not at some later garbage collection: nothing it holds refers back to it, an evicting
+    row's observers included."""
     import gc
     import weakref
 
-    from kvsieve.engine.batch import SPARE, Row
+    from kvsieve.engine.batch import Row
     from kvsieve.pipeline import prefill
 
     batch = DecodeBatch(model, static=True)
-    d = prefill(model, make_prompt(30), method=method("full"), reserve=4)
-    batch.add(Row(5, d.prefilled.next_position, None), d.prefilled.cache)
-    batch.step()
-    first = weakref.ref(batch.static_step)
-    gc.disable()
+    for _ in range(2):
+        d = prefill(model, make_prompt(30), method=method(name, settings), reserve=8)
+        batch.add(Row(5, d.prefilled.next_position, d.state.evict), d.prefilled.cache)
+        batch.step()
+        if len(batch) == 1:
+            first = weakref.ref(batch.static_step)
+            gc.disable()
     try:
-        for _ in range(SPARE + 4):
-            batch.step()
-            if batch.static_step is not first():
-                break
         assert first() is None and batch.static_step is not None
     finally:
         gc.enable()

@@ -181,8 +181,6 @@ class StaticStep:
         self.cache = DynamicCache(config=model.config)
         indices = (self.layer_ids, self.row_ids, self.ends)
         self.cache.layers = [_ScatterLayer(j, keys, values, indices) for j in range(layers)]
-        # A compiled forward reads no context: the evicting rows' observers go in as its hooks.
-        self.hooks = Hooks(observers=(self._observe,)) if self.evicting else NO_HOOKS
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # the graph's output, overwritten by every replay
         self.capture_seconds = 0.0
@@ -209,7 +207,8 @@ class StaticStep:
         observers = [self._observe] if self.evicting else []
         with torch.no_grad(), attention_hooks(observers=observers):
             arguments = (self.model, self.ids, self.positions, with_cache(self.model, self.cache), lengths)
-            logits = compiled_steps(*arguments, self.hooks) if self.compiled else None
+            hooks = Hooks(observers=tuple(observers)) if observers else NO_HOOKS  # a compiled forward reads no context
+            logits = compiled_steps(*arguments, hooks) if self.compiled else None
             if logits is None:  # not compiled, or compiling failed
                 logits = model_step(*arguments)
             for _, evict, cache in self.evicting:
