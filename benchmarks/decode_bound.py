@@ -15,9 +15,9 @@ Issue 26 asks for a step within 1.5x the weight-streaming limit. This script mea
     python benchmarks/decode_bound.py --rows 1,4 --products-only --quantize int8
     python benchmarks/decode_bound.py --shapes 64x64,192x576,576x576 --products-only   # and 4. (no model needed)
 
-4. with `--shapes OUTxIN,...`: one row times weights of each shape, F.linear against the fused kernel
-   (`kvsieve.linear.float_products`) whatever the weight's size, the weights rotated through about 200 MB so that
-   each comes from memory: where `linear.FUSED_MIN_WEIGHT` should lie.
+4. with `--shapes OUTxIN,...`: one row times weights of each shape, F.linear against kvsieve's C++ product
+   (`kvsieve.linear.kernel_product`), the weights rotated through about 200 MB so that each comes from memory:
+   whether small weights should keep PyTorch's product.
     python benchmarks/decode_bound.py --random-weights CONFIG_DIR --device cuda --dtype bfloat16   # a GPU
 
 5. with `--attention KEYS,...`: one decoding step's attention in every layer alone (the model's heads, float32
@@ -44,7 +44,7 @@ from transformers import StaticCache
 
 from kvsieve import load_model
 from kvsieve.attention import decode_kernel, dense_attention, grouped_attention
-from kvsieve.linear import float_products, plain_rows
+from kvsieve.linear import kernel_product
 from kvsieve.quantize import QUANTIZE_CHOICES, Int8Linear, quantize
 
 
@@ -112,7 +112,7 @@ def product_times(model, batch_rows: list[int]) -> dict[str, object]:
 
 
 def shape_times(shapes: list[tuple[int, int]], dtype: torch.dtype) -> dict[str, dict[str, float]]:
-    """One row times weights of each (out, in) shape on the CPU (us per product): F.linear and the fused kernel."""
+    """One row times weights of each (out, in) shape on the CPU (us per product): F.linear and kvsieve's kernel."""
     result = {}
     for out_features, in_features in shapes:
         count = min(400, max(1, 200_000_000 // (out_features * in_features * 4)))
@@ -120,9 +120,7 @@ def shape_times(shapes: list[tuple[int, int]], dtype: torch.dtype) -> dict[str, 
         x = torch.randn(1, in_features, dtype=dtype)
         with torch.no_grad():
             pytorch = median_ms(lambda x=x, weights=weights: [F.linear(x, w) for w in weights], 7, x.device)
-            fused = median_ms(
-                lambda x=x, weights=weights: [float_products(plain_rows(x), w) for w in weights], 7, x.device
-            )
+            fused = median_ms(lambda x=x, weights=weights: [kernel_product(x, w) for w in weights], 7, x.device)
         result[f"{out_features}x{in_features}"] = {"pytorch_us": pytorch * 1e3 / count, "fused_us": fused * 1e3 / count}
         print(f"{out_features} x {in_features}, one row: {result[f'{out_features}x{in_features}']}")
     return result
@@ -169,7 +167,7 @@ def main() -> None:
     parser.add_argument("--random-weights", type=Path, default=None, metavar="CONFIG_DIR", help="as decode_steps.py")
     parser.add_argument("--rows", default="1,4", help="rows of the layer products through F.linear and kvsieve's")
     parser.add_argument("--quantize", default=None, choices=QUANTIZE_CHOICES, help="weights as in `kvsieve.quantize`")
-    parser.add_argument("--shapes", default=None, help="OUTxIN,... : one row, F.linear against the fused kernel (4.)")
+    parser.add_argument("--shapes", default=None, help="OUTxIN,... : one row, F.linear against kvsieve's kernel (4.)")
     parser.add_argument("--attention", default=None, help="KEYS,... : one step's attention alone (5.)")
     parser.add_argument("--products-only", action="store_true", help="skip the decoding steps (3.)")
     parser.add_argument("--out", type=Path, default=Path("runs/decode_bound.json"))

@@ -38,7 +38,7 @@ from transformers import (
 import kvsieve
 import kvsieve.data
 import kvsieve.models
-from kvsieve.attention import decode_kernel
+from kvsieve import native
 from kvsieve.prompt import Prompt
 
 
@@ -276,7 +276,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
-    """Under pytest-xdist, convert the default model and build the CPU's decoding attention kernel (once per
+    """Under pytest-xdist, convert the default model and build the CPU kernels' library (once per
     machine) before the workers start.
 
     `load_model` converts the shipped GGUF on first use, and the first decoding step builds the kernel; on a
@@ -288,7 +288,7 @@ def pytest_configure(config):
 
     def build() -> None:
         try:
-            decode_kernel.build()
+            native.build()
         except RuntimeError:
             pass  # no compiler: the kernel's tests say so themselves
 

@@ -5,8 +5,6 @@ models' float32 steps take it, and a run compiles one graph (a graph break would
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
@@ -102,35 +100,3 @@ def test_bad_lengths_are_refused():
     for bad in (0, 11):
         with pytest.raises(RuntimeError, match="length must be in 1..10"):
             kernel_attention(query, key, value, None, torch.tensor([bad]))
-
-
-def test_a_built_library_is_reused(monkeypatch):
-    assert decode_kernel.load()
-    path = decode_kernel.library_path()
-    assert path.exists()
-
-    def no_compiler(*args, **kwargs):
-        raise AssertionError("compiled again")
-
-    monkeypatch.setattr(decode_kernel.subprocess, "run", no_compiler)
-    assert decode_kernel.build() == path
-
-
-@pytest.mark.parametrize(
-    ("compiler", "said"),
-    [("false", "compiling decode_kernel.cpp failed"), ("/no/such/c++", "no C++ compiler '/no/such/c++'")],
-)
-def test_without_a_compiler_attention_falls_back_with_one_warning(compiler, said, monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("CXX", compiler)  # a compiler that fails, one that is not there
-    monkeypatch.setenv("KVSIEVE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(decode_kernel, "_loaded", None)
-    key, value = cache_views(1, 2, 40, 16)
-    query = torch.randn(1, 4, 1, 16)
-    with caplog.at_level(logging.WARNING, logger="kvsieve.attention"):
-        assert kernel_attention(query, key, value, None) is None
-        assert kernel_attention(query, key, value, None) is None
-        out = dense_attention(query, key, value, None)
-    assert [r.message for r in caplog.records if "unavailable" in r.message] and len(caplog.records) == 1
-    assert said in caplog.records[0].message
-    torch.testing.assert_close(out, grouped_attention(query, key, value, None), rtol=1e-5, atol=1e-5)
-    assert not list(tmp_path.rglob("*.so"))

@@ -1,45 +1,32 @@
-"""The fused CPU product of a decoding step's few rows (`kvsieve.linear`, given to every model by `prepare`).
+"""The CPU product of a decoding step's few rows (`kvsieve.linear`, given to every model by `prepare`).
 
-It must compute what `F.linear` computes (up to the order of a float32 sum) for every row count and
-dtype it takes, leave larger products, small weights, grad-enabled ones and other dtypes to PyTorch, keep the model's
-parameters, tied weights and state dict, fall back with a warning where it cannot compile, and turn off
-with `set_enabled(False)`.
+It must compute what `F.linear` computes (up to the order of a float32 sum) for every row count, shape and
+dtype it takes, leave larger products, grad-enabled ones and other dtypes to PyTorch, keep the model's
+parameters, tied weights and state dict, and turn off with `set_enabled(False)`. Where the library cannot be
+built PyTorch's product runs (test_native.py).
 """
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import build_model, tiny_config
 
-import kvsieve.compiled as compiled_module
 import kvsieve.linear as linear_module
-from kvsieve import prepare
-from kvsieve.compiled import Compiled
-from kvsieve.linear import FusedLinear, fuse_linears
-
-SMALLEST_FUSED = linear_module.FUSED_MIN_WEIGHT
-
-
-@pytest.fixture(autouse=True)
-def every_weight_fused(monkeypatch):
-    """The tests' small weights take the kernel too (by default only weights of `FUSED_MIN_WEIGHT` elements do)."""
-    monkeypatch.setattr(linear_module, "FUSED_MIN_WEIGHT", 0)
+from kvsieve import native, prepare
+from kvsieve.linear import FusedLinear, fuse_linears, kernel_product
 
 
 def counted(monkeypatch) -> list[int]:
-    """Count the fused kernel's calls (the rows of each)."""
+    """Count the kernel's calls (the rows of each)."""
     calls: list[int] = []
-    products = linear_module.float_products
 
-    def counting(x, weight):
-        calls.append(x.shape[0])
-        return products(x, weight)
+    def counting(x, weight, scale=None):
+        calls.append(x.reshape(-1, x.shape[-1]).shape[0])
+        return kernel_product(x, weight, scale)
 
-    monkeypatch.setattr(linear_module, "float_products", counting)
+    monkeypatch.setattr(linear_module, "kernel_product", counting)
     return calls
 
 
@@ -56,8 +43,40 @@ def test_the_fused_product_equals_pytorchs(monkeypatch, single_thread, dtype, to
             torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=tolerance, atol=tolerance)
         x = torch.randn(2, 1, 48, dtype=dtype)  # (batch, 1, in): a decoding step's shape
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=tolerance, atol=tolerance)
-    # float32 takes it up to 4 rows, bfloat16 for one row only (where each measured faster than PyTorch's)
-    assert calls == ([1, 3, 2] if dtype == torch.float32 else [1])
+    assert calls == [1, 3, 8, 2]  # up to 8 rows (9: PyTorch's)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize(("inputs", "outputs"), [(576, 192), (37, 70), (100, 5), (16, 1), (33, 130)])
+def test_the_kernel_multiplies_every_shape_row_count_and_weight_dtype(weight_dtype, inputs, outputs):
+    """Widths that are not a multiple of the kernel's vectors (a scalar tail), an odd number of output rows (the
+    kernel takes two at a time from 5 input rows), more output rows than one thread's share, 1 to 8 rows."""
+    generator = torch.Generator().manual_seed(inputs * outputs)
+    if weight_dtype == torch.int8:
+        weight = torch.randint(-127, 128, (outputs, inputs), dtype=torch.int8, generator=generator)
+        scale = torch.rand(outputs, generator=generator)
+    else:
+        weight, scale = torch.randn(outputs, inputs, generator=generator).to(weight_dtype), None
+    exact = weight.double() if scale is None else weight.double() * scale.double()[:, None]
+    for rows in range(1, 9):
+        x = torch.randn(rows, inputs, generator=generator)
+        out = kernel_product(x, weight, scale)
+        assert out.dtype == torch.float32 and out.shape == (rows, outputs)
+        # a float32 sum's rounding is relative to the sum of the terms' sizes, not to the (cancelling) result
+        error = (out.double() - x.double() @ exact.T).abs()
+        assert (error <= 1e-5 * (x.double().abs() @ exact.abs().T)).all()
+
+
+def test_the_kernel_refuses_what_it_does_not_take():
+    assert native.load()
+    with pytest.raises(RuntimeError, match="1 to 8 rows, got 9"):
+        torch.ops.kvsieve.decode_product(torch.randn(9, 4), torch.randn(3, 4), None)
+    with pytest.raises(RuntimeError, match="a scale goes with int8 weights"):
+        torch.ops.kvsieve.decode_product(torch.randn(1, 4), torch.zeros(3, 4, dtype=torch.int8), None)
+    with pytest.raises(RuntimeError, match="with x's in"):
+        torch.ops.kvsieve.decode_product(torch.randn(1, 4), torch.randn(3, 5), None)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or int8 weights"):
+        torch.ops.kvsieve.decode_product(torch.randn(1, 4), torch.randn(3, 4).half(), None)
 
 
 def test_other_dtypes_gradients_and_a_switch_keep_pytorchs_product(monkeypatch):
@@ -75,21 +94,6 @@ def test_other_dtypes_gradients_and_a_switch_keep_pytorchs_product(monkeypatch):
     with torch.no_grad():
         assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
     assert calls == []
-
-
-def test_weights_below_the_threshold_keep_pytorchs_product(monkeypatch):
-    """Only weights of at least `FUSED_MIN_WEIGHT` elements take the kernel: a smaller one is as fast in MKL's
-    product and would only pay for a compiled call (a tiny test model compiles nothing)."""
-    monkeypatch.setattr(linear_module, "FUSED_MIN_WEIGHT", SMALLEST_FUSED)
-    calls = counted(monkeypatch)
-    small, smallest_fused = (fuse_linears(torch.nn.Linear(n, 256, bias=False)) for n in (64, SMALLEST_FUSED // 256))
-    with torch.no_grad():
-        x = torch.randn(1, 64)
-        assert torch.equal(small(x), F.linear(x, small.weight))
-        assert calls == []
-        x = torch.randn(1, SMALLEST_FUSED // 256)
-        torch.testing.assert_close(smallest_fused(x), F.linear(x, smallest_fused.weight))
-    assert calls == [1]
 
 
 def test_prepare_fuses_every_linear_and_keeps_weights_tied():
@@ -132,55 +136,17 @@ def test_inside_a_compiled_graph_the_product_is_traced_not_called():
         torch.testing.assert_close(compiled(x), F.linear(x, layer.weight, layer.bias))
 
 
-def test_every_thread_that_multiplies_may_recompile(single_thread):
-    """Dynamo's recompile limit is a per-thread setting (torch >= 2.12): a thread that calls the kernel (the
-    server's engine thread) raises its own, or its ninth variant would run the product eagerly (slower, and
-    rounded differently from the same product in another thread)."""
-    import threading
+def test_warm_up_builds_the_kernels_a_decoding_step_calls(monkeypatch):
+    """`warm_up` (what `kvsieve serve` runs before answering) loads the library; with the kernels off it does
+    nothing."""
+    from kvsieve.attention import decode_kernel
 
-    layer = fuse_linears(torch.nn.Linear(16, 8))
-    x = torch.randn(1, 16)
-    with torch.no_grad():
-        expected = layer(x)
-    seen = {}
-
-    def work() -> None:
-        with torch.no_grad():
-            seen["out"] = layer(x)
-        seen["limit"] = torch._dynamo.config.recompile_limit
-
-    thread = threading.Thread(target=work)
-    thread.start()
-    thread.join()
-    assert seen["limit"] >= compiled_module.RECOMPILES
-    assert torch.equal(seen["out"], expected)
-
-
-def test_a_failed_compile_falls_back_to_pytorchs_product(monkeypatch, caplog):
-    monkeypatch.setattr(
-        linear_module, "float_products", Compiled("fused product, float weights", linear_module.float_product)
-    )
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("no compiler here")
-
-    monkeypatch.setattr(torch, "compile", broken)
-    layer = fuse_linears(torch.nn.Linear(16, 8))
-    x = torch.randn(1, 16)
-    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="kvsieve.compiled"):
-        out = layer(x)
-        assert torch.equal(layer(x), out)  # tried once: the second call goes straight to PyTorch's product
-    assert caplog.text.count("no compiler here") == 1 and linear_module.float_products.failed
-    assert torch.equal(out, F.linear(x, layer.weight, layer.bias))
-
-
-def test_warm_up_compiles_the_kernels_a_decoding_step_calls(monkeypatch):
-    """`warm_up` (what `kvsieve serve` runs before answering) leaves the kernel compiled; with the kernels off it
-    runs nothing."""
-    fresh = Compiled("fused product, float weights", linear_module.float_product)
-    monkeypatch.setattr(linear_module, "float_products", fresh)
     model = build_model("llama")
+    loads: list[bool] = []
+    monkeypatch.setattr(native, "load", lambda: loads.append(True) or True)
     monkeypatch.setattr(linear_module, "_enabled", False)
-    assert linear_module.warm_up(model) == 0.0 and fresh.compiled is None
-    monkeypatch.setattr(linear_module, "_enabled", True)
-    assert linear_module.warm_up(model) > 0 and fresh.compiled is not None and not fresh.failed
+    monkeypatch.setattr(decode_kernel, "_enabled", False)
+    assert linear_module.warm_up(model) == 0.0 and loads == []
+    monkeypatch.setattr(decode_kernel, "_enabled", True)  # either kernel on: the library is loaded
+    linear_module.warm_up(model)
+    assert loads == [True]

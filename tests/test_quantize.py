@@ -11,7 +11,6 @@ are refused with the choices.
 from __future__ import annotations
 
 import copy
-import logging
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from conftest import FakeTokenizer, build_model, make_prompt
 
 import kvsieve.quantize as quantize_module
 from kvsieve import KvsieveError, Sampling, method, run
-from kvsieve.compiled import Compiled
+from kvsieve.linear import kernel_product
 from kvsieve.pipeline import prefill
 from kvsieve.quantize import Int8Linear, int8_linear, quantize
 
@@ -35,7 +34,7 @@ def dequantized_twin(model: torch.nn.Module, quantized: torch.nn.Module) -> torc
 
 
 @pytest.mark.parametrize("arch", ["llama", "phi3"])  # separate q/k/v projections, and Phi-3's fused qkv
-def test_an_int8_model_computes_what_its_dequantized_weights_compute(arch, single_thread):
+def test_an_int8_model_computes_what_its_dequantized_weights_compute(arch, single_thread, monkeypatch):
     model = build_model(arch, num_layers=2)
     quantized = quantize(copy.deepcopy(model), "int8")
     linears = [m for m in quantized.modules() if isinstance(m, Int8Linear)]
@@ -48,9 +47,11 @@ def test_an_int8_model_computes_what_its_dequantized_weights_compute(arch, singl
     # the prefill: 60 rows, the dequantized product
     ours = prefill(quantized, prompt, method=spec).prefilled.last_logits
     torch.testing.assert_close(ours, prefill(twin, prompt, method=spec).prefilled.last_logits, rtol=1e-5, atol=1e-5)
-    # decoding: one row per step, the fused kernel (compiled at its first call)
+    # decoding: one row per step, the C++ kernel
+    calls = []
+    monkeypatch.setattr(quantize_module, "kernel_product", lambda *args: calls.append(args) or kernel_product(*args))
     answer = run(quantized, FakeTokenizer(), prompt, method=spec, sampling=sampling)
-    assert quantize_module.int8_products.compiled is not None and not quantize_module.int8_products.failed
+    assert calls and all(scale is not None for _, _, scale in calls)
     assert answer.tokens == run(twin, FakeTokenizer(), prompt, method=spec, sampling=sampling).tokens
     float_logits = prefill(model, prompt, method=spec).prefilled.last_logits
     assert not torch.allclose(ours, float_logits, rtol=1e-5, atol=1e-5)  # int8 did change the weights
@@ -60,7 +61,7 @@ def test_an_int8_model_computes_what_its_dequantized_weights_compute(arch, singl
 def test_the_fused_product_equals_the_dequantized_one_for_a_few_rows(single_thread):
     torch.manual_seed(0)
     layer = Int8Linear(torch.nn.Linear(48, 40, bias=True))
-    for rows in (1, 3, 8, 9):  # 9 rows: past FUSED_ROWS, the dequantized product
+    for rows in (1, 3, 8, 9):  # 9 rows: past KERNEL_ROWS, the dequantized product
         x = torch.randn(2, rows, 48)
         expected = torch.nn.functional.linear(x, layer.dequantized(), layer.bias)
         torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
@@ -97,23 +98,6 @@ def test_a_head_tied_to_the_embedding_gets_its_own_int8_copy(single_thread):
     assert model.model.embed_tokens.weight.dtype == torch.float32
     torch.testing.assert_close(model.model.embed_tokens.weight, embedding)  # the embedding is left as it was
     torch.testing.assert_close(model.lm_head.dequantized(), embedding, rtol=0, atol=embedding.abs().max() / 254)
-
-
-def test_a_failed_compile_falls_back_to_the_dequantized_product(monkeypatch, caplog):
-    monkeypatch.setattr(
-        quantize_module, "int8_products", Compiled("fused product, int8 weights", quantize_module._int8_product)
-    )
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("no compiler here")
-
-    monkeypatch.setattr(torch, "compile", broken)
-    layer = Int8Linear(torch.nn.Linear(16, 8))
-    x = torch.randn(1, 16)
-    with caplog.at_level(logging.WARNING, logger="kvsieve.compiled"):
-        out = layer(x)
-    assert "no compiler here" in caplog.text and quantize_module.int8_products.failed
-    torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.dequantized(), layer.bias))
 
 
 def test_unknown_schemes_are_refused_with_the_choices(tmp_path):

@@ -1,11 +1,9 @@
 """A function compiled by inductor at its first call, with the fallback and limits every such use needs.
 
-kvsieve compiles two kinds of things for a CPU's decoding steps: the fused product of a few rows by a
-weight (`kvsieve.linear`, `kvsieve.quantize`) and, where asked, the whole decoding step of the engine's
-batch (`engine.static_step`). Both compile lazily with dynamic shapes (a few compilations serve every
-layer shape, cache capacity and row count; inductor also caches them on disk for later processes), log
-the compile time, and where compiling fails (no C++ compiler, an unsupported platform) say so once and
-let the caller run the eager code instead.
+kvsieve compiles, where asked, the whole decoding step of the engine's batch (`engine.static_step`,
+`--compile-steps`): lazily, with dynamic shapes (one graph serves every cache capacity; inductor also
+caches it on disk for later processes), logging the compile time, and where compiling fails (no C++
+compiler, an unsupported platform) saying so once and letting the caller run the eager step instead.
 """
 
 from __future__ import annotations
@@ -21,10 +19,9 @@ import torch
 
 log = logging.getLogger("kvsieve.compiled")
 
-# Compilations a function may keep: per dtype, one row or several, per model for a whole step (dynamo
+# Compilations a function may keep: one row or several, per model and per mix of eviction policies (dynamo
 # specializes a size of 1 and sizes that happen to be equal). Past dynamo's default of 8 it runs the function
-# eagerly, which for a product writes a temporary as large as the weight (3x slower than PyTorch's product).
-# Dynamo's config is per thread (torch >= 2.12), so every thread that calls one raises its own limit.
+# eagerly. Dynamo's config is per thread (torch >= 2.12), so every thread that calls one raises its own limit.
 RECOMPILES = 32
 
 

@@ -1,9 +1,10 @@
 // kvsieve::decode_attention: a decoding step's attention on a CPU (one query per row) in one pass over the cache.
 //
-// Built and loaded by kvsieve/attention/decode_kernel.py. A decoding step's attention reads every cached key and
-// value once and does little arithmetic on them, so its floor is the memory's speed. PyTorch's products for it
-// (a (rows x d) by (d x keys) product per KV head, then probabilities by values) are matrix kernels that repack
-// their operands, and read the cache at a third to a half of that speed (docs/STUDIES.md, issue 26). Here:
+// Built and loaded with kvsieve's other CPU kernels by kvsieve/native.py; called by kvsieve/attention/decode_kernel.py.
+// A decoding step's attention reads every cached key and value once and does little arithmetic on them, so its
+// floor is the memory's speed. PyTorch's products for it (a (rows x d) by (d x keys) product per KV head, then
+// probabilities by values) are matrix kernels that repack their operands, and read the cache at a third to a half
+// of that speed (docs/STUDIES.md, issue 26). Here:
 //
 // - the keys of a KV head are split into chunks of CHUNK; the chunks of every row and KV head are shared out
 //   among PyTorch's threads (at::parallel_for), each chunk read once from memory;

@@ -97,8 +97,8 @@ def compiled_steps_enabled(model: PreTrainedModel) -> bool:
 
 
 def warm_up(model: PreTrainedModel) -> float:
-    """Compile now what `model`'s CPU decoding steps will run, so that no request waits for it; seconds spent:
-    the fused products (`kvsieve.linear.warm_up`) and, with compiled steps on, the step's two graphs (one row,
+    """Build now what `model`'s CPU decoding steps will run, so that no request waits for it; seconds spent:
+    the C++ kernels (`kvsieve.linear.warm_up`) and, with compiled steps on, the step's two graphs (one row,
     and several: a short prompt's steps through a batch of one row, then of two)."""
     start = time.perf_counter()
     warm_up_products(model)

@@ -1,0 +1,140 @@
+"""kvsieve's C++ kernels for a CPU's decoding steps: one library, built for this machine at its first use.
+
+Two operators, each in a C++ file of its own, each called by one Python module:
+- `torch.ops.kvsieve.decode_attention` (`attention/decode_kernel.cpp`): a decoding step's attention in one pass
+  over the cache (`kvsieve.attention.decode_kernel`);
+- `torch.ops.kvsieve.decode_product` (`decode_products.cpp`): a step's few rows times a float32, bfloat16 or
+  int8 weight, each weight read once (`kvsieve.linear`, `kvsieve.quantize`).
+
+The library is compiled from those files by the machine's C++ compiler (`$CXX`, else `c++`; the two files at once,
+about 8 s on 2 cores) against the installed torch's headers, with `-march=native` and `-ffp-contract=fast` (the
+kernels' sums are chains of multiply-adds: fused, the attention over SmolLM2's 30 layers at 2K keys took 4.3-6.2
+ms instead of 7.0-7.4, docs/STUDIES.md), into a cache (`$KVSIEVE_CACHE_DIR`, else `~/.cache/kvsieve`) keyed by the
+sources, torch's version, the compiler commands and the CPU's features. Each operator has a fake implementation, so
+a compiled graph calls it as it is. Where the library cannot be built (no compiler), `load` warns once and returns
+False, and the callers run PyTorch's attention and products.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("kvsieve.native")
+
+SOURCES = (Path(__file__).parent / "attention" / "decode_kernel.cpp", Path(__file__).with_name("decode_products.cpp"))
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-std=c++17")
+
+_lock = threading.Lock()
+_loaded: bool | None = None  # whether the operators are registered; None until the first `load`
+
+
+def _compiler() -> list[str]:
+    return shlex.split(os.environ.get("CXX", "c++"))
+
+
+def compile_command(source: Path, output: Path) -> list[str]:
+    """The command that compiles one C++ file into the object `output`."""
+    root = Path(torch.__file__).parent
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [*_compiler(), *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{root / 'include'}", "-c", str(source),
+            "-o", str(output)]  # fmt: skip
+
+
+def link_command(objects: list[Path], output: Path) -> list[str]:
+    """The command that links the objects into the shared library `output`."""
+    lib = Path(torch.__file__).parent / "lib"
+    return [*_compiler(), "-shared", "-fopenmp", *map(str, objects), "-o", str(output), f"-L{lib}", "-lc10",
+            "-ltorch_cpu"]  # fmt: skip
+
+
+def _cpu_features() -> str:
+    """The CPU's feature flags (a library built with -march=native may not run on another CPU)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def library_path() -> Path:
+    """Where the library built from the current sources for this torch, compiler and CPU is cached."""
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+        digest.update(" ".join(compile_command(source, Path("x"))).encode())
+    digest.update(" ".join(link_command([Path("x")], Path("x"))).encode())
+    digest.update(torch.__version__.encode())
+    digest.update(_cpu_features().encode())
+    cache = Path(os.environ.get("KVSIEVE_CACHE_DIR") or Path.home() / ".cache" / "kvsieve")
+    return cache / "kernels" / f"kvsieve-{digest.hexdigest()[:16]}.so"
+
+
+def _run(commands: list[list[str]]) -> None:
+    """Run the commands side by side; raise with the first failure's message."""
+    try:
+        running = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for c in commands]
+    except OSError as error:
+        raise RuntimeError(f"no C++ compiler {commands[0][0]!r} ({error}); set CXX to one") from error
+    failed = [(command, process.communicate()[1]) for command, process in zip(commands, running, strict=True)]
+    for (command, stderr), process in zip(failed, running, strict=True):
+        if process.returncode != 0:
+            name = Path(command[command.index("-c") + 1]).name if "-c" in command else "the kernels' library"
+            raise RuntimeError(f"compiling {name} failed: {stderr.strip()[-2000:]}")
+
+
+def build() -> Path:
+    """Compile the library unless it is cached; its path. Concurrent builders (test workers) each write a file of
+    their own and move it into place, so none loads a half-written library."""
+    path = library_path()
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+        objects = [Path(scratch) / f"{source.stem}.o" for source in SOURCES]
+        _run([compile_command(source, obj) for source, obj in zip(SOURCES, objects, strict=True)])
+        output = Path(scratch) / path.name
+        _run([link_command(objects, output)])
+        os.replace(output, path)
+    log.info("CPU kernels: built in %.1f s (%s)", time.perf_counter() - start, path)
+    return path
+
+
+def _fake_attention(query, key, value, lengths, scale):
+    return query.new_empty(query.shape)
+
+
+def _fake_product(x, weight, scale):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.compiler.assume_constant_result  # a compiled graph asks once, while tracing, and calls the operators
+def load() -> bool:
+    """Build (where needed) and load the library once per process; False (with one warning) where that failed."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    with _lock:
+        if _loaded is None:
+            try:
+                torch.ops.load_library(str(build()))
+                torch.library.register_fake("kvsieve::decode_attention")(_fake_attention)
+                torch.library.register_fake("kvsieve::decode_product")(_fake_product)
+                _loaded = True
+            except Exception as error:  # no compiler, an unsupported platform: PyTorch's operators still work
+                _loaded = False
+                log.warning("CPU kernels unavailable (%s); using PyTorch's attention and products", error)
+    return _loaded

@@ -1,0 +1,55 @@
+"""The C++ kernels' library (`kvsieve.native`): built once per machine and reused, and where it cannot be built
+(no compiler, a compiler that fails) one warning, then PyTorch's attention and products answer instead."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvsieve import native
+from kvsieve.attention import dense_attention, grouped_attention
+from kvsieve.attention.decode_kernel import kernel_attention
+from kvsieve.linear import fuse_linears
+from kvsieve.quantize import Int8Linear
+
+
+def test_a_built_library_is_reused(monkeypatch):
+    assert native.load()
+    path = native.library_path()
+    assert path.exists()
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(native.subprocess, "Popen", no_compiler)
+    assert native.build() == path
+
+
+@pytest.mark.parametrize(
+    ("compiler", "said"),
+    [("false", "compiling decode_kernel.cpp failed"), ("/no/such/c++", "no C++ compiler '/no/such/c++'")],
+)
+def test_without_a_compiler_pytorch_answers_after_one_warning(compiler, said, monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CXX", compiler)  # a compiler that fails, one that is not there
+    monkeypatch.setenv("KVSIEVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_loaded", None)
+    generator = torch.Generator().manual_seed(0)
+    key, value = torch.randn(2, 1, 2, 40, 16, generator=generator)
+    query = torch.randn(1, 4, 1, 16, generator=generator)
+    layer = fuse_linears(torch.nn.Linear(16, 8))
+    int8 = Int8Linear(torch.nn.Linear(16, 8))
+    x = torch.randn(1, 16, generator=generator)
+    with caplog.at_level(logging.WARNING, logger="kvsieve.native"), torch.no_grad():
+        assert kernel_attention(query, key, value, None) is None
+        out = dense_attention(query, key, value, None)
+        product = layer(x)
+        int8_product = int8(x)
+    assert len(caplog.records) == 1 and "unavailable" in caplog.records[0].message
+    assert said in caplog.records[0].message
+    torch.testing.assert_close(out, grouped_attention(query, key, value, None), rtol=1e-5, atol=1e-5)
+    assert torch.equal(product, F.linear(x, layer.weight, layer.bias))
+    torch.testing.assert_close(int8_product, F.linear(x, int8.dequantized(), int8.bias))
+    assert not list(tmp_path.rglob("*.so"))
