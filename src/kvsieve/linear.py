@@ -7,7 +7,7 @@ memory's speed. `torch.ops.kvsieve.decode_product` (`decode_products.cpp`, built
 reads each weight once, front to back, each weight row multiplied by every input row while it is in
 the registers, with fused multiply-adds in independent chains (SmolLM2-135M's 211 products, float32,
 2-core AMD EPYC, ms: one row 16.6-17.5 against MKL's 42.8-43.4, against 16.6-18.1 for reading the same
-538 MB with `sum()`; 8 rows 32.0-32.3 against 69.9-67.1; bfloat16 weights one row 10.0-10.3 against
+538 MB with `sum()`; 8 rows 32.0-32.3 against 67.1-69.9; bfloat16 weights one row 10.0-10.3 against
 21.0-21.6). It replaced a product compiled by inductor (one row 20.0-21.4 ms, 8 rows 44-47), which
 also made every new process compile it first.
 
