@@ -35,7 +35,6 @@ typedef float vec __attribute__((vector_size(64)));
 typedef int ivec __attribute__((vector_size(64)));
 constexpr int W = 16;          // floats per vector
 constexpr int64_t CHUNK = 256;  // keys per unit of work
-constexpr int KEYS = 4;         // keys whose logits are accumulated at once (independent chains of additions)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 inline vec load(const float* p) {
@@ -73,6 +72,35 @@ inline vec exp_nonpositive(vec x) {
   return p * scale;
 }
 
+// A query head's DV vectors times a key's, lane by lane (two chains of fused multiply-adds); the dot product is the
+// sum of the result's lanes.
+template <int DV>
+inline vec dot(const vec* q, const float* key) {
+  vec a = q[0] * load(key), b = {};
+  for (int c = 1; c < DV; ++c) (c % 2 ? b : a) += q[c] * load(key + c * W);
+  return a + b;
+}
+
+// The lane sums of W vectors: lane j of the result is the sum of x[j]'s lanes. A tree of two-source shuffles
+// (W - 1 additions of whole vectors) instead of W horizontal sums of W - 1 scalar additions each, which took most of
+// the attention's time (issue 26). Each level adds neighbouring groups of lanes of two vectors and interleaves the
+// pairs' partial sums: after level `g` a vector holds 2g keys' sums, W / 2g lanes each.
+inline vec sums(vec* x) {
+  static_assert(W == 16, "the shuffles below are written for 16 lanes");
+  const ivec lo1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+  const ivec hi1 = lo1 + 1;
+  const ivec lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+  const ivec hi2 = lo2 + 2;
+  const ivec lo4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+  const ivec hi4 = lo4 + 4;
+  const ivec lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const ivec hi8 = lo8 + 8;
+  for (int i = 0; i < 8; ++i) x[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo1) + __builtin_shuffle(x[2 * i], x[2 * i + 1], hi1);
+  for (int i = 0; i < 4; ++i) x[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo2) + __builtin_shuffle(x[2 * i], x[2 * i + 1], hi2);
+  for (int i = 0; i < 2; ++i) x[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo4) + __builtin_shuffle(x[2 * i], x[2 * i + 1], hi4);
+  return __builtin_shuffle(x[0], x[1], lo8) + __builtin_shuffle(x[0], x[1], hi8);
+}
+
 // One chunk of `len` keys of one KV head for HEADS query heads of DV vectors each: the heads' logits (scaled) into
 // `logits` (a row of `stride` per head), then their maximum `m`, sum of exponentials `s` and unnormalised output
 // `o` (HEADS x D).
@@ -84,25 +112,15 @@ void chunk_heads(const float* q, const float* k, int64_t k_step, const float* v,
   for (int h = 0; h < HEADS; ++h)
     for (int c = 0; c < DV; ++c) qv[h][c] = load(q + h * D + c * W);
   int64_t n = 0;
-  for (; n + KEYS <= len; n += KEYS) {
-    vec acc[HEADS][KEYS] = {};
-    for (int c = 0; c < DV; ++c) {
-      vec kv[KEYS];
-      for (int j = 0; j < KEYS; ++j) kv[j] = load(k + (n + j) * k_step + c * W);
-      for (int h = 0; h < HEADS; ++h)
-        for (int j = 0; j < KEYS; ++j) acc[h][j] += qv[h][c] * kv[j];
+  for (; n + W <= len; n += W) {  // W keys at a time (they stay in L1 while each head reads them)
+    for (int h = 0; h < HEADS; ++h) {
+      vec dots[W];
+      for (int j = 0; j < W; ++j) dots[j] = dot<DV>(qv[h], k + (n + j) * k_step);
+      store(logits + h * stride + n, sums(dots) * scale);
     }
-    for (int h = 0; h < HEADS; ++h)
-      for (int j = 0; j < KEYS; ++j) logits[h * stride + n + j] = sum(acc[h][j]) * scale;
   }
-  for (; n < len; ++n) {
-    vec acc[HEADS] = {};
-    for (int c = 0; c < DV; ++c) {
-      const vec kv = load(k + n * k_step + c * W);
-      for (int h = 0; h < HEADS; ++h) acc[h] += qv[h][c] * kv;
-    }
-    for (int h = 0; h < HEADS; ++h) logits[h * stride + n] = sum(acc[h]) * scale;
-  }
+  for (; n < len; ++n)
+    for (int h = 0; h < HEADS; ++h) logits[h * stride + n] = sum(dot<DV>(qv[h], k + n * k_step)) * scale;
   for (int h = 0; h < HEADS; ++h) {
     float* row = logits + h * stride;
     const float top = *std::max_element(row, row + len);
