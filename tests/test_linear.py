@@ -16,6 +16,7 @@ from conftest import build_model, tiny_config
 import kvsieve.linear as linear_module
 from kvsieve import native, prepare
 from kvsieve.linear import FusedLinear, fuse_linears, kernel_product
+from kvsieve.quantize import Int8Linear
 
 
 def counted(monkeypatch) -> list[int]:
@@ -126,14 +127,33 @@ def test_a_decoding_model_calls_the_fused_product_and_decodes_as_pytorchs(monkey
     assert run(model, FakeTokenizer(), prompt, method=method("full"), sampling=sampling).tokens == fused.tokens
 
 
-def test_inside_a_compiled_graph_the_product_is_traced_not_called():
-    """A user's `torch.compile` of a model with fused linears traces the product into its own graph (fullgraph:
-    no break at the kernel's compile-once machinery)."""
-    layer = fuse_linears(torch.nn.Linear(24, 16))
-    x = torch.randn(1, 24)
+def compiled_calls_the_kernel(layer: torch.nn.Module, x: torch.Tensor) -> bool:
+    """Run `layer` on `x` through `torch.compile` (fullgraph: no break at the kernel's load-once machinery), check
+    the result against the eager layer's, and say whether the graph dynamo traced calls the C++ product."""
+    graphs = []
+
+    def record(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
     with torch.no_grad():
-        compiled = torch.compile(layer, fullgraph=True, backend="eager")
-        torch.testing.assert_close(compiled(x), F.linear(x, layer.weight, layer.bias))
+        out = torch.compile(layer, fullgraph=True, backend=record)(x)
+        torch.testing.assert_close(out, layer(x), rtol=1e-5, atol=1e-5)
+    return any("decode_product" in str(node.target) for graph in graphs for node in graph.graph.nodes)
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
+def test_inside_a_compiled_graph_one_row_is_traced_and_several_call_the_kernel(int8):
+    """Inside a compiled graph (the CPU's compiled step) a one-row product is traced into the graph, where inductor
+    fuses it with what surrounds it; two to eight rows call the kernel from the graph (int8 with its scales)."""
+    layer = fuse_linears(torch.nn.Linear(24, 16))
+    layer = Int8Linear(layer) if int8 else layer
+    generator = torch.Generator().manual_seed(0)
+    assert not compiled_calls_the_kernel(layer, torch.randn(1, 24, generator=generator))
+    assert compiled_calls_the_kernel(layer, torch.randn(2, 24, generator=generator))
+    assert compiled_calls_the_kernel(layer, torch.randn(1, 8, 24, generator=generator))
+    assert not compiled_calls_the_kernel(layer, torch.randn(9, 24, generator=generator))  # past the kernel's rows
 
 
 def test_warm_up_builds_the_kernels_a_decoding_step_calls(monkeypatch):

@@ -13,9 +13,9 @@ also made every new process compile it first.
 
 `FusedLinear` is `torch.nn.Linear` whose forward takes the kernel for up to `FUSED_ROWS` rows on a CPU
 (float32 and bfloat16 weights; the rows go in as float32 and come out in their dtype) and `F.linear`
-otherwise (a prefill, a GPU, float16); inside a caller's own `torch.compile` the product is traced into
-the caller's graph instead (`traced_product`: inductor fuses it with the operators around it, which
-measured faster in the compiled step than calling the kernel from the graph). `kvsieve.prepare` gives a
+otherwise (a prefill, a GPU, float16); inside a caller's own `torch.compile` (the compiled step) the kernel
+is called from the graph, except for one row, whose product is traced into it (`traced_product`: inductor
+fuses it with the operators around it, which measured faster than the call). `kvsieve.prepare` gives a
 model's linear layers this forward (`fuse_linears`). int8 weights (`kvsieve.quantize`) use the same
 kernel with a scale. Where the library cannot be built, PyTorch's product runs (`kvsieve.native` warns
 once). `KVSIEVE_FUSED_PRODUCTS=0` (or `set_enabled(False)`) turns the kernel off: every product is then
@@ -63,40 +63,30 @@ def kernel_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     return torch.ops.kvsieve.decode_product(rows, weight, scale)
 
 
-def float_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """(rows, in) x (out, in) -> (rows, out), each weight read once (inductor accumulates in float32).
-
-    Written with the weight's rows outermost, (out, rows) then transposed, so that the kernel multiplies one
-    weight row by every input row while it is in the cache: with the rows outermost, each input row streamed
-    the whole weight again (SmolLM2's 180 layer products, float32, medians of 15: 2 rows 24.8 -> 20.2 ms,
-    4 rows 31.2 -> 24.8 ms, one row the same)."""
+def traced_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(1, in) x (out, in) -> (1, out) as a compiled graph traces a decoding step's one row (inductor accumulates in
+    float32 and fuses the product with the operators around it). Written with the weight's rows outermost, (out, 1)
+    then transposed: with the row outermost, inductor kept the (out, rows) layout for the next product and summed
+    over a strided dimension (docs/STUDIES.md)."""
     return (weight.unsqueeze(1) * x.unsqueeze(0)).sum(-1).t().contiguous()
 
 
-# Rows up to which a product inside a compiled graph (the CPU's compiled step) is traced into it, per dtype (more:
-# PyTorch's product in the graph). The compiled step serves at most `engine.batch.COMPILED_ROWS` rows.
-TRACED_ROWS = {torch.float32: 8, torch.bfloat16: 1}
-
-
-def traced_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """(rows, in) x (out, in) -> (rows, out) as a compiled graph should trace it: `float_product` for one row,
-    rows first for several. Inside a graph inductor keeps `float_product`'s (out, rows) result in that layout,
-    so the next product's sum runs over a strided dimension and inductor vectorises across the rows instead
-    (SmolLM2's step, 4 SnapKV rows at 2K, ordinary -> compiled: 66.0 -> 287.5 ms as `float_product`, and in
-    another run 59.3 -> 50.0 ms rows first; docs/STUDIES.md)."""
-    if x.shape[0] == 1:
-        return float_product(x, weight)
-    return (x.unsqueeze(1) * weight.unsqueeze(0)).sum(-1)
+# Rows up to which a product inside a compiled graph (the CPU's compiled step) is traced into it (`traced_product`):
+# inductor fuses one row's product with the norms around it, which measured faster than calling the kernel from the
+# graph (SmolLM2, full attention at 2K: 23.2 vs 25.1 ms; int8 12.6 vs 12.8). Several rows call the kernel from the
+# graph: the traced several-row product read the weights far slower (4 / 8 rows, traced -> kernel, float32 52.8 ->
+# 43.9 / 91.5 -> 70.2 ms a step, int8 40.4 -> 31.1 / 71.1 -> 51.3; docs/STUDIES.md).
+TRACED_ROWS = 1
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, through the kernel where `fused_rows(x)` (`kernel_product`); inside a compiled
-    graph (the CPU's compiled step) the product of up to `TRACED_ROWS` rows is traced into it (`traced_product`)."""
+    """`F.linear(x, weight, bias)`, through the kernel where `fused_rows(x)` (`kernel_product`, also from inside a
+    compiled graph); inside a compiled graph (the CPU's compiled step) a product of `TRACED_ROWS` row is traced into
+    it instead (`traced_product`)."""
     out = None
     if not torch.is_grad_enabled():
-        if torch.compiler.is_compiling():  # inside a caller's compiled graph: inductor fuses the product into it
-            if fused_rows(x, TRACED_ROWS.get(x.dtype, 0)):
-                out = traced_product(x.reshape(-1, x.shape[-1]), weight)
+        if torch.compiler.is_compiling() and x.dtype in FUSED_ROWS and fused_rows(x, TRACED_ROWS):
+            out = traced_product(x.reshape(-1, x.shape[-1]), weight)
         elif fused_rows(x, FUSED_ROWS.get(x.dtype, 0)) and weight.dtype == x.dtype and weight.is_contiguous():
             out = kernel_product(x, weight)
             out = out.to(x.dtype) if out is not None else None

@@ -9,8 +9,9 @@ How a product runs (`int8_linear`):
 - a few rows (decoding steps, up to `KERNEL_ROWS`) on the CPU: the C++ kernel of `kvsieve.linear`
   with a scale, which reads each int8 weight once, widens it in the registers and multiplies-and-sums,
   so no float copy of the weights is ever written (SmolLM2's 211 products, one row: 6.0 ms, against
-  12.3 for the inductor-compiled kernel it replaced; 8 rows 18.0 against 39.7). Inside a compiled
-  graph the product is traced into it. Where the library cannot be built, the dequantized product
+  12.3 for the inductor-compiled kernel it replaced; 8 rows 18.0 against 39.7), also called from
+  inside a compiled graph, except for one row, whose product is traced into the graph (as in
+  `kvsieve.linear`). Where the library cannot be built, the dequantized product
   runs instead (`kvsieve.native` warns once);
 - anything else (a prefill, a GPU): the weights dequantized to the activations' dtype, then
   `F.linear`. On a GPU this saves memory and costs time (an H200's captured step: 3.8 -> 5.8 ms; no
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from kvsieve.errors import KvsieveError
-from kvsieve.linear import KERNEL_ROWS, fused_rows, kernel_product, traced_product
+from kvsieve.linear import KERNEL_ROWS, TRACED_ROWS, fused_rows, kernel_product, traced_product
 
 QUANTIZE_CHOICES = ("none", "int8")
 QUANTIZE_ROWS = 4096  # output rows quantized at a time (a 49152-row LM head would need 3 float copies at once)
@@ -42,7 +43,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
     flat = x.reshape(-1, x.shape[-1])
     out = None
     if fused_rows(x, KERNEL_ROWS):
-        if torch.compiler.is_compiling():  # inside a caller's compiled graph: traced into it
+        if torch.compiler.is_compiling() and fused_rows(x, TRACED_ROWS):  # one row in a compiled graph: traced
             out = traced_product(flat.float(), weight) * scale
         else:
             out = kernel_product(x, weight, scale)

@@ -48,8 +48,9 @@ from kvsieve.linear import warm_up as warm_up_products
 from kvsieve.models import with_cache
 
 SPARE = 128  # columns of room for new tokens when the tables are (re)allocated
-# Rows up to which a CPU batch takes compiled steps (`compiled`). Measured up to 8 (SmolLM2,
-# SnapKV rows at 2K, ordinary -> compiled: 2 rows 55.7 -> 33.9 ms, 4 rows 59.3 -> 50.0, 8 rows 107.9 -> 72.7).
+# Rows up to which a CPU batch takes compiled steps (`compiled`; the products' C++ kernel, which the step calls for
+# several rows, takes up to 8). SmolLM2, full attention at 2K, ordinary -> compiled: 4 rows 55.8 -> 43.9 ms, 8 rows
+# 85.9 -> 70.2; int8 weights 41.8 -> 31.1 and 62.8 -> 51.3 (docs/STUDIES.md).
 COMPILED_ROWS = 8
 
 
