@@ -64,10 +64,9 @@ def kernel_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
 
 
 def traced_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """(1, in) x (out, in) -> (1, out) as a compiled graph traces a decoding step's one row (inductor accumulates in
-    float32 and fuses the product with the operators around it). Written with the weight's rows outermost, (out, 1)
-    then transposed: with the row outermost, inductor kept the (out, rows) layout for the next product and summed
-    over a strided dimension (docs/STUDIES.md)."""
+    """(1, in) x (out, in) -> (1, out) as a compiled graph traces a decoding step's one row: each weight row times the
+    row, summed, (out, 1) then transposed (the form the compiled step was measured with; inductor accumulates in
+    float32 and fuses the product with the operators around it)."""
     return (weight.unsqueeze(1) * x.unsqueeze(0)).sum(-1).t().contiguous()
 
 
