@@ -81,7 +81,7 @@ inline vec dot(const vec* q, const float* key) {
   return a + b;
 }
 
-// The lane sums of W vectors: lane j of the result is the sum of x[j]'s lanes. A tree of two-source shuffles
+// The lane sums of W vectors: lane j of the result is the sum of x[j]'s lanes (x is overwritten). A tree of shuffles
 // (W - 1 additions of whole vectors) instead of W horizontal sums of W - 1 scalar additions each, which took most of
 // the attention's time (issue 26). Each level adds neighbouring groups of lanes of two vectors and interleaves the
 // pairs' partial sums: after level `g` a vector holds 2g keys' sums, W / 2g lanes each.
@@ -95,10 +95,11 @@ inline vec sums(vec* x) {
   const ivec hi4 = lo4 + 4;
   const ivec lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
   const ivec hi8 = lo8 + 8;
-  for (int i = 0; i < 8; ++i) x[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo1) + __builtin_shuffle(x[2 * i], x[2 * i + 1], hi1);
-  for (int i = 0; i < 4; ++i) x[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo2) + __builtin_shuffle(x[2 * i], x[2 * i + 1], hi2);
-  for (int i = 0; i < 2; ++i) x[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo4) + __builtin_shuffle(x[2 * i], x[2 * i + 1], hi4);
-  return __builtin_shuffle(x[0], x[1], lo8) + __builtin_shuffle(x[0], x[1], hi8);
+  auto pair = [](vec a, vec b, ivec lo, ivec hi) { return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi); };
+  for (int i = 0; i < 8; ++i) x[i] = pair(x[2 * i], x[2 * i + 1], lo1, hi1);
+  for (int i = 0; i < 4; ++i) x[i] = pair(x[2 * i], x[2 * i + 1], lo2, hi2);
+  for (int i = 0; i < 2; ++i) x[i] = pair(x[2 * i], x[2 * i + 1], lo4, hi4);
+  return pair(x[0], x[1], lo8, hi8);
 }
 
 // One chunk of `len` keys of one KV head for HEADS query heads of DV vectors each: the heads' logits (scaled) into
