@@ -124,20 +124,64 @@ EVICTING = [  # an H2O row under its budget, a second H2O row (the two scored to
 ]
 
 
-def test_evicting_rows_are_compiled_with_their_observers_once_at_their_budget(model):
+def test_evicting_rows_are_compiled_with_their_observers_once_at_their_budget(model, monkeypatch):
     """Rows that evict every step at their budget: their policies' observers are traced into the compiled step and
     their compaction runs after it. The first row's prompt (20 tokens) is under its budget (30): the batch steps the
-    ordinary way for the 10 steps it takes to reach it, then every step is compiled (one graph), and every step's
-    logits are the ordinary step's (so each compiled step evicted the same entries)."""
+    ordinary way for the 10 steps it takes to reach it, then every step is compiled (one graph; dynamo is called
+    for the first only, the rest call the code its guards chose, the row's scores carried between them), and every
+    step's logits are the ordinary step's (so each compiled step evicted the same entries)."""
     tokens = list(range(5, 21))
     done = prefilled(model, EVICTING, reserve=len(tokens) + 8)
     eager, eager_static = decode(model, done, tokens, compiled=False, join_at=0)
-    before = unique_graphs()
+    before, calls, call = unique_graphs(), [], Compiled.__call__
+    monkeypatch.setattr(Compiled, "__call__", lambda self, *args: calls.append(1) or call(self, *args))
     compiled, static = decode(model, done, tokens, compiled=True, join_at=0)
-    assert eager_static == 0 and static == len(tokens) - 10
+    assert eager_static == 0 and static == len(tokens) - 10 and len(calls) == 1
     assert unique_graphs() - before <= 1
     for a, b in zip(eager, compiled, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+@SAME_WORKER
+def test_only_a_static_steps_first_step_checks_dynamos_guards(model, monkeypatch):
+    """A static step's first compiled step goes through dynamo; from its second on, it calls the compiled code that
+    dynamo's guards choose for the second step's arguments directly (`Compiled.bound`), until rows join or leave
+    (or the tables grow) and a new static step checks the guards again. Every step's logits stay the ordinary
+    step's (an evicting row's: `test_evicting_rows_are_compiled_with_their_observers_once_at_their_budget`)."""
+    calls, call = [], Compiled.__call__
+    monkeypatch.setattr(Compiled, "__call__", lambda self, *args: calls.append(1) or call(self, *args))
+    tokens = list(range(5, 17))
+    done = prefilled(model, CASES, reserve=len(tokens) + 8)
+    eager, _ = decode(model, done, tokens, compiled=False)
+    calls.clear()
+    compiled, static = decode(model, done, tokens, compiled=True)
+    assert static == len(tokens) and len(calls) == 3  # one row; three from step 3; one again from step 8
+    for a, b in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+def test_bound_runs_the_compiled_code_its_arguments_select():
+    """`Compiled.bound` returns the compiled code that dynamo would run for its arguments, callable without the guard
+    check; None for arguments no compiled code accepts and for code with a graph break (the rest would run eagerly)."""
+
+    def scaled(x: torch.Tensor, y: torch.Tensor, factor: float = 2.0) -> torch.Tensor:
+        return x * factor + y
+
+    def broken(x: torch.Tensor) -> torch.Tensor:
+        x = x + 1
+        torch._dynamo.graph_break()
+        return x * 2
+
+    compiled, x, y = Compiled("scaled", scaled), torch.randn(5), torch.randn(5)
+    assert compiled.bound(x, y) is None  # nothing compiled yet
+    torch.testing.assert_close(compiled(x, y), x * 2 + y)
+    run = compiled.bound(x, y)
+    other = torch.randn(5), torch.randn(5)
+    torch.testing.assert_close(run(*other), other[0] * 2 + other[1])
+    assert compiled.bound(x.to(torch.float64), y) is None  # the guards of the float32 code reject it
+    with_break = Compiled("broken", broken)
+    torch.testing.assert_close(with_break(x), (x + 1) * 2)
+    assert with_break.bound(x) is None
 
 
 def test_a_failed_compile_runs_the_step_eagerly(model, monkeypatch, caplog):
@@ -166,8 +210,8 @@ def test_warm_up_compiles_the_steps_a_server_will_run(model, monkeypatch):
     assert not DecodeBatch(model).compiled and not DecodeBatch(model).static
     set_compiled_steps(True)  # what the CLI's --compile-steps does
     assert DecodeBatch(model).compiled and DecodeBatch(model).static
-    compiled_steps, calls = static_step_module.compiled_steps, []
-    monkeypatch.setattr(static_step_module, "compiled_steps", lambda *args: calls.append(1) or compiled_steps(*args))
+    compiled_steps, calls, call = static_step_module.compiled_steps, [], Compiled.__call__
+    monkeypatch.setattr(Compiled, "__call__", lambda self, *args: calls.append(1) or call(self, *args))
     warm_up(model)
     assert calls and compiled_steps.compiled is not None  # the warm-up ran (and so compiled) the compiled step
     warmed = unique_graphs()

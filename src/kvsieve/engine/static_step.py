@@ -38,10 +38,14 @@ Every number being a tensor is what lets one graph serve every step: the capacit
 size, so the tables' growth compiles nothing new; so is the number of rows past one (dynamo compiles one row
 apart). An evicting row's observers (its policy's per-step scores, `observe_rows`) are traced into the compiled
 forward as its hooks; its compaction (`EvictRun.after_step`) runs eagerly after it. Each policy, and each mix of
-policies in a batch, is a graph of its own, compiled at its first steady step. Without a graph the compiled step
+policies in a batch, is a graph of its own, compiled at its first steady step. A static step's first compiled step
+goes through dynamo; from its second on it calls the compiled code that dynamo's guards choose for the second step's
+arguments directly (`Compiled.bound`): nothing the guards check changes within one static step (its tables, shapes,
+rows and the Python values the trace read; an evicting row's scores are carried back into the same tensors), and a
+new static step, when rows join or leave or the tables grow, checks them again. Without a graph the compiled step
 serves up to `engine.batch.COMPILED_ROWS` rows; captured, any number (a batch with an evicting row is captured
-uncompiled on CUDA: that mix has not run on a GPU yet). Eagerly, the same step is what the tests check against
-the batch's ordinary step.
+uncompiled on CUDA: that mix has not run on a GPU yet). Eagerly, the same step is what the tests check against the
+batch's ordinary step.
 """
 
 from __future__ import annotations
@@ -185,6 +189,8 @@ class StaticStep:
         indices = (self.layer_ids, self.row_ids, self.ends)
         self.cache.layers = [_ScatterLayer(j, keys, values, indices) for j in range(layers)]
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.compiled_calls = 0  # compiled steps run
+        self.unguarded = None  # from the second compiled step on, the code dynamo's guards chose, called without them
         self.logits: torch.Tensor | None = None  # the graph's output, overwritten by every replay
         self.capture_seconds = 0.0
 
@@ -211,7 +217,15 @@ class StaticStep:
         with torch.no_grad(), attention_hooks(observers=observers):
             arguments = (self.model, self.ids, self.positions, with_cache(self.model, self.cache), lengths)
             hooks = Hooks(observers=tuple(observers)) if observers else NO_HOOKS  # a compiled forward reads no context
-            logits = compiled_steps(*arguments, hooks) if self.compiled else None
+            logits = None
+            if self.unguarded is not None:
+                logits = self.unguarded(*arguments, hooks)
+            elif self.compiled:
+                if self.compiled_calls == 1:  # the second step's arguments (evicting rows' scores carried back by now)
+                    self.unguarded = compiled_steps.bound(*arguments, hooks)
+                step = self.unguarded if self.unguarded is not None else compiled_steps
+                logits = step(*arguments, hooks)
+                self.compiled_calls += 1
             if logits is None:  # not compiled, or compiling failed
                 logits = model_step(*arguments)
             for _, evict, cache in self.evicting:
