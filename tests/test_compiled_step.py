@@ -164,7 +164,9 @@ def test_bound_runs_the_compiled_code_its_arguments_select():
     """`Compiled.bound` returns the compiled code that dynamo would run for its arguments, callable without the guard
     check; None for arguments no compiled code accepts and for code with a graph break (the rest would run eagerly)."""
 
-    def scaled(x: torch.Tensor, y: torch.Tensor, factor: float = 2.0) -> torch.Tensor:
+    factor = 2.0
+
+    def scaled(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # a closure: `factor`
         return x * factor + y
 
     def broken(x: torch.Tensor) -> torch.Tensor:

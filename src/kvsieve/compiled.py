@@ -42,9 +42,7 @@ class Compiled:
         self.name = name
         # Dynamo keeps compiled code per code object: a copy of `function`'s keeps this instance's apart from any
         # other compilation of the same function (another options set, a test's own), so `bound` finds its own.
-        self.function = types.FunctionType(
-            function.__code__.replace(), function.__globals__, function.__name__, function.__defaults__
-        )
+        self.function = _with_code(function, function.__code__.replace())
         self.options = options
         self.compiled: Callable[..., Any] | None = None
         self.failed = False
@@ -74,12 +72,15 @@ class Compiled:
             return None
         call = inspect.signature(self.function).bind(*args)
         call.apply_defaults()
-        for entry in entries(self.function.__code__):  # dynamo's own order: the first that accepts is what it runs
-            if entry.guard_manager.check(dict(call.arguments)):
+        code, cells = self.function.__code__, self.function.__closure__ or ()
+        frame = dict(call.arguments) | {
+            name: cell.cell_contents for name, cell in zip(code.co_freevars, cells, strict=True)
+        }
+        for entry in entries(code):  # dynamo's own order: the first that accepts is what it runs
+            if entry.guard_manager.check(frame):
                 if any(name.startswith("__resume_at") for name in entry.code.co_names):
                     return None  # a graph break: the code after it would run uncompiled
-                function = self.function
-                return types.FunctionType(entry.code, function.__globals__, function.__name__, function.__defaults__)
+                return _with_code(self.function, entry.code)
         return None
 
     def _compile(self, *args: Any) -> Any:
@@ -96,3 +97,10 @@ class Compiled:
         self.compiled = compiled
         log.info("%s: compiled in %.1f s", self.name, time.perf_counter() - start)
         return out
+
+
+def _with_code(function: Callable[..., Any], code: types.CodeType) -> Callable[..., Any]:
+    """`function` (its globals, name, defaults and closure) running `code`."""
+    return types.FunctionType(
+        code, function.__globals__, function.__name__, function.__defaults__, function.__closure__
+    )
