@@ -143,7 +143,7 @@ def test_evicting_rows_are_compiled_with_their_observers_once_at_their_budget(mo
 
 
 @SAME_WORKER
-def test_only_a_static_steps_first_step_checks_dynamos_guards(model, monkeypatch):
+def test_a_static_step_calls_dynamo_once(model, monkeypatch):
     """A static step's first compiled step goes through dynamo; from its second on, it calls the compiled code that
     dynamo's guards choose for the second step's arguments directly (`Compiled.bound`), until rows join or leave
     (or the tables grow) and a new static step checks the guards again. Every step's logits stay the ordinary

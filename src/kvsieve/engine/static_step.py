@@ -218,13 +218,10 @@ class StaticStep:
             arguments = (self.model, self.ids, self.positions, with_cache(self.model, self.cache), lengths)
             hooks = Hooks(observers=tuple(observers)) if observers else NO_HOOKS  # a compiled forward reads no context
             logits = None
-            if self.unguarded is not None:
-                logits = self.unguarded(*arguments, hooks)
-            elif self.compiled:
-                if self.compiled_calls == 1:  # the second step's arguments (evicting rows' scores carried back by now)
+            if self.compiled:
+                if self.compiled_calls == 1:  # bound at the second step: evicting rows' scores are carried back by then
                     self.unguarded = compiled_steps.bound(*arguments, hooks)
-                step = self.unguarded if self.unguarded is not None else compiled_steps
-                logits = step(*arguments, hooks)
+                logits = (self.unguarded or compiled_steps)(*arguments, hooks)
                 self.compiled_calls += 1
             if logits is None:  # not compiled, or compiling failed
                 logits = model_step(*arguments)
