@@ -160,9 +160,10 @@ def test_a_static_step_calls_dynamo_once(model, monkeypatch):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
-def test_bound_runs_the_compiled_code_its_arguments_select():
+def test_bound_runs_the_compiled_code_its_arguments_select(monkeypatch):
     """`Compiled.bound` returns the compiled code that dynamo would run for its arguments, callable without the guard
-    check; None for arguments no compiled code accepts and for code with a graph break (the rest would run eagerly)."""
+    check; None for arguments no compiled code accepts, for code with a graph break (the rest would run eagerly) and
+    where torch has no list of dynamo's cache entries (then every call goes through dynamo)."""
 
     factor = 2.0
 
@@ -184,6 +185,8 @@ def test_bound_runs_the_compiled_code_its_arguments_select():
     with_break = Compiled("broken", broken)
     torch.testing.assert_close(with_break(x), (x + 1) * 2)
     assert with_break.bound(x) is None
+    monkeypatch.delattr(torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list")
+    assert compiled.bound(x, y) is None
 
 
 def test_a_failed_compile_runs_the_step_eagerly(model, monkeypatch, caplog):
