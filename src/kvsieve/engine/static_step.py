@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
@@ -190,7 +191,8 @@ class StaticStep:
         self.cache.layers = [_ScatterLayer(j, keys, values, indices) for j in range(layers)]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.compiled_calls = 0  # compiled steps run
-        self.unguarded = None  # from the second compiled step on, the code dynamo's guards chose, called without them
+        # from the second compiled step on, the code dynamo's guards chose, called without them (`Compiled.bound`)
+        self.unguarded: Callable[..., torch.Tensor] | None = None
         self.logits: torch.Tensor | None = None  # the graph's output, overwritten by every replay
         self.capture_seconds = 0.0
 
