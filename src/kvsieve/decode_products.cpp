@@ -10,8 +10,9 @@
 // - the weight's output rows are shared out among PyTorch's threads in contiguous ranges (at::parallel_for), so
 //   each thread streams its part of the weight once, front to back;
 // - one weight row at a time is multiplied by every input row (up to MAX_ROWS) while it is in the registers,
-//   with two accumulators per input row (independent chains of fused multiply-adds), and the weight is
-//   prefetched AHEAD bytes ahead of the loads;
+//   with two accumulators per input row (independent chains of fused multiply-adds); where two weight rows are
+//   read at once (more than four input rows) the weight is prefetched AHEAD bytes ahead of the loads, else the
+//   lines being loaded are prefetched as they are loaded;
 // - int8 and bfloat16 weights are widened to float32 in the registers; the sums are float32 throughout, an int8
 //   row's sum then multiplied by its scale.
 //
@@ -36,7 +37,12 @@ typedef uint32_t words16 __attribute__((vector_size(64)));
 typedef int32_t ints16 __attribute__((vector_size(64)));
 constexpr int W = 16;             // floats per vector
 constexpr int MAX_ROWS = 8;       // input rows multiplied at once (a decoding batch)
-constexpr int64_t AHEAD = 512;    // bytes of the weight prefetched ahead of the loads (best of 0, 512, 1K, 4K)
+// Bytes of the weight prefetched ahead of the loads where two weight rows are read at once. Where one is (up to four
+// input rows), prefetching ahead slowed the stream (SmolLM2's 211 products, one row: 1.40x the weights' sum() with
+// 512 bytes, 1.55x with 2K, 1.32x with the lines being loaded, 1.32x without prefetching where the memory was fast;
+// 1.17x, 1.13x, 1.13x where it was slow; four rows 1.31x, 1.24x, 1.62x); with two weight rows at once (eight input
+// rows) 512 bytes ahead stayed best (34.8 ms against 36.4 for the lines being loaded; docs/STUDIES.md).
+constexpr int64_t AHEAD = 512;
 constexpr int64_t GRAIN = 64;     // output rows a thread takes at least
 
 inline vec load(const float* p) {
@@ -91,7 +97,7 @@ void product_block(const float* x, const T* weight, const float* scale, int64_t 
       for (int k = 0; k < K; ++k) xv[r][k] = load(x + r * in + i + k * W);
     for (int b = 0; b < J; ++b) {
       const T* w = weight + (j + b) * in + i;
-      const char* ahead = reinterpret_cast<const char*>(w) + AHEAD;
+      const char* ahead = reinterpret_cast<const char*>(w) + (J == 2 ? AHEAD : 0);
       for (int64_t line = 0; line < STEP * static_cast<int64_t>(sizeof(T)); line += 64) __builtin_prefetch(ahead + line);
       for (int k = 0; k < K; ++k) {
         const vec wv = widen(w + k * W);
