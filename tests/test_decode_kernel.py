@@ -23,21 +23,30 @@ def cache_views(rows: int, kv_heads: int, keys: int, dim: int, spare: int = 9, s
 @pytest.mark.parametrize(
     ("rows", "heads", "kv_heads", "dim", "keys"),
     [
-        (1, 9, 3, 64, 2176),  # SmolLM2's shape, several chunks of 256 keys
+        (1, 9, 3, 64, 2176),  # SmolLM2's shape
         (1, 4, 4, 16, 1),  # one key
-        (2, 4, 2, 16, 255),  # one chunk, less a key
-        (2, 8, 2, 32, 256),  # exactly one chunk (four query heads per KV head)
+        (2, 4, 2, 16, 255),
+        (2, 8, 2, 32, 256),  # four query heads per KV head
         (3, 10, 2, 96, 257),  # five query heads per KV head: a group of four, then one
         (1, 12, 2, 128, 600),  # six per KV head: four, then two
         (2, 2, 1, 256, 300),
+        (1, 2, 1, 16, 4500),  # more keys than a chunk takes (MAX_CHUNK), whatever the threads
     ],
 )
 @pytest.mark.parametrize("ragged", [False, True])
-def test_the_kernel_matches_pytorchs_attention(rows, heads, kv_heads, dim, keys, ragged):
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_kernel_matches_pytorchs_attention(rows, heads, kv_heads, dim, keys, ragged, threads):
+    """On 1, 2 and 3 threads, which split the keys into different chunks (ragged rows: some chunks past a row's
+    keys)."""
     key, value = cache_views(rows, kv_heads, keys, dim)
     query = torch.randn(rows, heads, 1, dim, generator=torch.Generator().manual_seed(1))
     lengths = torch.tensor([max(1, keys - 97 * b) for b in range(rows)]) if ragged else None
-    out = kernel_attention(query, key, value, None, lengths)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernel_attention(query, key, value, None, lengths)
+    finally:
+        torch.set_num_threads(before)
     assert out is not None and out.shape == query.shape
     torch.testing.assert_close(out, grouped_attention(query, key, value, None, lengths), rtol=1e-5, atol=1e-5)
 
@@ -64,11 +73,13 @@ def test_large_logits_and_a_given_scale():
 
 
 def test_a_row_reads_only_its_own_keys():
-    """Keys past a row's length (the batch's padding) change nothing, however large."""
-    key, value = cache_views(2, 1, 300, 16)
+    """Keys past a row's length (the batch's padding) change nothing, however large (3000 keys are more than one
+    chunk, so the first row's later chunks lie wholly past its keys)."""
+    key, value = cache_views(2, 1, 3000, 16)
     query = torch.randn(2, 2, 1, 16)
-    lengths = torch.tensor([120, 300])
+    lengths = torch.tensor([120, 3000])
     before = kernel_attention(query, key, value, None, lengths)
+    torch.testing.assert_close(before, grouped_attention(query, key, value, None, lengths), rtol=1e-5, atol=1e-5)
     key[0, :, 120:] = 1e4
     value[0, :, 120:] = float("nan")
     after = kernel_attention(query, key, value, None, lengths)

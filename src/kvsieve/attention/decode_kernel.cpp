@@ -6,8 +6,9 @@
 // probabilities by values) are matrix kernels that repack their operands, and read the cache at a third to a half
 // of that speed (docs/STUDIES.md, issue 26). Here:
 //
-// - the keys of a KV head are split into chunks of CHUNK; the chunks of every row and KV head are shared out
-//   among PyTorch's threads (at::parallel_for), each chunk read once from memory;
+// - the keys of a KV head are split into chunks (`chunk_size`: as few and as long as keep PyTorch's threads evenly
+//   busy, at most MAX_CHUNK keys); the chunks of every row and KV head are shared out among the threads
+//   (at::parallel_for), each chunk read once from memory;
 // - in a chunk, the query heads that share the KV head (up to 4 at a time) take their logits from each key
 //   while it is in the registers; the chunk's softmax and its probabilities times the values follow while the
 //   chunk is in the cache;
@@ -34,7 +35,7 @@ namespace {
 typedef float vec __attribute__((vector_size(64)));
 typedef int ivec __attribute__((vector_size(64)));
 constexpr int W = 16;          // floats per vector
-constexpr int64_t CHUNK = 256;  // keys per unit of work
+constexpr int64_t MAX_CHUNK = 2048;  // keys per unit of work at most (a chunk's logits stay in the core's caches)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 inline vec load(const float* p) {
@@ -153,10 +154,11 @@ void chunk_heads(const float* q, const float* k, int64_t k_step, const float* v,
     for (int c = 0; c < DV; ++c) store(o + h * D + c * W, out[h][c]);
 }
 
-// All `heads` query heads of one KV head over one chunk, up to 4 at a time.
+// All `heads` query heads of one KV head over one chunk of `len` keys, up to 4 at a time (`logits`: a row of
+// `stride` per head).
 template <int DV>
 void chunk(const float* q, const float* k, int64_t k_step, const float* v, int64_t v_step, int64_t len,
-           int64_t heads, float scale, float* logits, float* m, float* s, float* o) {
+           int64_t heads, float scale, float* logits, int64_t stride, float* m, float* s, float* o) {
   constexpr int D = DV * W;
   for (int64_t h = 0; h < heads; h += 4) {
     const int64_t group = std::min<int64_t>(4, heads - h);
@@ -164,12 +166,12 @@ void chunk(const float* q, const float* k, int64_t k_step, const float* v, int64
                : group == 3 ? chunk_heads<DV, 3>
                : group == 2 ? chunk_heads<DV, 2>
                             : chunk_heads<DV, 1>;
-    run(q + h * D, k, k_step, v, v_step, len, scale, logits + h * CHUNK, CHUNK, m + h, s + h, o + h * D);
+    run(q + h * D, k, k_step, v, v_step, len, scale, logits + h * stride, stride, m + h, s + h, o + h * D);
   }
 }
 
 using ChunkFn = void (*)(const float*, const float*, int64_t, const float*, int64_t, int64_t, int64_t, float, float*,
-                         float*, float*, float*);
+                         int64_t, float*, float*, float*);
 
 ChunkFn chunk_for(int64_t dim) {
   switch (dim) {
@@ -181,6 +183,22 @@ ChunkFn chunk_for(int64_t dim) {
     case 256: return chunk<16>;
     default: return nullptr;
   }
+}
+
+// Keys per chunk for `lanes` (rows x KV heads) of `keys` keys on `threads` threads: the chunk count per lane that
+// gives the busiest thread the fewest keys (whole chunks, shared out evenly), the fewest chunks among equals. Short
+// chunks cost time of their own (SmolLM2's 30 layers at 2K keys, one row on two threads: 256 keys a chunk, 24 chunks
+// a layer, 3.41 ms; 1024 keys, 6 chunks, 2.92 ms), and a thread left without a chunk idles (1024 keys a chunk at
+// 1K keys: 3 chunks for 2 threads, 1.98 ms against 1.57 with 512; docs/STUDIES.md).
+int64_t chunk_size(int64_t lanes, int64_t keys, int64_t threads) {
+  int64_t best = keys, best_load = -1;
+  for (int64_t parts = (keys + MAX_CHUNK - 1) / MAX_CHUNK; parts <= keys; ++parts) {
+    const int64_t size = (keys + parts - 1) / parts;
+    const int64_t load = (lanes * parts + threads - 1) / threads * size;
+    if (best_load < 0 || load < best_load) best = size, best_load = load;
+    if (lanes * parts >= 4 * threads) break;  // more chunks than this only shorten them
+  }
+  return best;
 }
 
 // query (b, h, 1, d); key, value (b, g, n, d) with h a multiple of g and d contiguous; lengths (b,) int64: row b
@@ -209,7 +227,9 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, cons
       ends[b] = c[b];
     }
   }
-  const int64_t chunks = (*std::max_element(ends.begin(), ends.end()) + CHUNK - 1) / CHUNK;
+  const int64_t longest = *std::max_element(ends.begin(), ends.end());
+  const int64_t size = chunk_size(rows * kv_heads, longest, at::get_num_threads());
+  const int64_t chunks = (longest + size - 1) / size;
   const at::Tensor q = query.contiguous();
   const auto options = query.options();
   at::Tensor part_m = at::empty({rows, kv_heads, chunks, group}, options);
@@ -223,17 +243,17 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, cons
   float* po = part_o.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, rows * kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> logits(group * CHUNK);
+    std::vector<float> logits(group * size);
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t b = unit / (kv_heads * chunks), g = unit / chunks % kv_heads, c = unit % chunks;
-      const int64_t first = c * CHUNK, last = std::min(ends[b], first + CHUNK);
+      const int64_t first = c * size, last = std::min(ends[b], first + size);
       if (first >= last) {  // past this row's keys
         std::fill(pm + unit * group, pm + (unit + 1) * group, NEG_INF);
         continue;
       }
       run(qp + (b * heads + g * group) * dim, kp + b * key.stride(0) + g * key.stride(1) + first * key.stride(2),
           key.stride(2), vp + b * value.stride(0) + g * value.stride(1) + first * value.stride(2), value.stride(2),
-          last - first, group, sc, logits.data(), pm + unit * group, ps + unit * group, po + unit * group * dim);
+          last - first, group, sc, logits.data(), size, pm + unit * group, ps + unit * group, po + unit * group * dim);
     }
   });
   at::Tensor out = at::empty({rows, heads, 1, dim}, options);
