@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kvsieve.attention import decode_kernel, dense_attention, grouped_attention
-from kvsieve.attention.decode_kernel import kernel_attention, supports
+from kvsieve.attention.decode_kernel import kernel_attention, kernel_attention_probs, supports
+from kvsieve.attention.dense import grouped_probs
 
 
 def cache_views(rows: int, kv_heads: int, keys: int, dim: int, spare: int = 9, seed: int = 0):
@@ -37,7 +38,8 @@ def cache_views(rows: int, kv_heads: int, keys: int, dim: int, spare: int = 9, s
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_the_kernel_matches_pytorchs_attention(rows, heads, kv_heads, dim, keys, ragged, threads):
     """On 1, 2 and 3 threads, which split the keys into different chunks (ragged rows: some chunks past a row's
-    keys)."""
+    keys); with its probabilities (`kernel_attention_probs`), the same output and PyTorch's softmax, 0 past a row's
+    length."""
     key, value = cache_views(rows, kv_heads, keys, dim)
     query = torch.randn(rows, heads, 1, dim, generator=torch.Generator().manual_seed(1))
     lengths = torch.tensor([max(1, keys - 97 * b) for b in range(rows)]) if ragged else None
@@ -45,10 +47,18 @@ def test_the_kernel_matches_pytorchs_attention(rows, heads, kv_heads, dim, keys,
     torch.set_num_threads(threads)
     try:
         out = kernel_attention(query, key, value, None, lengths)
+        attended = kernel_attention_probs(query, key, value, None, lengths)
     finally:
         torch.set_num_threads(before)
     assert out is not None and out.shape == query.shape
     torch.testing.assert_close(out, grouped_attention(query, key, value, None, lengths), rtol=1e-5, atol=1e-5)
+    assert attended is not None and attended[1].shape == (rows, heads, keys)
+    torch.testing.assert_close(attended[0], out, rtol=0, atol=0)
+    expected = grouped_probs(query, key, None, lengths)[:, :, 0]
+    torch.testing.assert_close(attended[1], expected, rtol=1e-5, atol=1e-7)
+    if lengths is not None:
+        for b, n in enumerate(lengths.tolist()):
+            assert attended[1][b, :, n:].eq(0).all()
 
 
 def test_large_logits_and_a_given_scale():

@@ -117,6 +117,10 @@ def _fake_attention(query, key, value, lengths, scale):
     return query.new_empty(query.shape)
 
 
+def _fake_attention_probs(query, key, value, lengths, scale):
+    return query.new_empty(query.shape), query.new_empty((query.shape[0], query.shape[1], key.shape[2]))
+
+
 def _fake_product(x, weight, scale):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
@@ -132,6 +136,7 @@ def load() -> bool:
             try:
                 torch.ops.load_library(str(build()))
                 torch.library.register_fake("kvsieve::decode_attention")(_fake_attention)
+                torch.library.register_fake("kvsieve::decode_attention_probs")(_fake_attention_probs)
                 torch.library.register_fake("kvsieve::decode_product")(_fake_product)
                 _loaded = True
             except Exception as error:  # no compiler, an unsupported platform: PyTorch's operators still work

@@ -13,7 +13,9 @@
 //   while it is in the registers; the chunk's softmax and its probabilities times the values follow while the
 //   chunk is in the cache;
 // - the chunks' partial results (their maximum, sum of exponentials and weighted values) are merged with the
-//   usual rescaling by exp(m_chunk - m_row) (flash-decoding).
+//   usual rescaling by exp(m_chunk - m_row) (flash-decoding);
+// - `decode_attention_probs` also returns the attention's probabilities, from the same pass (H2O's and A2SF's
+//   per-step scores).
 //
 // Float32 throughout; the arithmetic uses GCC's generic vectors, which the compiler maps onto the machine's vector
 // instructions (the library is built for the machine it runs on).
@@ -28,6 +30,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -203,8 +206,11 @@ int64_t chunk_size(int64_t lanes, int64_t keys, int64_t threads) {
 
 // query (b, h, 1, d); key, value (b, g, n, d) with h a multiple of g and d contiguous; lengths (b,) int64: row b
 // attends to its first lengths[b] keys (all n without). Returns (b, h, 1, d): query head i reads KV head i / (h/g).
-at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                            const std::optional<at::Tensor>& lengths, double scale) {
+// Where `probs` is given ((b, h, n) float32, contiguous) it receives each query head's attention over the keys (the
+// softmax, 0 past the row's length): the chunks' exponentials, rescaled once the chunks are merged, so the keys are
+// read once for both (H2O's and A2SF's per-step scores, issue 26).
+at::Tensor attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                  const std::optional<at::Tensor>& lengths, double scale, float* probs) {
   TORCH_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat,
               "float32 tensors only");
@@ -254,34 +260,70 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, cons
       run(qp + (b * heads + g * group) * dim, kp + b * key.stride(0) + g * key.stride(1) + first * key.stride(2),
           key.stride(2), vp + b * value.stride(0) + g * value.stride(1) + first * value.stride(2), value.stride(2),
           last - first, group, sc, logits.data(), size, pm + unit * group, ps + unit * group, po + unit * group * dim);
+      if (probs != nullptr)  // the chunk's exponentials, relative to its own maximum until the merge
+        for (int64_t h = 0; h < group; ++h)
+          std::copy(logits.data() + h * size, logits.data() + h * size + (last - first),
+                    probs + ((b * heads + g * group + h) * keys) + first);
     }
   });
   at::Tensor out = at::empty({rows, heads, 1, dim}, options);
   float* op = out.data_ptr<float>();
-  for (int64_t bg = 0; bg < rows * kv_heads; ++bg) {  // merge the chunks: bg * group + h is the query head
-    for (int64_t h = 0; h < group; ++h) {
-      float top = NEG_INF;
-      for (int64_t c = 0; c < chunks; ++c) top = std::max(top, pm[(bg * chunks + c) * group + h]);
-      float* row = op + (bg * group + h) * dim;
-      std::fill(row, row + dim, 0.f);
-      float total = 0.f;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t at = (bg * chunks + c) * group + h;
-        if (pm[at] == NEG_INF) continue;
-        const float weight = std::exp(pm[at] - top);
-        total += weight * ps[at];
-        for (int64_t i = 0; i < dim; ++i) row[i] += weight * po[at * dim + i];
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bg = begin; bg < end; ++bg) {  // merge the chunks: bg * group + h is the query head
+      for (int64_t h = 0; h < group; ++h) {
+        float top = NEG_INF;
+        for (int64_t c = 0; c < chunks; ++c) top = std::max(top, pm[(bg * chunks + c) * group + h]);
+        float* row = op + (bg * group + h) * dim;
+        std::fill(row, row + dim, 0.f);
+        float total = 0.f;
+        for (int64_t c = 0; c < chunks; ++c) {
+          const int64_t at = (bg * chunks + c) * group + h;
+          if (pm[at] == NEG_INF) continue;
+          const float weight = std::exp(pm[at] - top);
+          total += weight * ps[at];
+          for (int64_t i = 0; i < dim; ++i) row[i] += weight * po[at * dim + i];
+        }
+        for (int64_t i = 0; i < dim; ++i) row[i] /= total;
+        if (probs == nullptr) continue;
+        const int64_t b = bg / kv_heads;
+        float* p = probs + (bg * group + h) * keys;
+        for (int64_t c = 0; c < chunks; ++c) {  // each chunk's exponentials times exp(m_chunk - m_row) / sum
+          const int64_t at = (bg * chunks + c) * group + h, first = c * size, last = std::min(ends[b], first + size);
+          if (pm[at] == NEG_INF) continue;
+          const float factor = std::exp(pm[at] - top) / total;
+          for (int64_t i = first; i < last; ++i) p[i] *= factor;
+        }
+        std::fill(p + ends[b], p + keys, 0.f);
       }
-      for (int64_t i = 0; i < dim; ++i) row[i] /= total;
     }
-  }
+  });
   return out;
+}
+
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                            const std::optional<at::Tensor>& lengths, double scale) {
+  return attend(query, key, value, lengths, scale, nullptr);
+}
+
+// The attention and, besides it, its probabilities (b, h, n) (`attend`).
+std::tuple<at::Tensor, at::Tensor> decode_attention_probs(const at::Tensor& query, const at::Tensor& key,
+                                                          const at::Tensor& value,
+                                                          const std::optional<at::Tensor>& lengths, double scale) {
+  at::Tensor probs = at::empty({query.size(0), query.size(1), key.size(2)}, query.options());
+  at::Tensor out = attend(query, key, value, lengths, scale, probs.data_ptr<float>());
+  return {out, probs};
 }
 
 }  // namespace
 
 TORCH_LIBRARY(kvsieve, m) {
   m.def("decode_attention(Tensor query, Tensor key, Tensor value, Tensor? lengths, float scale) -> Tensor");
+  m.def(
+      "decode_attention_probs(Tensor query, Tensor key, Tensor value, Tensor? lengths, float scale) -> (Tensor, "
+      "Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(kvsieve, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(kvsieve, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("decode_attention_probs", &decode_attention_probs);
+}

@@ -7,7 +7,11 @@ in chunks shared out among PyTorch's threads, and takes the logits of every quer
 key while it is in the registers (the C++ file says how). It serves float32 caches with head dimensions 16,
 32, 64, 96, 128 or 256, one query per row, with or without each row's key count (the engine's padded batch).
 
-It is the operator `torch.ops.kvsieve.decode_attention`, which a compiled graph calls as it is. Where the
+`kernel_attention_probs` also returns the attention's probabilities, from the same pass over the keys (the
+per-step scores of H2O, A2SF and TOVA: `kvsieve.attention.AttentionRows`).
+
+It is the operators `torch.ops.kvsieve.decode_attention` and `decode_attention_probs`, which a compiled graph
+calls as they are. Where the
 library cannot be built (no compiler), `kernel_attention` returns None (`kvsieve.native` warns once) and the
 caller runs PyTorch's attention. `KVSIEVE_ATTENTION_KERNEL=0` (or `set_enabled(False)`) turns it off.
 """
@@ -65,3 +69,18 @@ def kernel_attention(
         return None
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     return torch.ops.kvsieve.decode_attention(query, key, value, lengths, scale)
+
+
+def kernel_attention_probs(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    lengths: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`kernel_attention` and its probabilities: ((b, h, 1, d), (b, h, n) float32, each query head's softmax over the
+    keys, 0 past a row's length), from one pass over the keys; None where `kernel_attention` would be."""
+    if not supports(query, key, value) or not native.load():
+        return None
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return torch.ops.kvsieve.decode_attention_probs(query, key, value, lengths, scale)
