@@ -259,6 +259,61 @@ def test_a_steady_static_step_reads_and_writes_the_same_memory_and_numbers(model
     assert int(batch.rows[1].evict.clock) == clock + 5 and batch.entries(0) == 40 + 6
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "pytorch"])
+def test_a_static_steps_evicting_rows_score_from_its_attentions_probabilities(model, monkeypatch, kernel):
+    """H2O's and TOVA's per-step rules read only the new query's attention row: a static step hands them the
+    probabilities its attention computed (the CPU kernel's one pass over the keys, or `grouped_probs` without the
+    kernel) and computes no second softmax, and the rows decode and evict as the ordinary step's do."""
+    import kvsieve.attention as attention
+    import kvsieve.compress.policy as policy
+    from kvsieve.attention import decode_kernel
+    from kvsieve.engine.batch import Row
+    from kvsieve.pipeline import prefill
+
+    second_pass, kernel_pass = [], []
+    counted = policy.attention_probs
+    monkeypatch.setattr(policy, "attention_probs", lambda *a: second_pass.append(1) or counted(*a))
+    with_probs = attention.kernel_attention_probs
+
+    def served(*args):  # counts the steps the kernel served
+        attended = with_probs(*args)
+        kernel_pass.extend([] if attended is None else [1])
+        return attended
+
+    monkeypatch.setattr(attention, "kernel_attention_probs", served)
+    decode_kernel.set_enabled(kernel)
+    cases = [STATIC_CASES[0], STATIC_CASES[3], STATIC_CASES[6], STATIC_CASES[5]]  # full, two H2O, TOVA
+    done = [prefill(model, make_prompt(n, seed=n), method=method(name, s), reserve=12) for name, s, n in cases]
+    tokens = torch.randint(3, 200, (6,), generator=torch.Generator().manual_seed(2)).tolist()
+    try:
+
+        def decode(static: bool) -> tuple[list[torch.Tensor], list[dict]]:
+            batch, logits = DecodeBatch(model, static=static), []
+            for d in done:
+                layers = [(layer.keys.clone(), layer.values.clone()) for layer in d.prefilled.cache.layers]
+                row = Row(0, d.prefilled.next_position, copy.deepcopy(d.state.evict))
+                batch.add(row, wrap_cache(model, layers))
+            for token in tokens:
+                for row in batch.rows:
+                    row.token = token
+                logits.append(batch.step())
+            return logits, [dict(row.evict.scores) for row in batch.rows if row.evict is not None]
+
+        eager = decode(False)
+        assert second_pass and not kernel_pass  # the ordinary step scores in a pass of its own
+        second_pass.clear()
+        static = decode(True)
+    finally:
+        decode_kernel.set_enabled(True)
+    assert not second_pass and bool(kernel_pass) == kernel
+    for a, b in zip(eager[0], static[0], strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    for a, b in zip(eager[1], static[1], strict=True):  # each evicting row's running scores, layer by layer
+        assert a.keys() == b.keys()
+        for j in a:
+            torch.testing.assert_close(b[j], a[j], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name,settings", [("full", {}), ("h2o", {"evict.budget": 24})])
 def test_a_dropped_static_step_is_freed_at_once(model, name, settings):
     """A static step the batch drops (a row joins; on CUDA the step holds its graph, the graph's memory and the

@@ -7,7 +7,8 @@ plain causal SDPA. Inside, two things can change:
 - observers see every layer's post-RoPE query and key (GemFilter's scoring, calibration,
   attention-based KV scorers); an observer may raise `StopForward` to end the forward pass early.
   An `AccumulatedScores` observer (H2O, A2SF, Collie) gets its scores out of the dense attention itself
-  (a prefill, or a decoding step's row) instead of computing them in a second pass;
+  (a prefill, or a decoding step's row) instead of computing them in a second pass, and an `AttentionRows`
+  observer gets a decoding step's probabilities (a padded batch's too) from the attention's own pass;
 - last-pass observers and finishers serve stages that only use a feed's last forward pass: a
   chunked feed marks its earlier passes `intermediate`, and they are skipped there. A finisher
   runs with the layer index once that layer's attention is done (compression layer by layer);
@@ -33,9 +34,16 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
-from kvsieve.attention.accumulate import AccumulatedScores, accumulating_attention
-from kvsieve.attention.decode_kernel import kernel_attention
-from kvsieve.attention.dense import bottom_right_causal_mask, dense_attention, grouped_attention, repeat_kv
+from kvsieve.attention.accumulate import AccumulatedScores, AttentionRows, accumulating_attention
+from kvsieve.attention.decode_kernel import kernel_attention, kernel_attention_probs
+from kvsieve.attention.dense import (
+    attend_values,
+    bottom_right_causal_mask,
+    dense_attention,
+    grouped_attention,
+    grouped_probs,
+    repeat_kv,
+)
 
 ATTENTION_NAME = "kvsieve"
 
@@ -125,13 +133,24 @@ def kvsieve_attention(
     kernel = hooks.kernel if query.shape[2] > 1 else None
     lengths = key_lengths[layer] if key_lengths is not None else None
     observers = hooks.active_observers()
+    rows = [o for o in observers if isinstance(o, AttentionRows)]
+    if rows and query.shape[2] != 1:
+        raise ValueError(f"AttentionRows observe decoding steps (one query per row), got {query.shape[2]} queries")
     fused = [o for o in observers if isinstance(o, AccumulatedScores)]
     if not fused or kernel is not None or lengths is not None or query.shape[0] != 1:
         fused = []  # no dense prefill pass to take the scores from: they compute their own
     for observer in observers:
-        if not any(observer is f for f in fused):
+        if not any(observer is f for f in fused) and not isinstance(observer, AttentionRows):
             observer(layer, query, key)
-    if lengths is not None:  # a padded batch's decoding step: the CPU's kernel where it serves it
+    if rows:  # a decoding step and its probabilities, from one pass where the CPU's kernel serves it
+        attended = kernel_attention_probs(query, key, value, scaling, lengths)
+        if attended is None:
+            probs = grouped_probs(query, key, scaling, lengths)
+            attended = attend_values(probs, value), probs[:, :, 0]
+        out, probs = attended
+        for observer in rows:
+            observer.receive(layer, probs)
+    elif lengths is not None:  # a padded batch's decoding step: the CPU's kernel where it serves it
         out = kernel_attention(query, key, value, scaling, lengths)
         if out is None:
             out = grouped_attention(query, key, value, scaling, lengths)
@@ -154,6 +173,7 @@ AttentionInterface.register(ATTENTION_NAME, kvsieve_attention)
 __all__ = [
     "ATTENTION_NAME",
     "AccumulatedScores",
+    "AttentionRows",
     "Finisher",
     "Hooks",
     "NO_HOOKS",

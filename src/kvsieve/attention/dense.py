@@ -67,11 +67,20 @@ def grouped_attention(
     lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention through a grouped matmul: query head h reads KV head h // n_rep, K/V never repeated, the
-    logits and softmax in float32. query (b, h, q, d), key/value (b, kv_heads, k, d); returns (b, h, q, d).
+    logits and softmax in float32 (`grouped_probs`). query (b, h, q, d), key/value (b, kv_heads, k, d); returns
+    (b, h, q, d).
 
     `lengths` (b,) marks right padding (the engine's batch of ragged caches): row b holds lengths[b] keys and
     its query i sits at key column lengths[b] - q + i; None: every row holds all k keys.
     """
+    return attend_values(grouped_probs(query, key, scaling, lengths), value)
+
+
+def grouped_probs(
+    query: torch.Tensor, key: torch.Tensor, scaling: float | None, lengths: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The probabilities of `grouped_attention`: (b, h, q, k) float32, 0 where a query may not look (`lengths` as
+    there)."""
     batch, heads, q_len, dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
     scale = dim**-0.5 if scaling is None else scaling
@@ -85,5 +94,13 @@ def grouped_attention(
         allowed = torch.arange(k_len, device=key.device)[None, None, :] <= last[:, :, None]  # (b, q, k)
         allowed = allowed.repeat(1, heads // kv_heads, 1)[:, None]  # (b, 1, n_rep * q, k)
         logits = logits.masked_fill(~allowed, float("-inf"))
-    probs = logits.softmax(-1).to(value.dtype)
-    return torch.matmul(probs, value).view(batch, heads, q_len, dim)
+    return logits.softmax(-1).view(batch, heads, q_len, k_len)
+
+
+def attend_values(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Probabilities (b, h, q, k) times value (b, kv_heads, k, d), query head h reading KV head h // n_rep, in the
+    value's dtype: (b, h, q, d)."""
+    batch, heads, q_len, k_len = probs.shape
+    kv_heads, dim = value.shape[1], value.shape[3]
+    grouped = probs.view(batch, kv_heads, heads // kv_heads * q_len, k_len).to(value.dtype)
+    return torch.matmul(grouped, value).view(batch, heads, q_len, dim)

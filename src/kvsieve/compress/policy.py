@@ -7,7 +7,8 @@ means keep, computed in float32 whatever the model's dtype; query head h votes f
 h // n_rep (`kvsieve.compress.scorers`).
 
 To add a policy: one module in `compress/policies/` with a subclass that implements
-`prompt_scores` (and `step_scores` for a per-step rule, or sets `step_alpha`), plus one line in
+`prompt_scores` (and, for a per-step rule, sets `step_alpha`, or `row_scores` with `step_reads_attention` for
+another rule on the step's attention row, or `step_scores` for one that reads more), plus one line in
 `kvsieve/registry.py` naming its preset. Nothing else changes.
 """
 
@@ -78,11 +79,24 @@ class Policy:
         """Running scores (kv_heads, n) after one decoding step: `previous` (kv_heads, n - 1 or fewer)
         scored the older keys, query (h, 1, d) is the new token's, key (kv_heads, n, d) all cached keys.
 
-        Default: score <- step_alpha * score + the new query's attention row (A2SF eq. 6).
+        Default: the policy's rule on the new query's attention row (`row_scores`) where it has one, else None.
         """
-        if self.position_only or self.step_alpha is None:
+        if not self.step_reads_attention:
             return None
-        return self.accumulate(previous, per_kv_head(attention_probs(query, key, scaling)[:, 0], key.shape[0]))
+        return self.row_scores(previous, attention_probs(query, key, scaling)[:, 0], key.shape[0])
+
+    @property
+    def step_reads_attention(self) -> bool:
+        """Whether the per-step rule reads nothing but the new query's attention row (`row_scores`): then a decoding
+        step hands it the attention's own probabilities (`kvsieve.attention.AttentionRows`, one pass over the keys)
+        rather than `step_scores` computing them again. Default: the policies with a `step_alpha`."""
+        return not self.position_only and self.step_alpha is not None
+
+    def row_scores(self, previous: torch.Tensor | None, row: torch.Tensor, kv_heads: int) -> torch.Tensor:
+        """Running scores (kv_heads, n) after one decoding step from its attention `row` (h, n) float32, for the
+        policies that `step_reads_attention`. Default: score <- step_alpha * score + the row summed per KV head (A2SF
+        eq. 6)."""
+        return self.accumulate(previous, per_kv_head(row, kv_heads))
 
     def accumulate(self, previous: torch.Tensor | None, row: torch.Tensor) -> torch.Tensor:
         """A2SF eq. 6 in place on the new step's attention `row` (kv_heads, n): row + step_alpha * previous.

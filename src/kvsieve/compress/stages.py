@@ -350,6 +350,10 @@ class EvictRun:
         if updated is not None:
             self.scores[layer] = updated
 
+    def observe_attention(self, layer: int, row: torch.Tensor, kv_heads: int) -> None:
+        """Decoding step of a policy that `step_reads_attention`: its rule on the step's attention `row` (h, n)."""
+        self.scores[layer] = self.config.policy.row_scores(self.scores.get(layer), row, kv_heads)
+
     def start(
         self, cache: Cache, kept_positions: list[torch.Tensor] | None, model: torch.nn.Module | None = None
     ) -> dict[str, Any]:
@@ -546,5 +550,19 @@ def observe_rows(runs: Sequence[EvictRun], layer: int, query: torch.Tensor, key:
     previous = torch.stack([run.scores[layer] for run in runs])
     scaling = _scaling(query)
     updated = torch.func.vmap(lambda p, q, k: policy.step_scores(p, q, k, scaling))(previous, query, key)
+    for run, scores in zip(runs, updated, strict=True):
+        run.scores[layer] = scores
+
+
+def observe_attention_rows(runs: Sequence[EvictRun], layer: int, probs: torch.Tensor, kv_heads: int) -> None:
+    """`EvictRun.observe_attention` for several rows at once, as `observe_rows`: runs of one policy that
+    `step_reads_attention`, whose layers hold the same number of entries n; probs (rows, h, n) row r's attention."""
+    policy = runs[0].config.policy
+    if len(runs) == 1 or any(layer not in run.scores for run in runs):
+        for r, run in enumerate(runs):
+            run.observe_attention(layer, probs[r], kv_heads)
+        return
+    previous = torch.stack([run.scores[layer] for run in runs])
+    updated = torch.func.vmap(lambda p, row: policy.row_scores(p, row, kv_heads))(previous, probs)
     for run, scores in zip(runs, updated, strict=True):
         run.scores[layer] = scores

@@ -29,23 +29,23 @@ and cuBLAS), then captured; every later step replays the graph. The capture is v
 generation of the tables (their memory and capacity): the batch drops it when rows join or leave, when
 the tables grow (every `SPARE` steps) or when a step has to run eagerly. The capacity is the shape
 bucket: a cache growing by one entry a step is captured again once per `SPARE` steps, not every step.
-The same step's forward pass can be compiled whole (`compiled_steps`, `DecodeBatch(compiled=True)`, the
-CLI's `--compile-steps`): inductor fuses the norms, rotary embedding, products and attention of every
-layer and the Python between them goes. On the CPU, where there is no graph to replay, that removes the
-Python; on CUDA the compiled step is what gets captured, with fewer and fused kernels to replay (an H100,
-SmolLM2's architecture in bfloat16: 3.9 -> 1.6 ms a step for one row at 2K, docs/STUDIES.md).
-Every number being a tensor is what lets one graph serve every step: the capacity is a dynamic
-size, so the tables' growth compiles nothing new; so is the number of rows past one (dynamo compiles one row
-apart). An evicting row's observers (its policy's per-step scores, `observe_rows`) are traced into the compiled
-forward as its hooks; its compaction (`EvictRun.after_step`) runs eagerly after it. Each policy, and each mix of
-policies in a batch, is a graph of its own, compiled at its first steady step. A static step's first compiled step
-goes through dynamo; from its second on it calls the compiled code that dynamo's guards choose for the second step's
-arguments directly (`Compiled.bound`): nothing the guards check changes within one static step (its tables, shapes,
-rows and the Python values the trace read; an evicting row's scores are carried back into the same tensors), and a
-new static step, when rows join or leave or the tables grow, checks them again. Without a graph the compiled step
-serves up to `engine.batch.COMPILED_ROWS` rows; captured, any number (a batch with an evicting row is captured
-uncompiled on CUDA: that mix has not run on a GPU yet). Eagerly, the same step is what the tests check against the
-batch's ordinary step.
+The same step's forward pass can be compiled whole (`compiled_steps`, `DecodeBatch(compiled=True)`, the CLI's
+`--compile-steps`): inductor fuses the norms, rotary embedding, products and attention of every layer and the Python
+between them goes. On the CPU, where there is no graph to replay, that removes the Python; on CUDA the compiled step
+is what gets captured, with fewer and fused kernels to replay (an H100, SmolLM2's architecture in bfloat16: 3.9 ->
+1.6 ms a step for one row at 2K, docs/STUDIES.md). Every number being a tensor is what lets one graph serve every
+step: the capacity is a dynamic size, so the tables' growth compiles nothing new; so is the number of rows past one
+(dynamo compiles one row apart). An evicting row's observers (its policy's per-step scores, `observe_rows`; from the
+attention's own probabilities, `AttentionRows` and `observe_attention_rows`, where its policy's rule reads only
+those) are traced into the compiled forward as its hooks; its compaction (`EvictRun.after_step`) runs eagerly after
+it. Each policy, and each mix of policies in a batch, is a graph of its own, compiled at its first steady step. A
+static step's first compiled step goes through dynamo; from its second on it calls the compiled code that dynamo's
+guards choose for the second step's arguments directly (`Compiled.bound`): nothing the guards check changes within
+one static step (its tables, shapes, rows and the Python values the trace read; an evicting row's scores are carried
+back into the same tensors), and a new static step, when rows join or leave or the tables grow, checks them again.
+Without a graph the compiled step serves up to `engine.batch.COMPILED_ROWS` rows; captured, any number (a batch with
+an evicting row is captured uncompiled on CUDA: that mix has not run on a GPU yet). Eagerly, the same step is what
+the tests check against the batch's ordinary step.
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from kvsieve.attention import NO_HOOKS, Hooks, attention_hooks
+from kvsieve.attention import NO_HOOKS, AttentionRows, Hooks, Observer, attention_hooks
 from kvsieve.compiled import Compiled
-from kvsieve.compress.stages import EvictRun, observe_rows
+from kvsieve.compress.stages import EvictRun, observe_attention_rows, observe_rows
 from kvsieve.models import with_cache
 
 log = logging.getLogger("kvsieve.engine")
@@ -177,10 +177,13 @@ class StaticStep:
         groups: dict[tuple, list[tuple[int, EvictRun]]] = {}  # rows of one policy and budget score together
         for i, evict, _ in self.evicting:
             groups.setdefault((evict.config.policy, evict.budget), []).append((i, evict))
-        self.groups = [
+        scored = [
             (torch.tensor([i for i, _ in members], device=device), [evict for _, evict in members], budget)
             for (_, budget), members in groups.items()
         ]
+        # a policy whose step rule reads only the new query's attention takes it from the attention's own pass
+        self.attention_groups = [g for g in scored if g[1][0].config.policy.step_reads_attention]
+        self.groups = [g for g in scored if not g[1][0].config.policy.step_reads_attention]
         self.ids = torch.zeros(count, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(count, 1, dtype=torch.long, device=device)
         self.ends = torch.zeros(layers, count, dtype=torch.long, device=device)
@@ -215,7 +218,10 @@ class StaticStep:
 
     def _forward(self) -> torch.Tensor:
         lengths = self.ends + 1  # each row's keys once this step's entry is written
-        observers = [self._observe] if self.evicting else []
+        # made for each step: the step holding its own bound methods would keep it alive until a garbage collection
+        observers: list[Observer | AttentionRows] = [self._observe] if self.groups else []
+        if self.attention_groups:
+            observers.append(AttentionRows(self._observe_attention))
         with torch.no_grad(), attention_hooks(observers=observers):
             arguments = (self.model, self.ids, self.positions, with_cache(self.model, self.cache), lengths)
             hooks = Hooks(observers=tuple(observers)) if observers else NO_HOOKS  # a compiled forward reads no context
@@ -241,6 +247,12 @@ class StaticStep:
         one); rows of one policy and budget at once (`observe_rows`)."""
         for rows, runs, budget in self.groups:
             observe_rows(runs, layer, query.index_select(0, rows), key.index_select(0, rows)[:, :, : budget + 1])
+
+    def _observe_attention(self, layer: int, probs: torch.Tensor) -> None:
+        """Each evicting row whose policy `step_reads_attention` takes its step's attention over its own keys (its
+        `budget` entries and the new one) from the attention's probabilities (rows, h, capacity)."""
+        for rows, runs, budget in self.attention_groups:
+            observe_attention_rows(runs, layer, probs.index_select(0, rows)[:, :, : budget + 1], self.keys.shape[2])
 
     def _carry(self) -> None:
         """Copy each eviction's new running scores into the tensors the step read them from, and point it back

@@ -30,11 +30,13 @@ class TOVA(Policy):
     def scored_queries(self) -> int:
         return 1  # the last query
 
-    def prompt_scores(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
-        row = attention_probs(query[:, -1:], key, scaling)[:, 0]  # (h, n), float32
-        return row.mean(0).expand(key.shape[0], -1)
+    @property
+    def step_reads_attention(self) -> bool:
+        return True
 
-    def step_scores(
-        self, previous: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor, scaling: float
-    ) -> torch.Tensor:
-        return self.prompt_scores(query, key, scaling)
+    def prompt_scores(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+        return self.row_scores(None, attention_probs(query[:, -1:], key, scaling)[:, 0], key.shape[0])
+
+    def row_scores(self, previous: torch.Tensor | None, row: torch.Tensor, kv_heads: int) -> torch.Tensor:
+        """The last query's attention (h, n), averaged over the heads, for every KV head (`previous` unused)."""
+        return row.mean(0).expand(kv_heads, -1)
