@@ -259,11 +259,11 @@ def test_a_steady_static_step_reads_and_writes_the_same_memory_and_numbers(model
     assert int(batch.rows[1].evict.clock) == clock + 5 and batch.entries(0) == 40 + 6
 
 
-@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "pytorch"])
-def test_a_static_steps_evicting_rows_score_from_its_attentions_probabilities(model, monkeypatch, kernel):
-    """H2O's and TOVA's per-step rules read only the new query's attention row: a static step hands them the
-    probabilities its attention computed (the CPU kernel's one pass over the keys, or `grouped_probs` without the
-    kernel) and computes no second softmax, and the rows decode and evict as the ordinary step's do."""
+def test_evicting_rows_score_from_the_steps_own_attention(model, monkeypatch):
+    """H2O's and TOVA's per-step rules read only the new query's attention row: the batch's steps, ordinary and
+    static, hand them the probabilities the step's attention computed (the CPU kernel's one pass over the keys,
+    or `grouped_probs` without the kernel) and compute no second softmax; the three decode the same tokens' logits
+    and leave the same running scores."""
     import kvsieve.attention as attention
     import kvsieve.compress.policy as policy
     from kvsieve.attention import decode_kernel
@@ -281,37 +281,37 @@ def test_a_static_steps_evicting_rows_score_from_its_attentions_probabilities(mo
         return attended
 
     monkeypatch.setattr(attention, "kernel_attention_probs", served)
-    decode_kernel.set_enabled(kernel)
     cases = [STATIC_CASES[0], STATIC_CASES[3], STATIC_CASES[6], STATIC_CASES[5]]  # full, two H2O, TOVA
     done = [prefill(model, make_prompt(n, seed=n), method=method(name, s), reserve=12) for name, s, n in cases]
     tokens = torch.randint(3, 200, (6,), generator=torch.Generator().manual_seed(2)).tolist()
-    try:
 
-        def decode(static: bool) -> tuple[list[torch.Tensor], list[dict]]:
+    def decode(static: bool, kernel: bool) -> tuple[list[torch.Tensor], list[dict]]:
+        second_pass.clear()
+        kernel_pass.clear()
+        decode_kernel.set_enabled(kernel)
+        try:
             batch, logits = DecodeBatch(model, static=static), []
             for d in done:
                 layers = [(layer.keys.clone(), layer.values.clone()) for layer in d.prefilled.cache.layers]
-                row = Row(0, d.prefilled.next_position, copy.deepcopy(d.state.evict))
-                batch.add(row, wrap_cache(model, layers))
+                batch.add(Row(0, d.prefilled.next_position, copy.deepcopy(d.state.evict)), wrap_cache(model, layers))
             for token in tokens:
                 for row in batch.rows:
                     row.token = token
                 logits.append(batch.step())
-            return logits, [dict(row.evict.scores) for row in batch.rows if row.evict is not None]
+        finally:
+            decode_kernel.set_enabled(True)
+        assert not second_pass and bool(kernel_pass) == kernel, (static, kernel)
+        assert (batch.static_step is not None) == static
+        return logits, [dict(row.evict.scores) for row in batch.rows if row.evict is not None]
 
-        eager = decode(False)
-        assert second_pass and not kernel_pass  # the ordinary step scores in a pass of its own
-        second_pass.clear()
-        static = decode(True)
-    finally:
-        decode_kernel.set_enabled(True)
-    assert not second_pass and bool(kernel_pass) == kernel
-    for a, b in zip(eager[0], static[0], strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
-    for a, b in zip(eager[1], static[1], strict=True):  # each evicting row's running scores, layer by layer
-        assert a.keys() == b.keys()
-        for j in a:
-            torch.testing.assert_close(b[j], a[j], rtol=1e-5, atol=1e-5)
+    reference = decode(static=False, kernel=False)
+    for other in (decode(static=False, kernel=True), decode(static=True, kernel=True)):
+        for a, b in zip(reference[0], other[0], strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        for a, b in zip(reference[1], other[1], strict=True):  # each evicting row's running scores, layer by layer
+            assert a.keys() == b.keys()
+            for j in a:
+                torch.testing.assert_close(b[j], a[j], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name,settings", [("full", {}), ("h2o", {"evict.budget": 24})])

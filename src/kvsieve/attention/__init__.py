@@ -149,7 +149,7 @@ def kvsieve_attention(
             attended = attend_values(probs, value), probs[:, :, 0]
         out, probs = attended
         for observer in rows:
-            observer.receive(layer, probs)
+            observer.receive(layer, probs, key.shape[1])
     elif lengths is not None:  # a padded batch's decoding step: the CPU's kernel where it serves it
         out = kernel_attention(query, key, value, scaling, lengths)
         if out is None:

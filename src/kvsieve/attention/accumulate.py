@@ -64,14 +64,15 @@ class AccumulatedScores:
 
 @dataclass(frozen=True)
 class AttentionRows:
-    """An observer asking for a decoding step's attention: `receive(layer, probs)` with probs (b, h, n) float32,
-    each row's one query over its keys (0 past the row's length in a padded batch). kvsieve's attention hands over
+    """An observer asking for a decoding step's attention: `receive(layer, probs, kv_heads)` with probs (b, h, n)
+    float32, each row's one query over its keys (0 past the row's length in a padded batch), and the layer's KV
+    heads (query head h reads KV head h // (h / kv_heads)). kvsieve's attention hands over
     the probabilities it attends with: from the CPU kernel's own pass where it serves the step
     (`kernel_attention_probs`, the keys read once for both), else from `grouped_probs`. Per-step eviction scores
     that read only the new query's attention (H2O, A2SF, TOVA: `Policy.step_reads_attention`) take them here
     instead of computing them again. Decoding steps only: a forward with more than one query per row refuses it."""
 
-    receive: Callable[[int, torch.Tensor], None]
+    receive: Callable[[int, torch.Tensor, int], None]
 
 
 def accumulating_attention(

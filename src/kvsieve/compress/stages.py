@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from transformers import Cache
 
-from kvsieve.attention import AccumulatedScores, Finisher, Observer
+from kvsieve.attention import AccumulatedScores, AttentionRows, Finisher, Observer
 from kvsieve.compress.cache import (
     DecodeBuffer,
     compaction,
@@ -331,18 +331,19 @@ class EvictRun:
 
         return finish
 
-    def step_observers(self) -> list[Observer]:
-        """Observers for decoding steps. An accumulating policy's new attention row comes out of the
-        step's own attention (`AccumulatedScores`), the others score the step themselves (`observe`)."""
+    def step_observers(self) -> list[Observer | AttentionRows]:
+        """Observers for one request's decoding steps. A policy whose step rule reads only the new query's
+        attention takes it from the step's own attention (`AttentionRows`), the others score the step themselves
+        (`observe`)."""
         policy = self.config.policy
         if policy.position_only:
             return []
-        if policy.accumulates:
-            return [AccumulatedScores(1.0, self._accumulate, policy.accumulated_scores)]
+        if policy.step_reads_attention:
+            return [AttentionRows(self._observe_first_row)]
         return [self.observe]
 
-    def _accumulate(self, layer: int, row: torch.Tensor, queries: int) -> None:
-        self.scores[layer] = self.config.policy.accumulate(self.scores.get(layer), row)
+    def _observe_first_row(self, layer: int, probs: torch.Tensor, kv_heads: int) -> None:
+        self.observe_attention(layer, probs[0], kv_heads)
 
     def observe(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
         """Decoding step: the policy's per-step rule updates the running scores."""

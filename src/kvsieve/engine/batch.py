@@ -15,8 +15,9 @@ value table, (layers, rows, kv_heads, capacity, head_dim): row b's entries of la
 3. lets each row's eviction compact that row in place (`EvictRun.after_step` on the row's buffers:
    at most the evicted count of entries moves per layer and KV head).
 
-One request alone is the same step with one row and no padding: the fastest batch-1 path (its
-eviction observers then take their scores from the attention itself). A row keeps its columns
+One request alone is the same step with one row and no padding: the fastest batch-1 path. In both, an
+eviction whose step rule reads only the new query's attention (H2O, A2SF, TOVA) takes it from the step's own
+attention (`AttentionRows`: the CPU kernel's one pass over the keys). A row keeps its columns
 while others join and leave, so its eviction's record of entry ages stays valid; the tables are
 rebuilt (one copy of the live entries) only when rows join or leave, or when the longest row
 outgrows the capacity, then with room for `SPARE` more steps. A row that leaves takes a copy of
@@ -39,7 +40,7 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from kvsieve.attention import attention_hooks
+from kvsieve.attention import AttentionRows, attention_hooks
 from kvsieve.compress.cache import DecodeBuffer
 from kvsieve.compress.stages import EvictRun
 from kvsieve.engine.static_step import StaticStep, steady
@@ -198,7 +199,11 @@ class DecodeBatch:
         if len(self.rows) == 1:
             observers, key_lengths = (evicting[0].step_observers() if evicting else []), None
         else:
-            observers = [self._observe] if evicting else []
+            observers = []
+            if any(not run.config.policy.step_reads_attention for run in evicting):
+                observers.append(self._observe)
+            if any(run.config.policy.step_reads_attention for run in evicting):
+                observers.append(AttentionRows(self._observe_attention))
             key_lengths = self._key_lengths()
         with torch.no_grad(), attention_hooks(observers=observers):
             cache = with_cache(self.model, self.cache)
@@ -289,10 +294,18 @@ class DecodeBatch:
         return [torch.tensor(lengths, device=device) for lengths in per_layer]
 
     def _observe(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
-        """Each row's eviction observes its own query and its own (unpadded) keys."""
+        """Each row's eviction observes its own query and its own (unpadded) keys (policies that score the step
+        themselves)."""
         for i, (row, cache) in enumerate(zip(self.rows, self.caches, strict=True)):
-            if row.evict is not None:
+            if row.evict is not None and not row.evict.config.policy.step_reads_attention:
                 row.evict.observe(layer, query[i : i + 1], key[i : i + 1, :, : cache.layers[layer].length])
+
+    def _observe_attention(self, layer: int, probs: torch.Tensor, kv_heads: int) -> None:
+        """Each row's eviction whose policy `step_reads_attention` takes its row of the step's attention over its
+        own keys."""
+        for i, (row, cache) in enumerate(zip(self.rows, self.caches, strict=True)):
+            if row.evict is not None and row.evict.config.policy.step_reads_attention:
+                row.evict.observe_attention(layer, probs[i, :, : cache.layers[layer].length], kv_heads)
 
     def _tables_of(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Row `index`'s (layers, 1, kv_heads, capacity, d) slices of the tables: an eviction moves the entries of

@@ -248,11 +248,11 @@ class StaticStep:
         for rows, runs, budget in self.groups:
             observe_rows(runs, layer, query.index_select(0, rows), key.index_select(0, rows)[:, :, : budget + 1])
 
-    def _observe_attention(self, layer: int, probs: torch.Tensor) -> None:
+    def _observe_attention(self, layer: int, probs: torch.Tensor, kv_heads: int) -> None:
         """Each evicting row whose policy `step_reads_attention` takes its step's attention over its own keys (its
         `budget` entries and the new one) from the attention's probabilities (rows, h, capacity)."""
         for rows, runs, budget in self.attention_groups:
-            observe_attention_rows(runs, layer, probs.index_select(0, rows)[:, :, : budget + 1], self.keys.shape[2])
+            observe_attention_rows(runs, layer, probs.index_select(0, rows)[:, :, : budget + 1], kv_heads)
 
     def _carry(self) -> None:
         """Copy each eviction's new running scores into the tensors the step read them from, and point it back
