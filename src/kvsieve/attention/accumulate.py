@@ -8,7 +8,8 @@ rows give both the attention output (P V) and the key scores (w^T P), and only t
 each block (keys up to the block's last query) is computed. Memory: one (heads x rows x keys)
 block at a time, never an n x n matrix.
 
-A decoding step is the one-row case: its attention row is the step's new scores (eq. 6).
+One query is the one-row case (a feed's pass of one token): its attention row is the scores. Decoding steps
+hand their rows to the eviction through `AttentionRows` instead, a padded batch's included (eq. 6).
 
 Queries whose weight alpha^(last - q) underflows to 0 in float32 (A2SF's small alpha: 0.2^64 == 0)
 add nothing to the scores; their rows go through plain SDPA, and only the trailing rows are
@@ -36,7 +37,7 @@ def accumulation_weights(alpha: float, q_len: int) -> tuple[torch.Tensor, int]:
     them never synchronises a device. alpha^k underflows to exactly 0 in float32 after a few
     dozen steps for small alpha; those queries contribute nothing.
     """
-    if q_len == 1:  # a decoding step
+    if q_len == 1:  # one query (a one-token pass)
         return torch.ones(1, device="cpu"), 0
     exponents = torch.arange(q_len - 1, -1, -1, dtype=torch.float32, device="cpu")
     weights = torch.pow(torch.tensor(float(alpha), device="cpu"), exponents)  # 0 ** 0 == 1
@@ -94,7 +95,7 @@ def accumulating_attention(
     scale = dim**-0.5 if scaling is None else scaling
     device = query.device
     compute = torch.promote_types(query.dtype, torch.float32)
-    if q_len == 1:  # a decoding step: its attention row is every alpha's score (weight alpha^0 = 1)
+    if q_len == 1:  # one query: its attention row is every alpha's score (weight alpha^0 = 1)
         grouped_row = query[0].reshape(kv_heads, n_rep, dim).to(compute) * scale
         probs = torch.bmm(grouped_row, key[0].transpose(1, 2).to(compute)).softmax(-1)  # (g, n_rep, n)
         out = torch.bmm(probs, value[0].to(compute)).view(1, heads, 1, dim).to(query.dtype)
