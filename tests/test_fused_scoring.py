@@ -5,7 +5,8 @@ A2SF eq. 5's accumulated scores. Its output must equal SDPA's and its scores
 `accumulated_attention`'s (the reference kept as the oracle), for any block size, GQA, queries
 that are the last q of n keys (a chunk after a memory), alphas whose weights underflow, and every
 dtype. Through the model, a prefill with an H2O / A2SF stage takes this path (no second pass)
-and stores exactly the reference scores; decoding steps take their new row from it too.
+and stores exactly the reference scores; decoding steps take their new row from the step's attention
+(`AttentionRows`).
 """
 
 from __future__ import annotations
@@ -132,3 +133,32 @@ def test_decoding_rows_come_from_the_step_attention(make_model, monkeypatch, ker
     assert fused.tokens == plain.tokens
     for layer in range(2):
         torch.testing.assert_close(fused.state.evict.scores[layer], plain.state.evict.scores[layer])
+
+
+@pytest.mark.parametrize("dim", [8, 16], ids=["pytorch", "kernel"])  # the CPU kernel serves 16, not 8
+def test_a_decoding_step_hands_attention_rows_its_probabilities(dim):
+    """A one-query step gives `AttentionRows` the probabilities it attends with (each head's softmax over the keys)
+    and the layer's KV heads; an `AccumulatedScores` observer beside it still gets that row summed per KV head (in
+    a pass of its own); more than one query is refused."""
+    from functools import partial
+    from types import SimpleNamespace
+
+    from kvsieve.attention import AccumulatedScores, AttentionRows, Hooks, kvsieve_attention
+    from kvsieve.compress.scorers import per_kv_head
+
+    query, key, value = _qkv(1, 30, dim=dim)
+    rows, sums = {}, {}
+    observers = (
+        AttentionRows(lambda layer, probs, kv_heads: rows.update({layer: (probs, kv_heads)})),
+        AccumulatedScores(1.0, lambda layer, s, q: sums.update({layer: s}), partial(accumulated_attention, alpha=1.0)),
+    )
+    hooks = Hooks(observers=observers)
+    out, _ = kvsieve_attention(SimpleNamespace(layer_idx=3), query, key, value, None, kvsieve_hooks=hooks)
+    torch.testing.assert_close(out.transpose(1, 2), dense_attention(query, key, value, None), rtol=1e-5, atol=1e-5)
+    probs, kv_heads = rows[3]
+    assert kv_heads == 2 and probs.shape == (1, 6, 30)
+    logits = (query[0] @ key[0].repeat_interleave(3, 0).transpose(1, 2))[:, 0] * dim**-0.5
+    torch.testing.assert_close(probs[0], logits.softmax(-1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sums[3], per_kv_head(probs[0], 2), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="one query per row"):
+        kvsieve_attention(SimpleNamespace(layer_idx=0), *_qkv(2, 30, dim=dim), None, kvsieve_hooks=hooks)

@@ -137,7 +137,7 @@ def kvsieve_attention(
     if rows and query.shape[2] != 1:
         raise ValueError(f"AttentionRows observe decoding steps (one query per row), got {query.shape[2]} queries")
     fused = [o for o in observers if isinstance(o, AccumulatedScores)]
-    if not fused or kernel is not None or lengths is not None or query.shape[0] != 1:
+    if not fused or rows or kernel is not None or lengths is not None or query.shape[0] != 1:
         fused = []  # no dense prefill pass to take the scores from: they compute their own
     for observer in observers:
         if not any(observer is f for f in fused) and not isinstance(observer, AttentionRows):
