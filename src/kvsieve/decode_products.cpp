@@ -38,10 +38,11 @@ typedef int32_t ints16 __attribute__((vector_size(64)));
 constexpr int W = 16;             // floats per vector
 constexpr int MAX_ROWS = 8;       // input rows multiplied at once (a decoding batch)
 // Bytes of the weight prefetched ahead of the loads where two weight rows are read at once. Where one is (up to four
-// input rows), prefetching ahead slowed the stream (SmolLM2's 211 products, one row: 1.40x the weights' sum() with
-// 512 bytes, 1.55x with 2K, 1.32x with the lines being loaded, 1.32x without prefetching where the memory was fast;
-// 1.17x, 1.13x, 1.13x where it was slow; four rows 1.31x, 1.24x, 1.62x); with two weight rows at once (eight input
-// rows) 512 bytes ahead stayed best (34.8 ms against 36.4 for the lines being loaded; docs/STUDIES.md).
+// input rows), prefetching ahead slowed the stream (SmolLM2's 211 products, one row, x the weights' sum(): 1.40x with
+// 512 bytes ahead, 1.55x with 2K, 1.32x with the lines being loaded where the memory was fast; 1.17x with 512
+// bytes, 1.13x with the loaded lines or none where it was slow; four rows 1.31x, 1.24x, 1.62x with 512 bytes, the
+// loaded lines, none); with two weight rows at once (eight input rows) 512 bytes ahead stayed best (34.8 ms against
+// 36.4 for the lines being loaded; docs/STUDIES.md).
 constexpr int64_t AHEAD = 512;
 constexpr int64_t GRAIN = 64;     // output rows a thread takes at least
 
