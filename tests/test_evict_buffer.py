@@ -148,3 +148,80 @@ def test_in_place_eviction_refuses_layers_of_different_lengths(make_model):
         cache.update(torch.zeros(1, 2, length, 8), torch.zeros(1, 2, length, 8), layer)
     with pytest.raises(KvsieveError, match=r"one length, but they hold \[18, 20\]"):
         Decoder(model, cache, 20, Evict(H2O(), 16).begin())
+
+
+def _steady_case(dtype: torch.dtype, scored: bool, seed: int) -> tuple:
+    """Three layers, three rows, two KV heads, a budget of 20: each row-1 head's 20 entries hold distinct stamps
+    below the clock (50) in shuffled columns, the new entry at column 20; scores with many ties (quarters)."""
+    generator = torch.Generator().manual_seed(seed)
+    layers, rows, heads, capacity, dim, budget = 3, 3, 2, 32, 8, 20
+    keys = torch.randn(layers, rows, heads, capacity, dim, generator=generator).to(dtype)
+    values = torch.randn(layers, rows, heads, capacity, dim, generator=generator).to(dtype)
+    stamps = torch.full((layers, heads, capacity), -7, dtype=torch.long)
+    for layer in range(layers):
+        for head in range(heads):
+            stamps[layer, head, :budget] = torch.randperm(50, generator=generator)[:budget]
+    scores = (
+        [torch.randint(0, 4, (heads, budget + 1), generator=generator) / 4 for _ in range(layers)] if scored else []
+    )
+    carried = [torch.full((heads, budget), -1.0) for _ in range(len(scores))]
+    return keys, values, 1, scores, carried, stamps, torch.tensor(50), budget
+
+
+def _lowest_oldest_by_hand(score: list[float], ages: list[int], clock: int, sinks: int, recent: int) -> int:
+    """The column a steady eviction drops: the lowest score, oldest among equal ones, protected entries aside."""
+    kept = [age < sinks or age >= clock + 1 - recent for age in ages]
+    key = [(float("inf") if k else s, age) for s, age, k in zip(score, ages, kept, strict=True)]
+    return min(range(len(key)), key=key.__getitem__)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scored", [True, False], ids=["scored", "position-only"])
+@pytest.mark.parametrize("protected", [(0, 0), (4, 0), (0, 6), (3, 21)])
+def test_a_steady_eviction_in_pytorch_and_in_the_cpu_kernel_drop_the_same_entries(
+    single_thread, dtype, scored, protected
+):
+    """`steady_eviction` (PyTorch's operators: a GPU's, captured in its step) and `torch.ops.kvsieve.evict_lowest`
+    (a CPU's, one pass) on the same steady row: each drops, per layer and KV head, the entry a by-hand reading of
+    the rule picks (lowest score, oldest among ties, sinks and the recent tail protected; every entry protected:
+    the oldest), moves the new entry's key and value (float32 or bfloat16) and stamp into its slot, leaves the
+    other rows alone, writes the surviving scores into `carried` and advances the clock."""
+    from kvsieve import native
+    from kvsieve.compress.stages import steady_eviction
+
+    assert native.load()
+    sinks, recent = protected
+    case = _steady_case(dtype, scored, seed=sum(protected) + scored)
+    keys, values, row, scores, carried, stamps, clock, budget = case
+    results = []
+    for evict in (steady_eviction, torch.ops.kvsieve.evict_lowest):
+        args = [t.clone() for t in (keys, values)] + [row, [s.clone() for s in scores], [c.clone() for c in carried]]
+        args += [stamps.clone(), clock.clone(), budget, sinks, recent]
+        victims = evict(*args)
+        results.append((victims, *args))
+    for layer in range(keys.shape[0]):
+        for head in range(keys.shape[2]):
+            ages = stamps[layer, head, :budget].tolist() + [50]
+            score = scores[layer][head].tolist() if scored else [0.0] * (budget + 1)
+            victim = _lowest_oldest_by_hand(score, ages, 50, sinks, recent)
+            for victims, k, v, _, _, c, st, _, *_ in results:
+                assert victims[layer, head] == victim
+                assert torch.equal(k[layer, row, head, victim], keys[layer, row, head, budget])
+                assert torch.equal(v[layer, row, head, victim], values[layer, row, head, budget])
+                assert st[layer, head, victim] == 50
+                if scored:
+                    expected = (
+                        score[:victim] + [score[budget]] + score[victim + 1 : budget]
+                        if victim < budget
+                        else score[:budget]
+                    )
+                    assert c[layer][head].tolist() == expected
+    (_, *first), (_, *second) = results
+    for a, b in zip(first, second, strict=True):
+        if isinstance(a, list):
+            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+        elif isinstance(a, torch.Tensor):
+            assert torch.equal(a, b)
+    assert int(first[6]) == 51  # the clock, advanced once
+    for other in (0, 2):  # the other rows untouched
+        assert torch.equal(first[0][:, other], keys[:, other]) and torch.equal(first[1][:, other], values[:, other])

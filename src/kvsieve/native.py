@@ -1,12 +1,14 @@
 """kvsieve's C++ kernels for a CPU's decoding steps: one library, built for this machine at its first use.
 
-Two operators, each in a C++ file of its own, each called by one Python module:
+Three kinds of operators, each in a C++ file of its own, each called by one Python module:
 - `torch.ops.kvsieve.decode_attention` (`attention/decode_kernel.cpp`): a decoding step's attention in one pass
   over the cache (`kvsieve.attention.decode_kernel`);
 - `torch.ops.kvsieve.decode_product` (`decode_products.cpp`): a step's few rows times a float32, bfloat16 or
-  int8 weight, each weight read once (`kvsieve.linear`, `kvsieve.quantize`).
+  int8 weight, each weight read once (`kvsieve.linear`, `kvsieve.quantize`);
+- `torch.ops.kvsieve.evict_lowest` (`compress/evict_kernel.cpp`): a steady evicting row's eviction of one entry
+  per KV head after a static step (`kvsieve.compress.stages.EvictRun.steady_step`).
 
-The library is compiled from those files by the machine's C++ compiler (`$CXX`, else `c++`; the two files at once,
+The library is compiled from those files by the machine's C++ compiler (`$CXX`, else `c++`; the files at once,
 about 8 s on 2 cores) against the installed torch's headers, with `-march=native` and `-ffp-contract=fast` (the
 kernels' sums are chains of multiply-adds: fused, the attention over SmolLM2's 30 layers at 2K keys took 4.3-6.2
 ms instead of 7.0-7.4, docs/STUDIES.md), into a cache (`$KVSIEVE_CACHE_DIR`, else `~/.cache/kvsieve`) keyed by the
@@ -32,7 +34,11 @@ import torch
 
 log = logging.getLogger("kvsieve.native")
 
-SOURCES = (Path(__file__).parent / "attention" / "decode_kernel.cpp", Path(__file__).with_name("decode_products.cpp"))
+SOURCES = (
+    Path(__file__).parent / "attention" / "decode_kernel.cpp",
+    Path(__file__).with_name("decode_products.cpp"),
+    Path(__file__).parent / "compress" / "evict_kernel.cpp",
+)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-std=c++17")
 
 _lock = threading.Lock()
@@ -125,6 +131,10 @@ def _fake_product(x, weight, scale):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
+def _fake_eviction(keys, values, row, scores, carried, stamp_table, clock, budget, sinks, recent):
+    return stamp_table.new_empty(stamp_table.shape[:2])
+
+
 @torch.compiler.assume_constant_result  # a compiled graph asks once, while tracing, and calls the operators
 def load() -> bool:
     """Build (where needed) and load the library once per process; False (with one warning) where that failed."""
@@ -138,6 +148,7 @@ def load() -> bool:
                 torch.library.register_fake("kvsieve::decode_attention")(_fake_attention)
                 torch.library.register_fake("kvsieve::decode_attention_probs")(_fake_attention_probs)
                 torch.library.register_fake("kvsieve::decode_product")(_fake_product)
+                torch.library.register_fake("kvsieve::evict_lowest")(_fake_eviction)
                 _loaded = True
             except Exception as error:  # no compiler, an unsupported platform: PyTorch's operators still work
                 _loaded = False

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from transformers import Cache
 
+from kvsieve import native
 from kvsieve.attention import AccumulatedScores, AttentionRows, Finisher, Observer
 from kvsieve.compress.cache import (
     DecodeBuffer,
@@ -432,19 +433,47 @@ class EvictRun:
                 for layer in range(len(cache.layers)):
                     self._prune_layer(cache, layer)
 
+    def steady_step(self, keys: torch.Tensor, values: torch.Tensor, row: int, carried: list[torch.Tensor]) -> None:
+        """A static step's eviction of this steady row (`engine.static_step`): every layer's new entry sits at
+        column `budget` of the batch tables `keys`/`values` (layers, rows, kv_heads, capacity, d), in row `row`, and
+        the step's observers left its running scores in `scores` (per layer (kv_heads, budget + 1)). One entry per
+        KV head goes, in place (`steady_eviction`; on a CPU the same in one pass, `torch.ops.kvsieve.evict_lowest`),
+        and the surviving scores go into `carried` (per layer (kv_heads, budget), the tensors the step read them
+        from), where `scores` then points."""
+        self.steps += 1
+        self._room(self.budget + 1)
+        layers = self.stamp_table.shape[0]
+        scores = [] if self.config.policy.position_only else [self.scores[j].contiguous() for j in range(layers)]
+        sinks, recent = self.config.policy.protected(self.budget)
+        arguments = (keys, values, row, scores, carried, self.stamp_table, self.clock, self.budget, sinks, recent)
+        on_cpu = keys.device.type == "cpu" and all(s.dtype == torch.float32 for s in scores)
+        if on_cpu and native.load():
+            torch.ops.kvsieve.evict_lowest(*arguments)
+        else:
+            steady_eviction(*arguments)
+        self.stamps = self.stamp_table[:, :, : self.budget]
+        if scores:
+            self.scores = dict(enumerate(carried))
+
     def _stamp(self, length: int) -> None:
         """Give the entries a step appended (the buffers now hold `length`) the next stamps, in place
-        in the stamp table (a new table, twice as long, only if the buffers outgrew it)."""
-        old, table = self.stamps.shape[2], self.stamp_table
+        in the stamp table."""
+        old = self.stamps.shape[2]
         if length == old:
             return
-        if length > table.shape[2]:
-            table = table.new_empty(*table.shape[:2], max(length, 2 * table.shape[2]))
-            table[:, :, :old] = self.stamps
-            self.stamp_table = table
+        self._room(length)
+        table = self.stamp_table
         table[:, :, old:length] = self.clock + torch.arange(length - old, device=table.device)
         self.stamps = table[:, :, :length]
         self.clock.add_(length - old)
+
+    def _room(self, length: int) -> None:
+        """A stamp table at least `length` wide: a new one, twice as long, only if the buffers outgrew it."""
+        table, old = self.stamp_table, self.stamps.shape[2]
+        if length > table.shape[2]:
+            table = table.new_empty(*table.shape[:2], max(length, 2 * table.shape[2]))
+            table[:, :, :old] = self.stamps
+            self.stamp_table, self.stamps = table, table[:, :, :old]
 
     def _resolve(self, total: int) -> None:
         if not self.total:
@@ -482,13 +511,10 @@ class EvictRun:
         scores = torch.stack([observed_scores(self.scores, j, cache.layers[j].keys, policy) for j in layers])
         rows = stamps.shape[0] * stamps.shape[1]
         sinks, recent = policy.protected(self.budget)
-        evictable = scores.float()
-        if sinks or recent:
-            evictable = evictable.masked_fill((stamps < sinks) | (stamps >= self.clock - recent), float("inf"))
-        evictable, age = evictable.view(rows, n), stamps.view(rows, n)
+        evictable = evictable_scores(scores, stamps, self.clock, sinks, recent).view(rows, n)
+        age = stamps.view(rows, n)
         if drop == 1:  # the lowest score, the oldest among equals: no ranking needed
-            lowest = evictable == evictable.amin(1, keepdim=True)
-            victims = torch.where(lowest, age, age.amax() + 1).argmin(1, keepdim=True)
+            victims = lowest_oldest(evictable, age, self.clock)
         else:
             victims = torch.topk(newest_first(-evictable, -age, drop), drop, dim=1).indices
         sources, targets = compaction(victims, n)  # (rows, drop) each
@@ -536,6 +562,63 @@ class EvictRun:
         else:
             entry.keys = rotated  # a new tensor: one that others may share is never changed
         self.positions[layer] = places
+
+
+def evictable_scores(
+    scores: torch.Tensor, stamps: torch.Tensor, clock: torch.Tensor, sinks: int, recent: int
+) -> torch.Tensor:
+    """`scores` (..., n) in float32, +inf where an entry is protected: among the first `sinks` entries ever
+    cached or the last `recent` (by their `stamps`, the stamp the next entry gets being `clock`)."""
+    evictable = scores.float()
+    if sinks or recent:
+        evictable = evictable.masked_fill((stamps < sinks) | (stamps >= clock - recent), float("inf"))
+    return evictable
+
+
+def lowest_oldest(evictable: torch.Tensor, age: torch.Tensor, clock: torch.Tensor) -> torch.Tensor:
+    """Per row of (rows, n) `evictable` scores, the column of the lowest score, the oldest (smallest `age`, every
+    age below `clock`) among equal ones: (rows, 1). One entry per KV head dropped: no ranking needed."""
+    lowest = evictable == evictable.amin(1, keepdim=True)
+    return torch.where(lowest, age, clock).argmin(1, keepdim=True)
+
+
+def steady_eviction(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    row: int,
+    scores: list[torch.Tensor],
+    carried: list[torch.Tensor],
+    stamp_table: torch.Tensor,
+    clock: torch.Tensor,
+    budget: int,
+    sinks: int,
+    recent: int,
+) -> torch.Tensor:
+    """One step's eviction of a row at its `budget` (`EvictRun.steady_step`), in tensors and in place: the new
+    entry of every layer (at column `budget` of the tables' row `row`) gets the stamp `clock`, each KV head's
+    lowest-scored unprotected entry (the oldest among equals; `scores` empty: the oldest) is the victim, and the
+    new entry moves into its slot in the key and value tables, the stamp table and the scores, whose first `budget`
+    columns go into `carried`. The same choice and moves as `EvictRun.after_step` on the row's buffers (exactly
+    `keep_indices`' complement), on every layer at once: on CUDA it is captured in the step's graph; a CPU runs
+    the same in one pass (`torch.ops.kvsieve.evict_lowest`, `compress/evict_kernel.cpp`). Returns the victims
+    (layers, kv_heads)."""
+    layers, heads = stamp_table.shape[:2]
+    # the entries' stamps, the new one's (`clock`) last; the table itself is written only where the new entry goes
+    ages = torch.cat([stamp_table[:, :, :budget], clock.view(1, 1, 1).expand(layers, heads, 1)], dim=2)
+    clock.add_(1)
+    stacked = torch.stack(scores) if scores else torch.zeros(ages.shape, device=ages.device)
+    evictable = evictable_scores(stacked, ages, clock, sinks, recent).view(layers * heads, budget + 1)
+    victims = lowest_oldest(evictable, ages.view(layers * heads, budget + 1), clock).view(layers, heads)
+    layer_ids = torch.arange(layers, device=victims.device).view(-1, 1)
+    head_ids = torch.arange(heads, device=victims.device).view(1, -1)
+    for table in (keys, values):
+        table[layer_ids, row, head_ids, victims] = table[layer_ids, row, head_ids, budget]
+    stamp_table[layer_ids, head_ids, victims] = ages[:, :, budget]
+    if scores:
+        stacked[layer_ids, head_ids, victims] = stacked[layer_ids, head_ids, budget]  # (indexing copies)
+        for j, tensor in enumerate(carried):
+            tensor.copy_(stacked[j, :, :budget])
+    return victims
 
 
 def observe_rows(runs: Sequence[EvictRun], layer: int, query: torch.Tensor, key: torch.Tensor) -> None:

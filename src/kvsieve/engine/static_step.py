@@ -20,9 +20,10 @@ KV head every step (`evict.interval` 1, no re-encoding). Its new entry goes at c
 eviction moves the newest entry into the victim's slot, and the row is back at `budget` entries: its
 `ends` stay where they are, and every Python number its eviction reads (lengths, budget) is the same at
 every step. The rest of its state is tensors that the step updates in place: the entries' ages
-(`EvictRun.stamps`, a view of its stamp table), the clock, and its running scores, which the eviction
-makes anew each step and the step copies back into the tensors it read them from (`_carry`). So the
-eviction (`EvictRun.after_step`) runs inside the recorded step, unchanged.
+(`EvictRun.stamps`, a view of its stamp table), the clock, and its running scores, which the observers
+make anew each step and the eviction writes back into the tensors the step read them from. That eviction
+(`EvictRun.steady_step`: every layer's victims at once, in `steady_eviction`'s tensor operators, which a GPU
+records with the step, or in one pass of a CPU kernel) drops exactly the entries `EvictRun.after_step` would.
 
 On CUDA the step is run once eagerly on a side stream (it is the step, and it warms the allocator
 and cuBLAS), then captured; every later step replays the graph. The capture is valid for one
@@ -37,11 +38,11 @@ is what gets captured, with fewer and fused kernels to replay (an H100, SmolLM2'
 step: the capacity is a dynamic size, so the tables' growth compiles nothing new; so is the number of rows past one
 (dynamo compiles one row apart). An evicting row's observers (its policy's per-step scores, `observe_rows`; from the
 attention's own probabilities, `AttentionRows` and `observe_attention_rows`, where its policy's rule reads only
-those) are traced into the compiled forward as its hooks; its compaction (`EvictRun.after_step`) runs eagerly after
-it. Each policy, and each mix of policies in a batch, is a graph of its own, compiled at its first steady step. A
-static step's first compiled step goes through dynamo; from its second on it calls the compiled code that dynamo's
-guards choose for the second step's arguments directly (`Compiled.bound`): nothing the guards check changes within
-one static step (its tables, shapes, rows and the Python values the trace read; an evicting row's scores are carried
+those) are traced into the compiled forward as its hooks; its eviction (`EvictRun.steady_step`) runs after it.
+Each policy, and each mix of policies in a batch, is a graph of its own, compiled at its first steady step. A static
+step's first compiled step goes through dynamo; from its second on it calls the compiled code that dynamo's guards
+choose for the second step's arguments directly (`Compiled.bound`): nothing the guards check changes within one
+static step (its tables, shapes, rows and the Python values the trace read; an evicting row's scores are carried
 back into the same tensors), and a new static step, when rows join or leave or the tables grow, checks them again.
 Without a graph the compiled step serves up to `engine.batch.COMPILED_ROWS` rows; captured, any number (a batch with
 an evicting row is captured uncompiled on CUDA: that mix has not run on a GPU yet). Eagerly, the same step is what
@@ -162,7 +163,7 @@ class StaticStep:
         """`keys`/`values` are the batch tables (layers, rows, kv_heads, capacity, d), `rows` each row's
         eviction (or None) and own cache, every one `steady`; `load` then sets where each row stands. `capture`:
         record a CUDA graph at the first run; `compiled`: run the forward pass through `compiled_steps`, the
-        evicting rows' observers traced into it (their compaction, `EvictRun.after_step`, stays eager)."""
+        evicting rows' observers traced into it (their eviction, `EvictRun.steady_step`, runs after it)."""
         self.model, self.keys, self.values, self.capture = model, keys, values, capture
         # On CUDA a batch with an evicting row is captured uncompiled: its compiled observers were not yet run on a GPU.
         self.compiled = compiled and not (capture and any(evict is not None for evict, _ in rows))
@@ -171,9 +172,11 @@ class StaticStep:
         self.evicting = [(i, evict, cache) for i, (evict, cache) in enumerate(rows) if evict is not None]
         self.advance = [0 if evict is not None else 1 for evict, _ in rows]  # columns a row gains per step
         self.step_ends = torch.tensor(self.advance, device=device)
-        for _, evict, _ in self.evicting:  # scores in tensors of their own, which `_carry` refills every step
+        self.steady = []  # per evicting row: its row in the tables, its eviction and the tensors its scores go to
+        for i, evict, _ in self.evicting:  # scores in tensors of their own, which its eviction refills every step
             evict.scores = {j: scores.clone() for j, scores in evict.scores.items()}
-        self.carried = [(evict, dict(evict.scores)) for _, evict, _ in self.evicting]
+            carried = [evict.scores[j] for j in sorted(evict.scores)]
+            self.steady.append((i, evict, carried))
         groups: dict[tuple, list[tuple[int, EvictRun]]] = {}  # rows of one policy and budget score together
         for i, evict, _ in self.evicting:
             groups.setdefault((evict.config.policy, evict.budget), []).append((i, evict))
@@ -233,11 +236,8 @@ class StaticStep:
                 self.compiled_calls += 1
             if logits is None:  # not compiled, or compiling failed
                 logits = model_step(*arguments)
-            for _, evict, cache in self.evicting:
-                for layer in cache.layers:  # the new entry at column `budget`, as the ordinary step leaves it
-                    layer.truncate(layer.length + 1)
-                evict.after_step(cache)  # evicts one entry per KV head: back at `budget`
-            self._carry()
+            for row, evict, carried in self.steady:  # one entry per KV head out: back at `budget`
+                evict.steady_step(self.keys, self.values, row, carried)
         self.ends.add_(self.step_ends)
         self.positions.add_(1)
         return logits
@@ -253,14 +253,6 @@ class StaticStep:
         `budget` entries and the new one) from the attention's probabilities (rows, h, capacity)."""
         for rows, runs, budget in self.attention_groups:
             observe_attention_rows(runs, layer, probs.index_select(0, rows)[:, :, : budget + 1], kv_heads)
-
-    def _carry(self) -> None:
-        """Copy each eviction's new running scores into the tensors the step read them from, and point it back
-        at those: the next step (a replay reads the same memory) starts from this step's scores."""
-        for evict, tensors in self.carried:
-            for j, tensor in tensors.items():
-                tensor.copy_(evict.scores[j])
-            evict.scores = dict(tensors)
 
     def _capture(self) -> torch.Tensor:
         """Run the step eagerly on a side stream, then record it. The graph takes a memory pool of its own: a
