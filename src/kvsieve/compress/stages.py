@@ -424,6 +424,12 @@ class EvictRun:
             n = cache.layers[layer].keys.shape[2]
             new = torch.arange(placed.shape[1], n, device=placed.device)
             self.positions[layer] = torch.cat([placed, new.expand(placed.shape[0], -1)], 1)
+        if self._one_over(cache):  # in buffers, one new entry over the budget, evicted now: the steady eviction
+            for layer in cache.layers:
+                layer.truncate(self.budget)  # its new entry stays at column `budget`, where the eviction reads it
+            scores = [] if self.config.policy.position_only else [self.scores[j] for j in range(len(cache.layers))]
+            self._evict_newest(*self.tables, 0, [s.new_empty(s.shape[0], self.budget) for s in scores])
+            return
         if self.stamps is not None:
             self._stamp(cache.get_seq_length())
         if self.steps % self.config.interval == 0:
@@ -441,6 +447,23 @@ class EvictRun:
         and the surviving scores go into `carried` (per layer (kv_heads, budget), the tensors the step read them
         from), where `scores` then points."""
         self.steps += 1
+        self._evict_newest(keys, values, row, carried)
+
+    def _one_over(self, cache: Cache) -> bool:
+        """Whether this step's eviction is a steady one (`steady_step`): the cache in buffers, one entry per KV head
+        over the budget in every layer (the step's own, without stamp yet), to be evicted now, no re-encoding, and
+        every layer's running scores taken over the new entry too."""
+        if self.stamps is None or self.positions or self.steps % self.config.interval != 0:
+            return False
+        if self.stamps.shape[2] != self.budget or any(layer.length != self.budget + 1 for layer in cache.layers):
+            return False
+        return self.config.policy.position_only or (
+            len(self.scores) == len(cache.layers)
+            and all(scores.shape[-1] == self.budget + 1 for scores in self.scores.values())
+        )
+
+    def _evict_newest(self, keys: torch.Tensor, values: torch.Tensor, row: int, carried: list[torch.Tensor]) -> None:
+        """`steady_step`'s eviction (the step already counted)."""
         self._room(self.budget + 1)
         layers = self.stamp_table.shape[0]
         scores = [] if self.config.policy.position_only else [self.scores[j].contiguous() for j in range(layers)]
