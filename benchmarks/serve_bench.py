@@ -188,7 +188,15 @@ def engines(args: argparse.Namespace, parallel: int):
 
 def latency(args: argparse.Namespace) -> dict[str, Any]:
     """Inter-token latency (gaps between streamed chunks) at 1, 4 and 8 concurrent `--prompt-tokens` requests
-    (with `--peer llama`, then the same requests to llama-server on the same machine and model)."""
+    (with `--peer llama`, then the same requests to llama-server on the same machine and model). Beside every
+    one-stream measurement this process reads a tensor as large as the float32 model's weights (the
+    weight-streaming limit of `decode_steps.py`, fastest of 3 reads just before and 3 just after, the server idle
+    then): the float32 server's one-stream p50 is reported as a multiple of it (issue 26's measure)."""
+    from decode_steps import WeightStream  # a sibling script: its limit, measured the same way
+
+    from kvsieve import load_model
+
+    limit = WeightStream(load_model()[0])
     rows = []
     for engine, started in engines(args, 8):
         with started as url:
@@ -205,8 +213,10 @@ def latency(args: argparse.Namespace) -> dict[str, Any]:
                         }
                         for i in range(clients)
                     ]
+                    before = limit.ms(3) if clients == 1 else None
                     with ThreadPoolExecutor(clients) as pool:
                         timings = list(pool.map(lambda b: stream(url, "/v1/completions", b), bodies))
+                    limit_ms = min(before, limit.ms(3)) if clients == 1 else None
                     all_gaps = [g for t in timings for g in gaps(t)]
                     row = {
                         "engine": engine,
@@ -216,6 +226,7 @@ def latency(args: argparse.Namespace) -> dict[str, Any]:
                         "p99_s": percentile(all_gaps, 0.99),
                         "max_s": max(all_gaps),
                         "gaps": len(all_gaps),
+                        "limit_ms": limit_ms,  # the float32 weights' sum() beside a one-stream measurement
                     }
                     rows.append(row)
                     print(
@@ -228,6 +239,13 @@ def latency(args: argparse.Namespace) -> dict[str, Any]:
             print(
                 f"{engine}, {clients} clients: p50 {summary([r['p50_s'] for r in mine])} s, "
                 f"p99 {summary([r['p99_s'] for r in mine])} s"
+            )
+        if engine == "kvsieve" and not {"--quantize", "--dtype"} & set(SERVE_ARGS):  # float32 weights: its limit
+            mine = [r for r in rows if r["clients"] == 1 and r["engine"] == engine]
+            ratios = [r["p50_s"] * 1e3 / r["limit_ms"] for r in mine]
+            print(
+                f"{engine}, 1 client: p50 x the float32 weights' limit {summary(ratios)} "
+                f"(limit {summary([r['limit_ms'] for r in mine])} ms)"
             )
     return {"rows": rows}
 
