@@ -186,6 +186,13 @@ def engines(args: argparse.Namespace, parallel: int):
         yield "llama-server", llama_server("--parallel", str(parallel), "--threads", str(os.cpu_count()))
 
 
+def idle_limit(limit) -> float:
+    """`limit.ms(3)` (a `decode_steps.WeightStream`) half a second after the server's last work, so that its
+    threads (OpenMP's spin a while after a parallel region) have stopped competing for the memory."""
+    time.sleep(0.5)
+    return limit.ms(3)
+
+
 def latency(args: argparse.Namespace) -> dict[str, Any]:
     """Inter-token latency (gaps between streamed chunks) at 1, 4 and 8 concurrent `--prompt-tokens` requests
     (with `--peer llama`, then the same requests to llama-server on the same machine and model). Beside every
@@ -213,10 +220,10 @@ def latency(args: argparse.Namespace) -> dict[str, Any]:
                         }
                         for i in range(clients)
                     ]
-                    before = limit.ms(3) if clients == 1 else None
+                    before = idle_limit(limit) if clients == 1 else None
                     with ThreadPoolExecutor(clients) as pool:
                         timings = list(pool.map(lambda b: stream(url, "/v1/completions", b), bodies))
-                    limit_ms = min(before, limit.ms(3)) if clients == 1 else None
+                    limit_ms = min(before, idle_limit(limit)) if clients == 1 else None
                     all_gaps = [g for t in timings for g in gaps(t)]
                     row = {
                         "engine": engine,
