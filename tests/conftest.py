@@ -292,7 +292,7 @@ def pytest_configure(config):
         except RuntimeError:
             pass  # no compiler: the kernel's tests say so themselves
 
-    builder = threading.Thread(target=build)  # the compiler runs beside the conversion (7 s and 16 s, cold)
+    builder = threading.Thread(target=build)  # the compiler runs beside the conversion (12 s and 16 s, cold)
     builder.start()
     if not (kvsieve.models.converted_default_dir() / "config.json").is_file():
         try:

@@ -6,15 +6,15 @@ Three kinds of operators, each in a C++ file of its own, each called by one Pyth
 - `torch.ops.kvsieve.decode_product` (`decode_products.cpp`): a step's few rows times a float32, bfloat16 or
   int8 weight, each weight read once (`kvsieve.linear`, `kvsieve.quantize`);
 - `torch.ops.kvsieve.evict_lowest` (`compress/evict_kernel.cpp`): a steady evicting row's eviction of one entry
-  per KV head after a static step (`kvsieve.compress.stages.EvictRun.steady_step`).
+  per KV head after a decoding step (`kvsieve.compress.stages.EvictRun.steady_step`).
 
 The library is compiled from those files by the machine's C++ compiler (`$CXX`, else `c++`; the files at once,
-about 8 s on 2 cores) against the installed torch's headers, with `-march=native` and `-ffp-contract=fast` (the
-kernels' sums are chains of multiply-adds: fused, the attention over SmolLM2's 30 layers at 2K keys took 4.3-6.2
-ms instead of 7.0-7.4, docs/STUDIES.md), into a cache (`$KVSIEVE_CACHE_DIR`, else `~/.cache/kvsieve`) keyed by the
-sources, torch's version, the compiler commands and the CPU's features. Each operator has a fake implementation, so
-a compiled graph calls it as it is. Where the library cannot be built (no compiler), `load` warns once and returns
-False, and the callers run PyTorch's attention and products.
+12.3-12.8 s for the three on 2 cores) against the installed torch's headers, with `-march=native` and
+`-ffp-contract=fast` (the kernels' sums are chains of multiply-adds: fused, the attention over SmolLM2's 30 layers
+at 2K keys took 4.3-6.2 ms instead of 7.0-7.4, docs/STUDIES.md), into a cache (`$KVSIEVE_CACHE_DIR`, else
+`~/.cache/kvsieve`) keyed by the sources, torch's version, the compiler commands and the CPU's features. Each
+operator has a fake implementation, so a compiled graph calls it as it is. Where the library cannot be built (no
+compiler), `load` warns once and returns False, and the callers run PyTorch's attention, products and eviction.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 // Built and loaded with kvsieve's other CPU kernels by kvsieve/native.py; called by kvsieve/compress/stages.py
 // (`EvictRun.steady_step`), whose `steady_eviction` is the same eviction in PyTorch's operators (a GPU's, and where
 // this kernel does not serve). A row at its budget whose policy evicts every step (H2O, A2SF, TOVA, StreamingLLM in
-// the engine's static steps) has, after the step, budget + 1 entries in every layer and KV head, the new one at
+// the engine's static and ordinary steps) has, after the step, budget + 1 entries in every layer and KV head, the new one at
 // column `budget`. Per (layer, KV head), independently and in parallel:
 //
 // - the victim is the entry of the lowest score, the oldest (smallest stamp) among equal scores, where entries
@@ -25,7 +25,6 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
-#include <vector>
 
 namespace {
 
