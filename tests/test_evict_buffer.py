@@ -225,3 +225,23 @@ def test_a_steady_eviction_in_pytorch_and_in_the_cpu_kernel_drop_the_same_entrie
     assert int(first[6]) == 51  # the clock, advanced once
     for other in (0, 2):  # the other rows untouched
         assert torch.equal(first[0][:, other], keys[:, other]) and torch.equal(first[1][:, other], values[:, other])
+
+
+def test_the_cpu_kernel_reads_scores_shared_by_the_kv_heads(single_thread):
+    """TOVA scores every KV head with one row (`expand`: a stride of 0 between heads); the kernel reads such scores
+    as they are and drops the entries it drops for the same scores laid out in full."""
+    from kvsieve import native
+
+    assert native.load()
+    keys, values, row, _, _, stamps, clock, budget = _steady_case(torch.float32, False, seed=11)
+    rows = [torch.rand(budget + 1, generator=torch.Generator().manual_seed(layer)) for layer in range(keys.shape[0])]
+    results = []
+    for scores in ([r.expand(2, -1) for r in rows], [r.expand(2, -1).contiguous() for r in rows]):
+        carried = [torch.zeros(2, budget) for _ in rows]
+        args = (keys.clone(), values.clone(), row, scores, carried, stamps.clone(), clock.clone(), budget, 0, 0)
+        results.append((torch.ops.kvsieve.evict_lowest(*args), *args))
+    assert results[0][4][0].stride(0) == 0  # the shared layout reached the kernel
+    for a, b in zip(results[0], results[1], strict=True):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b)
+    assert all(torch.equal(x, y) for x, y in zip(results[0][5], results[1][5], strict=True))  # carried

@@ -466,7 +466,8 @@ class EvictRun:
         """`steady_step`'s eviction (the step already counted)."""
         self._room(self.budget + 1)
         layers = self.stamp_table.shape[0]
-        scores = [] if self.config.policy.position_only else [self.scores[j].contiguous() for j in range(layers)]
+        scores = [] if self.config.policy.position_only else [self.scores[j] for j in range(layers)]
+        scores = [s if s.stride(-1) == 1 else s.contiguous() for s in scores]  # TOVA's rows of heads: stride 0, kept
         sinks, recent = self.config.policy.protected(self.budget)
         arguments = (keys, values, row, scores, carried, self.stamp_table, self.clock, self.budget, sinks, recent)
         on_cpu = keys.device.type == "cpu" and all(s.dtype == torch.float32 for s in scores)
