@@ -427,8 +427,7 @@ class EvictRun:
         if self._one_over(cache):  # in buffers, one new entry over the budget, evicted now: the steady eviction
             for layer in cache.layers:
                 layer.truncate(self.budget)  # its new entry stays at column `budget`, where the eviction reads it
-            scores = [] if self.config.policy.position_only else [self.scores[j] for j in range(len(cache.layers))]
-            self._evict_newest(*self.tables, 0, [s.new_empty(s.shape[0], self.budget) for s in scores])
+            self._evict_newest(*self.tables, 0, None)
             return
         if self.stamps is not None:
             self._stamp(cache.get_seq_length())
@@ -462,12 +461,16 @@ class EvictRun:
             and all(scores.shape[-1] == self.budget + 1 for scores in self.scores.values())
         )
 
-    def _evict_newest(self, keys: torch.Tensor, values: torch.Tensor, row: int, carried: list[torch.Tensor]) -> None:
-        """`steady_step`'s eviction (the step already counted)."""
+    def _evict_newest(
+        self, keys: torch.Tensor, values: torch.Tensor, row: int, carried: list[torch.Tensor] | None
+    ) -> None:
+        """`steady_step`'s eviction (the step already counted); `carried` None: new tensors."""
         self._room(self.budget + 1)
         layers = self.stamp_table.shape[0]
         scores = [] if self.config.policy.position_only else [self.scores[j] for j in range(layers)]
         scores = [s if s.stride(-1) == 1 else s.contiguous() for s in scores]  # TOVA's rows of heads: stride 0, kept
+        if carried is None:
+            carried = [s.new_empty(s.shape[0], self.budget) for s in scores]
         sinks, recent = self.config.policy.protected(self.budget)
         arguments = (keys, values, row, scores, carried, self.stamp_table, self.clock, self.budget, sinks, recent)
         on_cpu = keys.device.type == "cpu" and all(s.dtype == torch.float32 for s in scores)
