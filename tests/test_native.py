@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,13 +25,16 @@ def test_a_built_library_is_reused(monkeypatch):
     def no_compiler(*args, **kwargs):
         raise AssertionError("compiled again")
 
-    monkeypatch.setattr(native.subprocess, "Popen", no_compiler)
+    monkeypatch.setattr(native.subprocess, "run", no_compiler)
     assert native.build() == path
 
 
 @pytest.mark.parametrize(
     ("compiler", "said"),
-    [("false", "compiling decode_kernel.cpp failed"), ("/no/such/c++", "no C++ compiler '/no/such/c++'")],
+    [
+        ("false", "compiling decode_kernel.cpp, decode_products.cpp, evict_kernel.cpp failed"),
+        ("/no/such/c++", "no C++ compiler '/no/such/c++'"),
+    ],
 )
 def test_without_a_compiler_pytorch_answers_after_one_warning(compiler, said, monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CXX", compiler)  # a compiler that fails, one that is not there
@@ -53,3 +57,14 @@ def test_without_a_compiler_pytorch_answers_after_one_warning(compiler, said, mo
     assert torch.equal(product, F.linear(x, layer.weight, layer.bias))
     torch.testing.assert_close(int8_product, F.linear(x, int8.dequantized(), int8.bias))
     assert not list(tmp_path.rglob("*.so"))
+
+
+def test_every_source_and_header_is_shipped_in_the_package():
+    """A wheel holds what pyproject's package data names: a kernel file it missed would leave an installed
+    kvsieve without its kernels (one warning, then PyTorch's slower operators)."""
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11's TOML reader (the project's CI runs 3.11)")
+    root = Path(native.__file__).parent
+    patterns = tomllib.loads((root.parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    shipped = {path for pattern in patterns["kvsieve"] for path in root.glob(pattern)}
+    assert {*native.SOURCES, *native.HEADERS} <= shipped
+    assert f'#include "{native.SOURCES[0].resolve()}"' in native.unity_source()

@@ -24,18 +24,20 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "native_vectors.h"
+
 #include <cstdint>
 #include <cstring>
 #include <optional>
 
 namespace {
 
-typedef float vec __attribute__((vector_size(64)));
+using namespace kvsieve_vectors;
+
 typedef int8_t bytes16 __attribute__((vector_size(16)));
 typedef uint16_t halves16 __attribute__((vector_size(32)));
 typedef uint32_t words16 __attribute__((vector_size(64)));
 typedef int32_t ints16 __attribute__((vector_size(64)));
-constexpr int W = 16;             // floats per vector
 constexpr int MAX_ROWS = 8;       // input rows multiplied at once (a decoding batch)
 // Bytes of the weight prefetched ahead of the loads where two weight rows are read at once. Where one is (up to four
 // input rows), prefetching ahead slowed the stream (SmolLM2's 211 products, one row, x the weights' sum(): 1.40x with
@@ -45,12 +47,6 @@ constexpr int MAX_ROWS = 8;       // input rows multiplied at once (a decoding b
 // 36.4 for the lines being loaded; docs/STUDIES.md).
 constexpr int64_t AHEAD = 512;
 constexpr int64_t GRAIN = 64;     // output rows a thread takes at least
-
-inline vec load(const float* p) {
-  vec v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
 
 inline vec widen(const float* p) { return load(p); }
 
@@ -74,12 +70,6 @@ inline vec widen(const at::BFloat16* p) {  // a bfloat16 is the upper half of a 
 inline float scalar(float w) { return w; }
 inline float scalar(int8_t w) { return static_cast<float>(w); }
 inline float scalar(at::BFloat16 w) { return static_cast<float>(w); }
-
-inline float sum(vec v) {
-  float s = 0.f;
-  for (int i = 0; i < W; ++i) s += v[i];
-  return s;
-}
 
 // Weight rows j .. j+J-1 times R input rows `x` (R x in) into out (R x outs), each sum times scale[j] where there is
 // a scale. K accumulators per input and weight row (K x J = 2 independent chains per input row): one weight row

@@ -25,6 +25,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "../native_vectors.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -35,25 +37,11 @@
 
 namespace {
 
-typedef float vec __attribute__((vector_size(64)));
+using namespace kvsieve_vectors;
+
 typedef int ivec __attribute__((vector_size(64)));
-constexpr int W = 16;          // floats per vector
 constexpr int64_t MAX_CHUNK = 2048;  // keys per unit of work at most (a chunk's logits stay in the core's caches)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
-
-inline vec load(const float* p) {
-  vec v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
-
-inline float sum(vec v) {
-  float s = 0.f;
-  for (int i = 0; i < W; ++i) s += v[i];
-  return s;
-}
 
 // exp(x) for x <= 0 (a softmax's logits minus their maximum): 2^n p(r) with r = x - n ln2, Cephes' polynomial for
 // exp(r) on [-ln2/2, ln2/2] (relative error about 1e-7); below -87.3 it returns exp(-87.3), about 1e-38.
