@@ -246,10 +246,10 @@ def smollm():
 # thread) start before the rest, so no worker is left running one of them alone at the end of the
 # run. Only the order changes; a name that no longer exists is ignored.
 SLOW_FIRST = (
-    "test_real_model.py::test_imdc_retrieves_a_key_before_its_last_chunk_beyond_the_trained_context",  # 38 s
     "test_compiled_step.py::test_int8_weights_under_bfloat16_get_their_own_logits",  # 28 s, empty inductor cache
     "test_compiled_step.py::test_compiled_steps_give_the_ordinary_steps_logits_and_compile_once",  # 13 s, cold
-    "test_entry_points.py::test_bench_runs_each_configuration_in_its_own_process",  # 32 s
+    "test_entry_points.py::test_bench_runs_each_configuration_in_its_own_process",  # 21 s
+    "test_real_model.py::test_imdc_retrieves_a_key_pruned_before_the_question_arrives",  # 16 s
     "test_compiled_step.py::test_evicting_rows_are_compiled_with_their_observers_once_at_their_budget",  # 12 s, cold
     "test_real_model.py::test_needle_answered_with_critiprefill",  # 23 s
     "test_cli.py::test_niah_ppl_and_report_on_the_real_model",  # 20 s
@@ -292,7 +292,7 @@ def pytest_configure(config):
         except RuntimeError:
             pass  # no compiler: the kernel's tests say so themselves
 
-    builder = threading.Thread(target=build)  # the compiler runs beside the conversion (12 s and 16 s, cold)
+    builder = threading.Thread(target=build)  # the compiler runs beside the conversion (10 s and 16 s, cold)
     builder.start()
     if not (kvsieve.models.converted_default_dir() / "config.json").is_file():
         try:

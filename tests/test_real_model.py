@@ -47,24 +47,26 @@ def test_needle_answered_with_critiprefill(smollm):
     assert contains(result.text, case.answer)
 
 
-def test_imdc_retrieves_a_key_before_its_last_chunk_beyond_the_trained_context(smollm):
-    """IMDC as shipped (chunk 1024, memory 1024, every chunk pruned by the question's SnapKV votes) on an
-    8.3K-token prompt, beyond SmolLM2's 8192 positions, with the key in the middle: many prunings before the
-    last chunk. Pruned by each chunk's own votes (the authors' feed, `imdc-paper`), such keys were lost at 4K,
-    16K and 64K with this model (docs/STUDIES.md, "Question-guided chunked prefill"). That the key lies before
-    the last chunk comes from the feed's own plan, not from the depth."""
+def test_imdc_retrieves_a_key_pruned_before_the_question_arrives(smollm):
+    """IMDC as shipped (chunk 1024, memory 1024, every chunk pruned by the question's SnapKV votes) on a 4.2K-token
+    prompt with the key before its last two chunks (in the plan's 5 chunks, at the border of the 2nd and 3rd): the
+    memory that holds it is pruned at least twice before the last chunk arrives. Pruned by each
+    chunk's own votes (the authors' feed, `imdc-paper`), such keys are lost at 4K with this model (on this very
+    case it answers "123456"; docs/STUDIES.md, "Question-guided chunked prefill", also at 16K and 64K). Prompts
+    beyond the 8192 trained positions are tested on tiny models (test_chunked.py); the real model's 16K runs are
+    in STUDIES. That the key lies before the last two chunks comes from the feed's own plan, not from the depth."""
     model, tokenizer = smollm
-    case = passkey_case(tokenizer, 8300, 0.5, seed=7)
+    case = passkey_case(tokenizer, 4200, 0.5, seed=7)
     prompt = build_prompt(tokenizer, case.context, case.question)
     key_at = prompt.context_start + len(
         tokenizer(case.context[: case.needle_start], add_special_tokens=False)["input_ids"]
     )
     spec = method("imdc")
     chunks, _ = spec.feed.plan(prompt.length, model.config.num_hidden_layers)
-    assert prompt.length > 8192 and key_at < prompt.length - chunks[-1] - 2048
+    assert len(chunks) == 5 and key_at + 16 < prompt.length - chunks[-1] - chunks[-2]
     result = generate(model, tokenizer, case.context, case.question, method=spec, sampling=Sampling(16))
     feed = result.stages[0].details
-    assert result.prompt_tokens == prompt.length and feed["max_position"] < 4096 and feed["question_tokens"] > 0
+    assert result.prompt_tokens == prompt.length and feed["steps"] == 5 and feed["question_tokens"] > 0
     assert case.answer in result.text
 
 
