@@ -112,6 +112,25 @@ def test_generate_ignore_eos_flag(tiny_folder, tmp_path, capsys, monkeypatch):
     assert len(json.loads(capsys.readouterr().out)["tokens"]) == 3
 
 
+def test_a_command_builds_the_kernels_before_the_prompt_is_timed(tiny_folder, tmp_path, capsys, monkeypatch):
+    """The CPU kernels' first build (about 11 s on a fresh machine) happens after loading, before the prompt, so
+    it is never counted in a time to first token; it says so on stderr when it took over a second."""
+    import kvsieve.engine.offline
+    import kvsieve.linear
+
+    order, generate = [], kvsieve.engine.offline.generate
+    monkeypatch.setattr(kvsieve.linear, "warm_up", lambda model: order.append("kernels") or 10.4)
+    monkeypatch.setattr(kvsieve.engine.offline, "generate", lambda *a, **k: order.append("prompt") or generate(*a, **k))
+    context = tmp_path / "context.txt"
+    context.write_text("the pass key is hello world")
+    assert main(["generate", "--model", str(tiny_folder), "-c", str(context), "--max-new-tokens", "2"]) == 0
+    assert order == ["kernels", "prompt"]
+    assert "built the CPU's C++ decoding kernels in 10.4 s (once per machine)" in capsys.readouterr().err
+    monkeypatch.setattr(kvsieve.linear, "warm_up", lambda model: 0.01)  # built before: nothing said
+    assert main(["generate", "--model", str(tiny_folder), "-c", str(context), "--max-new-tokens", "2"]) == 0
+    assert "kernels" not in capsys.readouterr().err
+
+
 def test_bench_runs_each_configuration_in_its_own_process(tiny_folder, tmp_path, capsys):
     """The real worker subprocess (peak RSS of its own), ratios against a chosen baseline within a repeat."""
     out = tmp_path / "bench.json"

@@ -195,13 +195,24 @@ def _read_context(source: str) -> str:
         raise KvsieveError(f"Cannot read context file '{source}': {error}") from error
 
 
-def _load(args: argparse.Namespace):
-    from kvsieve.engine.batch import set_compiled_steps
+def _load(args: argparse.Namespace, warm_steps: bool = False):
+    """The model and tokenizer, with what its CPU decoding steps call built before anything is timed: the C++
+    kernels, on a machine that has not built them (about 11 s, once), would otherwise be counted in the first
+    prompt's time to first token. `warm_steps` (a server): with --compile-steps, the decoding step's graphs too
+    (`kvsieve.engine.batch.warm_up`); a one-shot command's step compiles at its first token instead."""
+    from kvsieve.engine.batch import set_compiled_steps, warm_up
+    from kvsieve.linear import warm_up as warm_up_kernels
     from kvsieve.models import load_model
 
     if args.compile_steps:
         set_compiled_steps(True)
-    return load_model(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)
+    seconds = (warm_up if warm_steps else warm_up_kernels)(model)
+    if seconds > 1 and warm_steps and args.compile_steps:
+        _err(f"kvsieve: compiled the decoding step in {seconds:.1f} s (and, once per machine, the CPU's C++ kernels)")
+    elif seconds > 1:
+        _err(f"kvsieve: built the CPU's C++ decoding kernels in {seconds:.1f} s (once per machine)")
+    return model, tokenizer
 
 
 def _load_off_main_thread(args: argparse.Namespace):
@@ -213,16 +224,11 @@ def _load_off_main_thread(args: argparse.Namespace):
     27.2 ms after loading in a thread that ended (docs/STUDIES.md, issue 26). The CPU kernels are built and, with
     --compile-steps, the decoding step (`kvsieve.engine.batch.warm_up`) compiled there too, before the
     server answers anything."""
-    from kvsieve.engine.batch import warm_up
-
     loaded: dict[str, object] = {}
 
     def load() -> None:
         try:
-            loaded["model"] = _load(args)
-            seconds = warm_up(loaded["model"][0])  # the first request must not wait for the CPU kernels' compile
-            if seconds > 1:
-                _err(f"kvsieve: compiled the decoding kernels{' and step' * args.compile_steps} in {seconds:.1f} s")
+            loaded["model"] = _load(args, warm_steps=True)  # no request waits for the kernels or the step's compile
         except BaseException as error:  # re-raised in the caller's thread, with its own message
             loaded["error"] = error
 
