@@ -66,8 +66,8 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
         choices=QUANTIZE_CHOICES,
         default="none",
         help="int8: store the linear layers' weights as int8, one scale per output row (weight-only; activations "
-        "keep --dtype). A quarter of float32's weight bytes; on the CPU decoding steps run through a compiled "
-        "int8 kernel (compiled once, a few seconds). Default none",
+        "keep --dtype). A quarter of float32's weight bytes; on the CPU a decoding step reads them through "
+        "kvsieve's C++ product kernel (built once per machine with the other kernels). Default none",
     )
     group.add_argument(
         "--compile-steps",
