@@ -63,6 +63,8 @@ def test_the_kernel_multiplies_every_shape_row_count_and_weight_dtype(weight_dty
         x = torch.randn(rows, inputs, generator=generator)
         out = kernel_product(x, weight, scale)
         assert out.dtype == torch.float32 and out.shape == (rows, outputs)
+        # a decoding step's (batch, 1, in) as it comes: the same rows, (batch, 1, out)
+        assert torch.equal(kernel_product(x.view(rows, 1, inputs), weight, scale), out.view(rows, 1, outputs))
         # a float32 sum's rounding is relative to the sum of the terms' sizes, not to the (cancelling) result
         error = (out.double() - x.double() @ exact.T).abs()
         assert (error <= 1e-5 * (x.double().abs() @ exact.abs().T)).all()
@@ -72,6 +74,10 @@ def test_the_kernel_refuses_what_it_does_not_take():
     assert native.load()
     with pytest.raises(RuntimeError, match="1 to 8 rows, got 9"):
         torch.ops.kvsieve.decode_product(torch.randn(9, 4), torch.randn(3, 4), None)
+    with pytest.raises(RuntimeError, match="1 to 8 rows, got 9"):  # rows are every leading dimension's
+        torch.ops.kvsieve.decode_product(torch.randn(3, 3, 4), torch.randn(3, 4), None)
+    with pytest.raises(RuntimeError, match=r"x must be \(\.\.\., in\) float32, contiguous"):
+        torch.ops.kvsieve.decode_product(torch.randn(4, 2).t(), torch.randn(3, 2), None)
     with pytest.raises(RuntimeError, match="a scale goes with int8 weights"):
         torch.ops.kvsieve.decode_product(torch.randn(1, 4), torch.zeros(3, 4, dtype=torch.int8), None)
     with pytest.raises(RuntimeError, match="with x's in"):

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 namespace {
 
@@ -142,23 +143,25 @@ RowsFn<T> rows_fn(int64_t rows) {
 }
 
 template <typename T>
-void run(const at::Tensor& x, const at::Tensor& weight, const float* scale, at::Tensor& out) {
-  const int64_t in = x.size(1), outs = weight.size(0);
-  const RowsFn<T> fn = rows_fn<T>(x.size(0));
+void run(const at::Tensor& x, int64_t rows, const at::Tensor& weight, const float* scale, at::Tensor& out) {
+  const int64_t in = weight.size(1), outs = weight.size(0);
+  const RowsFn<T> fn = rows_fn<T>(rows);
   const float* xp = x.data_ptr<float>();
   const T* wp = weight.data_ptr<T>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, outs, GRAIN, [&](int64_t first, int64_t last) { fn(xp, wp, scale, in, outs, first, last, op); });
 }
 
-// x (rows, in) float32 with 1 <= rows <= 8; weight (out, in) float32, bfloat16 or int8, contiguous; scale (out,)
-// float32 (required for int8 weights, else absent). Returns x @ weight.T (times scale per column), float32.
+// x (..., in) float32, contiguous, of 1 to 8 rows (its leading dimensions: a decoding step's (batch, 1, in) as it
+// comes, with no reshape); weight (out, in) float32, bfloat16 or int8, contiguous; scale (out,) float32 (required
+// for int8 weights, else absent). Returns x @ weight.T (times scale per column), (..., out) float32.
 at::Tensor decode_product(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be (rows, in) float32, contiguous");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= MAX_ROWS, "1 to ", MAX_ROWS, " rows, got ", x.size(0));
-  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(1) && weight.is_contiguous(),
+  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be (..., in) float32, contiguous");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(-1) && weight.is_contiguous(),
               "weight must be (out, in) and contiguous, with x's in");
+  const int64_t rows = x.size(-1) == 0 ? 0 : x.numel() / x.size(-1);
+  TORCH_CHECK(rows >= 1 && rows <= MAX_ROWS, "1 to ", MAX_ROWS, " rows, got ", rows);
   const auto kind = weight.scalar_type();
   TORCH_CHECK(kind == at::kFloat || kind == at::kBFloat16 || kind == at::kChar, "float32, bfloat16 or int8 weights");
   TORCH_CHECK((kind == at::kChar) == scale.has_value(), "a scale goes with int8 weights, and only with them");
@@ -167,11 +170,13 @@ at::Tensor decode_product(const at::Tensor& x, const at::Tensor& weight, const s
     scales = scale->contiguous();
     TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == weight.size(0), "one float32 scale per output");
   }
-  at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = weight.size(0);
+  at::Tensor out = at::empty(shape, x.options());
   const float* sp = scale.has_value() ? scales.data_ptr<float>() : nullptr;
-  if (kind == at::kFloat) run<float>(x, weight, sp, out);
-  else if (kind == at::kBFloat16) run<at::BFloat16>(x, weight, sp, out);
-  else run<int8_t>(x, weight, sp, out);
+  if (kind == at::kFloat) run<float>(x, rows, weight, sp, out);
+  else if (kind == at::kBFloat16) run<at::BFloat16>(x, rows, weight, sp, out);
+  else run<int8_t>(x, rows, weight, sp, out);
   return out;
 }
 

@@ -56,11 +56,15 @@ def fused_rows(x: torch.Tensor, most: int) -> bool:
 
 def kernel_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """x (..., in) times a contiguous `weight` (out, in), float32, bfloat16 or int8 with its float32 `scale` per
-    output row, through the C++ kernel: (rows, out) in float32; None where the library could not be built."""
+    output row, through the C++ kernel: (..., out) in float32; None where the library could not be built.
+
+    A decoding step calls this about 200 times (SmolLM2), so a float32 contiguous `x` goes to the kernel as it is:
+    a reshape, a no-op `to` and a `view` around every call took 3-4 us of its 12 (docs/STUDIES.md)."""
     if not native.load():
         return None
-    rows = x.reshape(-1, x.shape[-1]).to(torch.float32, memory_format=torch.contiguous_format)
-    return torch.ops.kvsieve.decode_product(rows, weight, scale)
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.to(torch.float32, memory_format=torch.contiguous_format)
+    return torch.ops.kvsieve.decode_product(x, weight, scale)
 
 
 def traced_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -85,14 +89,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     out = None
     if not torch.is_grad_enabled():
         if torch.compiler.is_compiling() and x.dtype in FUSED_ROWS and fused_rows(x, TRACED_ROWS):
-            out = traced_product(x.reshape(-1, x.shape[-1]), weight)
+            out = traced_product(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
         elif fused_rows(x, FUSED_ROWS.get(x.dtype, 0)) and weight.dtype == x.dtype and weight.is_contiguous():
             out = kernel_product(x, weight)
-            out = out.to(x.dtype) if out is not None else None
+            out = out.to(x.dtype) if out is not None and out.dtype != x.dtype else out
     if out is None:
         return F.linear(x, weight, bias)
-    out = out if bias is None else out + bias
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return out if bias is None else out + bias
 
 
 class FusedLinear(torch.nn.Linear):

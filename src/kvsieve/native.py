@@ -135,7 +135,7 @@ def _fake_attention_probs(query, key, value, lengths, scale):
 
 
 def _fake_product(x, weight, scale):
-    return x.new_empty((x.shape[0], weight.shape[0]))
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def _fake_eviction(keys, values, row, scores, carried, stamp_table, clock, budget, sinks, recent):

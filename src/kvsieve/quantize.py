@@ -40,19 +40,17 @@ QUANTIZE_ROWS = 4096  # output rows quantized at a time (a 49152-row LM head wou
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x (..., in) times int8 `weight` (out, in) with per-row `scale` (out,), plus `bias`; in x's dtype."""
-    flat = x.reshape(-1, x.shape[-1])
     out = None
     if fused_rows(x, KERNEL_ROWS):
         if torch.compiler.is_compiling() and fused_rows(x, TRACED_ROWS):  # one row in a compiled graph: traced
-            out = traced_product(flat.float(), weight) * scale
+            flat = x.reshape(-1, x.shape[-1]).float()
+            out = (traced_product(flat, weight) * scale).view(*x.shape[:-1], weight.shape[0])
         else:
-            out = kernel_product(x, weight, scale)
-        out = out.to(x.dtype) if out is not None else None
+            out = kernel_product(x, weight, scale)  # (..., out)
+        out = out.to(x.dtype) if out is not None and out.dtype != x.dtype else out
     if out is None:
-        out = F.linear(flat, (weight.float() * scale[:, None]).to(x.dtype))
-    if bias is not None:
-        out = out + bias
-    return out.view(*x.shape[:-1], weight.shape[0])
+        out = F.linear(x, (weight.float() * scale[:, None]).to(x.dtype))
+    return out if bias is None else out + bias
 
 
 class Int8Linear(torch.nn.Module):
