@@ -67,6 +67,9 @@ def test_imdc_retrieves_a_key_pruned_before_the_question_arrives(smollm):
     result = generate(model, tokenizer, case.context, case.question, method=spec, sampling=Sampling(16))
     feed = result.stages[0].details
     assert result.prompt_tokens == prompt.length and feed["steps"] == 5 and feed["question_tokens"] > 0
+    # positions re-encoded within the sinks, the memory and a chunk; the cache the sinks and the memory
+    sinks, memory = spec.feed.sinks, spec.feed.memory
+    assert feed["max_position"] < sinks + memory + max(chunks) and feed["kv_cache"] == sinks + memory
     assert case.answer in result.text
 
 
