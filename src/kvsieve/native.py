@@ -99,7 +99,7 @@ def library_path() -> Path:
 
 
 def _run(command: list[str], what: str) -> None:
-    """Run the compiler; raise with its message where it failed."""
+    """Run the compiler or the linker (`what` it does, for the message); raise with its output where it failed."""
     try:
         done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     except OSError as error:
