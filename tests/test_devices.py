@@ -7,6 +7,8 @@
   CPU tensor that meets a model tensor raises; and a function mode audits every tensor factory
   call made from kvsieve's own code during whole generations (decoding included) for a `device=`.
 - threads: one frozen configuration used from two threads at once gives exactly the sequential results.
+- capture: what a CUDA graph records of a batch's decoding step runs no operator that reads a tensor back to
+  the host (audited on a CPU with PyTorch's operators, as on CUDA).
 - gpu (marked, deselected by default; `make test-gpu`): every method on CUDA in bfloat16.
 """
 
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from conftest import FakeTokenizer, build_model, make_prompt
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvsieve import REGISTRY, KvsieveError, Sampling, method, run
 from kvsieve.attention import attention_hooks
@@ -223,6 +226,94 @@ def test_an_unprepared_model_is_refused_with_the_fix():
     model.set_attn_implementation("sdpa")
     with pytest.raises(KvsieveError, match=r"kvsieve\.prepare\(model\)"):
         run(model, FakeTokenizer(), make_prompt(40), method=method("snapkv"), sampling=Sampling(2))
+
+
+# Operators that read a tensor back to the host (or make one from host data) and so cannot be recorded in a CUDA
+# graph: a capture fails on them, and the batch then decodes eagerly.
+HOST_READS = {
+    "aten._local_scalar_dense",  # .item(), int(t), bool(t), .tolist()
+    "aten.is_nonzero",
+    "aten.equal",
+    "aten.nonzero",
+    "aten.masked_select",
+    "aten._unique2",
+    "aten.unique_consecutive",
+    "aten.unique_dim",
+    "aten.lift_fresh",  # torch.tensor(python data): a host-to-device copy on CUDA
+}
+
+
+class CaptureAudit(TorchDispatchMode):
+    """Records the operators a step runs that a CUDA graph cannot record: `HOST_READS`, indexing by a boolean
+    mask (its size depends on the data) and `repeat_interleave` without its output size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offenders: list[str] = []
+        self.seen = 0  # operators run under the audit
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.seen += 1
+        name = str(func.overloadpacket)  # e.g. "aten.nonzero"
+        indices = [t for arg in args if isinstance(arg, list | tuple) for t in arg if isinstance(t, torch.Tensor)]
+        if (
+            name in HOST_READS
+            or (name.startswith("aten.index") and any(t.dtype == torch.bool for t in indices))
+            or (name == "aten.repeat_interleave" and kwargs.get("output_size") is None)
+        ):
+            self.offenders.append(str(func))
+        return func(*args, **kwargs)
+
+
+def test_the_static_step_as_a_gpu_records_it_reads_nothing_back_to_the_host(monkeypatch, single_thread):
+    """What a CUDA graph records for a batch (`StaticStep._forward`: the forward pass, the evicting rows' per-step
+    scoring and their steady eviction, `steady_eviction`) runs on a CPU with PyTorch's operators only, as on CUDA
+    (kvsieve's C++ kernels off), under an audit of every operator: none reads a tensor back to the host. The gpu
+    test captures it; this one keeps a host read from reaching it unnoticed on machines without a GPU. Rows: full
+    attention, two H2O rows (scored together), A2SF, TOVA and StreamingLLM, all steady."""
+    from kvsieve import native
+    from kvsieve.compress import stages
+    from kvsieve.compress.cache import wrap_cache
+    from kvsieve.engine import static_step
+    from kvsieve.engine.batch import DecodeBatch, Row
+
+    monkeypatch.setattr(native, "load", lambda: False)  # products, attention and eviction in PyTorch's operators
+    evictions = []
+    eviction = stages.steady_eviction
+    monkeypatch.setattr(stages, "steady_eviction", lambda *a: evictions.append(a[2]) or eviction(*a))
+    model = model_in(torch.float32)
+    cases = [("full", {}, 30), ("h2o", {"evict.budget": 24}, 61), ("h2o", {"evict.budget": 24}, 55)]
+    cases += [("a2sf", {"evict.budget": 24}, 47), ("tova", {"evict.budget": 20}, 40)]
+    cases += [("streaming", {"evict.budget": 20}, 52)]
+    batch = DecodeBatch(model, static=True)
+    for name, settings, n in cases:
+        done = prefill(model, make_prompt(n, seed=n), method=method(name, settings), reserve=8)
+        layers = [(layer.keys, layer.values) for layer in done.prefilled.cache.layers]
+        batch.add(Row(5, done.prefilled.next_position, done.state.evict), wrap_cache(model, layers))
+    audits: list[CaptureAudit] = []
+    forward = static_step.StaticStep._forward
+
+    def audited(step):
+        with CaptureAudit() as audit:
+            audits.append(audit)
+            return forward(step)
+
+    monkeypatch.setattr(static_step.StaticStep, "_forward", audited)
+    for _ in range(4):
+        batch.step()
+    assert len(audits) == 4 and sorted(evictions) == sorted(list(range(1, 6)) * 4)  # 5 rows' steady evictions
+    assert all(audit.seen > 200 for audit in audits)
+    assert [audit.offenders for audit in audits] == [[]] * 4
+
+
+def test_the_capture_audit_catches_a_host_read_and_a_mask():
+    x = torch.arange(6.0)
+    with CaptureAudit() as audit:
+        x.sum().item()
+        x[x > 2]
+        torch.tensor([1, 2])
+    assert len(audit.offenders) == 3, audit.offenders
 
 
 @pytest.mark.gpu
