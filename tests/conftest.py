@@ -26,6 +26,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     Phi3Config,
@@ -67,6 +69,11 @@ HEADS = 4
 KV_HEADS = 2
 HEAD_DIM = HIDDEN // HEADS
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# Hybrid attention: sliding-window layers of WINDOW tokens beside global ones (Gemma 3: local and global RoPE of
+# different bases; Gemma 2: alternating, soft-capped logits; Qwen2 with its window on above max_window_layers),
+# and Mistral's window on every layer (no global layer at all).
+HYBRID_ARCHS = ("gemma3", "gemma2", "qwen2-window", "mistral-window")
+WINDOW = 8
 
 
 def tiny_config(arch: str, num_layers: int = 2, max_positions: int = 256):
@@ -95,6 +102,25 @@ def tiny_config(arch: str, num_layers: int = 2, max_positions: int = 256):
     if arch == "phi3":
         # Phi-3 fuses q/k/v into qkv_proj; its default pad id (32000) is outside our vocabulary.
         return Phi3Config(pad_token_id=0, bos_token_id=1, eos_token_id=2, **common)
+    if arch == "gemma3":  # Gemma 3's 5:1 pattern, shortened: the last layer of every 3 is global
+        kinds = ["full_attention" if (j + 1) % 3 == 0 else "sliding_attention" for j in range(num_layers)]
+        rope = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        }
+        return Gemma3TextConfig(
+            head_dim=HEAD_DIM, sliding_window=WINDOW, query_pre_attn_scalar=HEAD_DIM, layer_types=kinds,
+            rope_parameters=rope, **common,
+        )  # fmt: skip
+    if arch == "gemma2":
+        return Gemma2Config(
+            head_dim=HEAD_DIM, sliding_window=WINDOW, query_pre_attn_scalar=HEAD_DIM, attn_logit_softcapping=5.0,
+            final_logit_softcapping=30.0, **common,
+        )  # fmt: skip
+    if arch == "qwen2-window":
+        return Qwen2Config(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=num_layers // 2, **common)
+    if arch == "mistral-window":
+        return MistralConfig(head_dim=HEAD_DIM, sliding_window=WINDOW, **common)
     raise ValueError(arch)
 
 

@@ -256,18 +256,9 @@ def test_load_model_refuses_unsupported_saved_model(tmp_path):
         load_model(tmp_path)
 
 
-def test_sliding_window_models_are_refused():
-    from transformers import AutoModelForCausalLM, MistralConfig
-
-    config = MistralConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        sliding_window=8,
-        max_position_embeddings=128,
-    )
-    with pytest.raises(KvsieveError, match="sliding-window"):
-        architecture(AutoModelForCausalLM.from_config(config))
+def test_layers_of_a_kind_kvsieve_does_not_run_are_refused_by_name(make_model):
+    """Sliding-window layers are supported (tests/test_hybrid.py); chunked attention (Llama 4) is not."""
+    model = make_model("llama")
+    model.config.layer_types = ["full_attention", "chunked_attention"]
+    with pytest.raises(KvsieveError, match="chunked_attention"):
+        architecture(model)

@@ -117,7 +117,7 @@ def test_kept_positions_are_unchanged(single_thread):
     evict = Evict(StreamingLLM(SINKS), BUDGET)
     assert not evict.reencodes
     _, cache, state, fed = _stream(model, ids, 40, evict)
-    assert state.positions == {} and state.rotary is None
+    assert state.positions == {} and state.arch is None
     assert state.position(cache.get_seq_length(), fed) == fed
     tokens = _cached_tokens(ids, fed, BUDGET)
     positions = torch.cat([torch.arange(SINKS), torch.arange(fed - (BUDGET - SINKS), fed)])

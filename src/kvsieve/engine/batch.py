@@ -41,12 +41,12 @@ from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from kvsieve.attention import AttentionRows, attention_hooks
-from kvsieve.compress.cache import DecodeBuffer
+from kvsieve.compress.cache import DecodeBuffer, WindowBuffer
 from kvsieve.compress.stages import EvictRun
 from kvsieve.engine.static_step import StaticStep, steady
 from kvsieve.errors import KvsieveError
 from kvsieve.linear import warm_up as warm_up_products
-from kvsieve.models import with_cache
+from kvsieve.models import architecture, with_cache
 
 SPARE = 128  # columns of room for new tokens when the tables are (re)allocated
 # Rows up to which a CPU batch takes compiled steps (`compiled`; the products' C++ kernel, which the step calls for
@@ -127,8 +127,16 @@ class DecodeBatch:
         ordinary step); on CUDA with graphs, every captured step's but where a row evicts (captured uncompiled);
         None: `compiled_steps_enabled(model)`."""
         self.model = model
+        arch = architecture(model)
+        # A hybrid model's sliding layers decode in rings of their window (`WindowBuffer`); in the tables they come
+        # after the global layers, so that an eviction's (global) layers are the tables' first rows, one block.
+        self.windows = arch.windows
+        self.order = [*arch.global_layers, *(j for j, w in enumerate(arch.windows) if w is not None)]
+        self.slot = {layer: index for index, layer in enumerate(self.order)}  # model layer -> row of the tables
         self.compiled = compiled_steps_enabled(model) if compiled is None else compiled
-        self.static = (cuda_graphs_enabled(model) or self.compiled) if static is None else static
+        # Static steps write each row's entry at its length in every layer: not yet at a sliding layer's ring slot.
+        static = (cuda_graphs_enabled(model) or self.compiled) if static is None else static
+        self.static = static and not arch.hybrid
         self.capture = cuda_graphs_enabled(model)  # off for good once a capture has failed
         self.rows: list[Row] = []
         self.caches: list[Cache] = []  # each row's own cache object, its layers DecodeBuffers over the tables
@@ -144,8 +152,8 @@ class DecodeBatch:
         return len(self.rows)
 
     def entries(self, index: int) -> int:
-        """KV entries per layer and KV head that row `index` holds (layer 0)."""
-        return self.caches[index].layers[0].length + self._pending(index)
+        """KV entries per layer and KV head that row `index` holds (its first global layer's)."""
+        return self.caches[index].layers[self.order[0]].length + self._pending(index)
 
     def add(self, row: Row, cache: Cache) -> None:
         """Join `row`, whose own cache (batch 1) was prefilled for it; its entries move into the tables and its
@@ -153,10 +161,12 @@ class DecodeBatch:
         layers = cache.layers  # before they become buffers
         if any(not layer.is_initialized for layer in layers) or any(layer.keys.shape[0] != 1 for layer in layers):
             raise KvsieveError("A decoding row starts from a prefilled cache of one sequence (batch 1) in every layer.")
-        if row.evict is not None and len({layer.keys.shape[2] for layer in layers}) != 1:
-            lengths = sorted({layer.keys.shape[2] for layer in layers})
+        budgeted = [layers[j] for j in self.order if self.windows[j] is None]
+        if row.evict is not None and len({layer.keys.shape[2] for layer in budgeted}) > 1:
+            lengths = sorted({layer.keys.shape[2] for layer in budgeted})
             raise KvsieveError(
-                f"In-place eviction needs every layer of the cache at one length, but they hold {lengths} entries."
+                f"In-place eviction needs every global layer of the cache at one length, but they hold {lengths} "
+                "entries."
             )
         self._settle()
         self._rebuild(list(range(len(self.rows))), joining=cache)
@@ -172,7 +182,7 @@ class DecodeBatch:
         self._settle()
         for i in set(range(len(self.rows))) - set(keep):
             cache = self.caches[i]
-            cache.layers = [DecodeBuffer(layer.keys, layer.values, layer.length) for layer in cache.layers]
+            cache.layers = [layer.detached() for layer in cache.layers]
             if self.rows[i].evict is not None:
                 self.rows[i].evict.tables = None
         self._rebuild(keep)
@@ -271,24 +281,25 @@ class DecodeBatch:
         if len(self.caches) == 1:  # one row: its own buffer writes in place
             return self.caches[0].layers[layer].update(keys, values)
         buffers = [cache.layers[layer] for cache in self.caches]
-        ends = [buffer.length for buffer in buffers]
+        slot = self.slot[layer]
+        ends = [buffer.next_column() for buffer in buffers]
         if len(set(ends)) == 1:  # no padding (rows of one length): a plain slice
-            self.keys[layer, :, :, ends[0]] = keys[:, :, 0]
-            self.values[layer, :, :, ends[0]] = values[:, :, 0]
+            self.keys[slot, :, :, ends[0]] = keys[:, :, 0]
+            self.values[slot, :, :, ends[0]] = values[:, :, 0]
         else:
             rows = torch.arange(len(ends), device=keys.device)
             columns = torch.tensor(ends, device=keys.device)
-            self.keys[layer, rows, :, columns] = keys[:, :, 0]
-            self.values[layer, rows, :, columns] = values[:, :, 0]
-        for buffer, end in zip(buffers, ends, strict=True):
-            buffer.truncate(end + 1)
-        width = max(ends) + 1
-        return self.keys[layer, :, :, :width], self.values[layer, :, :, :width]
+            self.keys[slot, rows, :, columns] = keys[:, :, 0]
+            self.values[slot, rows, :, columns] = values[:, :, 0]
+        for buffer in buffers:
+            buffer.advance()
+        width = max(buffer.length for buffer in buffers)
+        return self.keys[slot, :, :, :width], self.values[slot, :, :, :width]
 
     def _key_lengths(self) -> list[torch.Tensor] | None:
         """Per layer, each row's key count after this step's entry, or None where no row is padded."""
         device = self.model.device
-        per_layer = [[cache.layers[j].length + 1 for cache in self.caches] for j in range(self.keys.shape[0])]
+        per_layer = [[_after_step(cache.layers[j]) for cache in self.caches] for j in range(self.keys.shape[0])]
         if all(len(set(lengths)) == 1 for lengths in per_layer):
             return None
         return [torch.tensor(lengths, device=device) for lengths in per_layer]
@@ -308,9 +319,10 @@ class DecodeBatch:
                 row.evict.observe_attention(layer, probs[i, :, : cache.layers[layer].length], kv_heads)
 
     def _tables_of(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row `index`'s (layers, 1, kv_heads, capacity, d) slices of the tables: an eviction moves the entries of
-        every layer of the row at once (`move_entries`)."""
-        return self.keys[:, index : index + 1], self.values[:, index : index + 1]
+        """Row `index`'s (layers, 1, kv_heads, capacity, d) slices of the tables' global layers: an eviction moves
+        the entries of every global layer of the row at once (`move_entries`)."""
+        evicted = len(self.order) - sum(w is not None for w in self.windows)
+        return self.keys[:evicted, index : index + 1], self.values[:evicted, index : index + 1]
 
     def _rebuild(self, keep: list[int], joining: Cache | None = None) -> None:
         """New tables holding rows `keep` (and `joining`'s entries as a last row) with room for SPARE more steps;
@@ -322,6 +334,7 @@ class DecodeBatch:
             return
         first = caches[0].layers[0]
         capacity = max(layer.keys.shape[2] for cache in caches for layer in cache.layers) + SPARE
+        capacity = max([capacity, *(w for w in self.windows if w is not None)])  # a sliding layer's ring fits
         shape = (len(caches[0].layers), len(caches), first.keys.shape[1], capacity)
         # Zeros, not empty memory: padding is masked out of the attention weights, but a 0 weight times a NaN
         # left in uninitialised memory would still be NaN.
@@ -329,7 +342,7 @@ class DecodeBatch:
         values = first.values.new_zeros(*shape, first.values.shape[-1])
         for b, cache in enumerate(caches):  # each DecodeBuffer copies its entries into its slices of the new tables
             cache.layers = [
-                DecodeBuffer(layer.keys, layer.values, capacity, storage=(keys[j, b : b + 1], values[j, b : b + 1]))
+                self._buffer(j, layer, capacity, (keys[self.slot[j], b : b + 1], values[self.slot[j], b : b + 1]))
                 for j, layer in enumerate(cache.layers)
             ]
         self.caches, self.keys, self.values = caches, keys, values
@@ -338,3 +351,18 @@ class DecodeBatch:
         for b, row in enumerate(self.rows[i] for i in keep):
             if row.evict is not None:
                 row.evict.tables = self._tables_of(b)
+
+    def _buffer(self, j: int, layer: DynamicLayer, capacity: int, storage: tuple[torch.Tensor, torch.Tensor]):
+        """Layer `j`'s entries copied into `storage`: a `WindowBuffer` for a sliding layer (a ring keeps its order),
+        a `DecodeBuffer` for a global one."""
+        window = self.windows[j]
+        if window is None:
+            return DecodeBuffer(layer.keys, layer.values, capacity, storage=storage)
+        buffer = WindowBuffer(layer.keys, layer.values, window, capacity, storage)
+        buffer.oldest = getattr(layer, "oldest", 0)
+        return buffer
+
+
+def _after_step(layer: DecodeBuffer) -> int:
+    """The keys a decoding step's query sees in `layer` once its entry is in: one more, or a full ring's window."""
+    return min(layer.length + 1, layer.window) if isinstance(layer, WindowBuffer) else layer.length + 1

@@ -136,7 +136,8 @@ class PrefixCache:
         blocks of `BLOCK` tokens: entry i of a causal model's cache depends on tokens 0..i only, so the
         first m entries are exactly the state of the first m tokens (vLLM matches prefixes block by
         block the same way). States that carry accumulated attention sums, or were compressed, are used
-        whole or not at all: their sums include every stored query, their entries were chosen by all of them.
+        whole or not at all: their sums include every stored query, their entries were chosen by all of them;
+        so are those of a hybrid model whose sliding layers went past their window (`PromptState.cuttable`).
         """
         best, best_length = None, 0
         for entry, state in self._states.items():
@@ -145,7 +146,7 @@ class PrefixCache:
                 continue
             shared = _shared_start(stored_ids, ids, longest)
             if shared < len(stored_ids):
-                if state.sums is not None or state.compressed:
+                if not state.cuttable:
                     continue
                 shared -= shared % BLOCK
             if shared > best_length:

@@ -20,6 +20,7 @@ from collections import deque
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from kvsieve.compress.cache import kv_entries
 from kvsieve.decode import eos_token_ids
 from kvsieve.engine.batch import DecodeBatch
 from kvsieve.engine.prefix_cache import PrefixCache
@@ -145,7 +146,7 @@ class Scheduler:
             return
         for answer in [request, *request.forks]:
             if answer.answer.finish is not None:  # the first token ended it
-                answer.finish(answer.decode_cache.get_seq_length())
+                answer.finish(kv_entries(answer.decode_cache))
                 continue
             self.batch.add(answer.row, answer.decode_cache)
             self.running.append(answer)

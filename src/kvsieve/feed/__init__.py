@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 
-from kvsieve.compress.cache import wrap_cache
+from kvsieve.compress.cache import is_windowed, kv_entries, wrap_cache
 from kvsieve.compress.stages import PrefixSums
 
 
@@ -63,13 +63,25 @@ class PromptState:
 
     @property
     def kv_entries(self) -> int:
-        """Entries per layer and KV head (layer 0), the unit of every budget."""
-        return self.cache.get_seq_length()
+        """Entries per KV head of the budgeted layers (`compress.cache.kv_entries`), the unit of every budget."""
+        return kv_entries(self.cache)
 
     @property
     def compressed(self) -> bool:
         """Whether entries were dropped (fewer entries than tokens)."""
         return self.kv_entries < self.length
+
+    @property
+    def cuttable(self) -> bool:
+        """Whether `clone` can cut it to a shorter prefix: a plain state (no sums, nothing dropped, positions
+        0..n-1) whose windowed layers, if any, still hold every token's entry (a sliding layer past its window
+        has dropped the entries a shorter prefix's window needs)."""
+        return (
+            self.sums is None
+            and self.position == self.length
+            and not self.compressed
+            and all(layer.keys.shape[2] == self.length for layer in self._filled() if is_windowed(layer))
+        )
 
     @property
     def nbytes(self) -> int:
@@ -86,10 +98,13 @@ class PromptState:
         a causal model's entry i depends on tokens 0..i only); tensors cloned, so neither copy can change
         the other. A cut state has no sums (they include the queries of the tokens cut off)."""
         whole = length is None or length == self.length
-        if not whole and (self.sums is not None or self.position != self.length or self.compressed):
-            raise ValueError("Only a plain prefix state (no sums or dropped entries, positions 0..n-1) can be cut.")
+        if not whole and not self.cuttable:
+            raise ValueError(
+                "Only a plain prefix state (no sums or dropped entries, positions 0..n-1, sliding layers within "
+                "their window) can be cut."
+            )
         length = self.length if whole else length
-        entries = self.kv_entries if whole else length
+        entries = None if whole else length  # a whole state: every layer's entries, windowed ones included
         layers = [
             (layer.keys[:, :, :entries].clone(), layer.values[:, :, :entries].clone()) for layer in self._filled()
         ]
@@ -97,4 +112,4 @@ class PromptState:
         if self.sums is not None:
             copied = {alpha: {j: t.clone() for j, t in by_layer.items()} for alpha, by_layer in self.sums.sums.items()}
             sums = PrefixSums(self.sums.queries, copied)
-        return PromptState(wrap_cache(model, layers), self.position if whole else length, length, sums)
+        return PromptState(wrap_cache(model, layers, length), self.position if whole else length, length, sums)

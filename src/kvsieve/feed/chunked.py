@@ -50,7 +50,7 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 
 from kvsieve.attention import Observer, attention_hooks
-from kvsieve.compress.cache import prune_layer, rerotate_keys, rotate_half
+from kvsieve.compress.cache import budgeted_layers, is_windowed, prune_layer, rerotate_keys, rotate_half
 from kvsieve.compress.policies.collie import Collie
 from kvsieve.compress.policy import Policy
 from kvsieve.compress.scorers import keep_indices
@@ -93,6 +93,13 @@ def _recent(pruner: Policy, budget: int) -> int:
         return min(pruner.protected(budget)[1], budget)
     except KvsieveError:
         return budget
+
+
+def _window_span(cache: Cache, layer: int, end: int, device: torch.device) -> torch.Tensor:
+    """(kv_heads, n): the n values end - n .. end - 1 for windowed layer `layer`'s n entries, which are the most
+    recent in time order (their positions, or their prompt indices)."""
+    keys = cache.layers[layer].keys
+    return torch.arange(end - keys.shape[2], end, device=device).expand(keys.shape[1], -1)
 
 
 def _rank_ties(scores: torch.Tensor) -> torch.Tensor:
@@ -232,6 +239,7 @@ class ChunkedPrefill:
         device = model.device
         ids = ids.to(device)
         cache = DynamicCache(config=model.config)
+        windowed = set(range(layers)) - set(arch.global_layers)  # bounded by their window: never pruned, no memory
         scores: dict[int, torch.Tensor] = {}  # the pruner's scores of each layer's keys in this chunk's pass
 
         memory = [0] * layers  # memory entries per layer, sinks excluded
@@ -276,27 +284,41 @@ class ChunkedPrefill:
                         )
                 if ask:
                     self._ask(model, cache, asked, position + size, observers, scores)
-                # Layer j's keys are now [sinks | memory_j | chunk], at these positions and prompt indices.
+                # Layer j's keys are now [sinks | memory_j | chunk], at these positions and prompt indices; a windowed
+                # layer's are its last entries in time order, ending with the chunk's.
                 key_positions = [
-                    torch.cat([_frame(sinks, memory[j], position, device), chunk_positions]) for j in range(layers)
+                    _window_span(cache, j, position + size, device)[0]
+                    if j in windowed
+                    else torch.cat([_frame(sinks, memory[j], position, device), chunk_positions])
+                    for j in range(layers)
                 ]
                 chunk_origin = torch.arange(start, start + size, device=device)
-                key_origin = [torch.cat([o, chunk_origin.expand(o.shape[0], -1)], 1) for o in origin]
+                key_origin = [
+                    _window_span(cache, j, start + size, device)
+                    if j in windowed
+                    else torch.cat([o, chunk_origin.expand(o.shape[0], -1)], 1)
+                    for j, o in enumerate(origin)
+                ]
                 attention_kv.append(max(sinks + m + size for m in memory))
                 max_position = max(max_position, position + size - 1)
                 start += size
                 new_sinks = min(self.sinks, start)
                 budgets = self._budgets(cache, step, targets[step], scores, sinks, memory, new_sinks)
                 kept = self._prune(cache, scores, budgets, new_sinks)
-                new_memory = [k.shape[1] - new_sinks for k in kept]
+                new_memory = [0 if j in windowed else k.shape[1] - new_sinks for j, k in enumerate(kept)]
                 next_chunk = new_sinks + max(new_memory)
                 for j in range(layers):
                     origin[j] = key_origin[j].gather(1, kept[j])
                     if last:  # the final cache stays in the last step's frame
                         continue
-                    # Rotating by a zero delta is exact, so every layer is rotated without asking the device.
-                    delta = _frame(new_sinks, new_memory[j], next_chunk, device)[None] - key_positions[j][kept[j]]
-                    cache.layers[j].keys = rerotate_keys(cache.layers[j].keys, delta, arch.rotary_emb)
+                    # Rotating by a zero delta is exact, so every layer is rotated without asking the device. A windowed
+                    # layer's entries move as one block, to end right before the next chunk (their distances kept).
+                    if j in windowed:
+                        target = torch.arange(next_chunk - kept[j].shape[1], next_chunk, device=device)
+                    else:
+                        target = _frame(new_sinks, new_memory[j], next_chunk, device)
+                    delta = target[None] - key_positions[j][kept[j]]
+                    cache.layers[j].keys = rerotate_keys(cache.layers[j].keys, delta, arch.rotary(j))
                 step_memory.append(budgets)
                 record: dict[str, Any] = {
                     "step": step,
@@ -353,9 +375,14 @@ class ChunkedPrefill:
         votes outnumber the question's and rank what the chunk attends to (SnapKV pruner, IMDC passkeys at 16K:
         added at equal weight 1 of 3 found, alone 3 of 3; docs/STUDIES.md)."""
         positions = torch.arange(position, position + question.shape[1], device=question.device)[None]
+        windows = {j: (layer.keys, layer.values, layer.cumulative_length) for j, layer in enumerate(cache.layers)
+                   if is_windowed(layer)}  # fmt: skip
         with attention_hooks(observers=observers, intermediate=True):
             model.model(input_ids=question, position_ids=positions, **with_cache(model.model, cache), use_cache=True)
         for j, layer in enumerate(cache.layers):
+            if j in windows:  # a windowed layer dropped its oldest entries for the question's: it gets them back
+                layer.keys, layer.values, layer.cumulative_length = windows[j]
+                continue
             keys = layer.keys.shape[2] - question.shape[1]
             layer.keys, layer.values = layer.keys[:, :, :keys], layer.values[:, :, :keys]
             scores[j] = scores[j][:, :keys]
@@ -378,12 +405,16 @@ class ChunkedPrefill:
         """
         if self.schedule != "adaptive" or step == 0:
             return list(base)
+        layers = budgeted_layers(cache)  # a windowed layer keeps its window: no share of the memory
         retention = []
-        for j, b in enumerate(base):
+        for j in layers:
             layer_scores = self._layer_scores(cache, scores, j)
-            kept = keep_indices(layer_scores, new_sinks + b, self.sinks, _recent(self.pruner, b))
+            kept = keep_indices(layer_scores, new_sinks + base[j], self.sinks, _recent(self.pruner, base[j]))
             retention.append(retention_ratio(kept, sinks, sinks + memory[j], new_sinks))
-        return adaptive_memory(base, retention)
+        sizes = list(base)
+        for j, size in zip(layers, adaptive_memory([base[j] for j in layers], retention), strict=True):
+            sizes[j] = size
+        return sizes
 
     def _layer_scores(self, cache: Cache, scores: dict[int, torch.Tensor], layer: int) -> torch.Tensor:
         """The pruner's (kv_heads, n) scores of `layer`'s keys (`observed_scores`), protected ones ranked by
@@ -398,7 +429,7 @@ class ChunkedPrefill:
         for j, budget in enumerate(budgets):
             keys = cache.layers[j].keys
             kv_heads, n = keys.shape[1], keys.shape[2]
-            if n <= sinks + budget:
+            if n <= sinks + budget or is_windowed(cache.layers[j]):
                 kept.append(torch.arange(n, device=keys.device).expand(kv_heads, n))
                 continue
             layer_scores = self._layer_scores(cache, scores, j)

@@ -76,8 +76,9 @@ def layer_recall(
 
 
 def recommend_layer(recall: Sequence[float], tolerance: float = 0.05) -> int:
-    """Earliest layer whose recall is within `tolerance` of the best layer's."""
-    best = max(recall)
+    """Earliest layer whose recall is within `tolerance` of the best layer's (NaN: a sliding layer, never a
+    candidate)."""
+    best = max(r for r in recall if r == r)
     return next(i for i, r in enumerate(recall) if r >= best - tolerance)
 
 
@@ -93,6 +94,9 @@ def calibrate(
 ) -> Calibration:
     """Measure needle recall per layer over lengths x depths and recommend (and remember) a layer.
 
+    A hybrid model's sliding layers are not candidates (their recall is NaN): their last queries see only
+    their window.
+
     `selector`'s scoring options (default: the paper's) decide what each layer would keep.
     """
     if probe not in PROBES:
@@ -101,6 +105,10 @@ def calibrate(
         raise KvsieveError("Calibration needs at least one length and one depth.")
     if k < 1 or k >= min(lengths):
         raise KvsieveError(f"Calibration k={k} must be at least 1 and below the shortest length {min(lengths)}.")
+    if not architecture(model).global_layers:
+        raise KvsieveError(
+            "Every layer of this model attends within a sliding window: there is no filter layer to calibrate."
+        )
     limit = architecture(model).max_positions - 64
     if max(lengths) > limit:
         raise KvsieveError(f"Calibration length {max(lengths)} exceeds what this model can read (<= {limit}).")
@@ -108,7 +116,8 @@ def calibrate(
     total = torch.zeros(architecture(model).num_layers, device="cpu")
     for n, d in tqdm(grid, desc="calibrating", unit="probe"):
         total += layer_recall(model, tokenizer, PROBES[probe](tokenizer, n, d), k, [selector or GemFilter()])[0]
-    recall = (total / len(grid)).tolist()
+    total[[j for j, window in enumerate(architecture(model).windows) if window is not None]] = float("nan")
+    recall = (total / len(grid)).tolist()  # a sliding layer's NaN: GemFilter filters at global layers only
     result = Calibration(recall, recommend_layer(recall), k, probe, list(lengths), list(depths))
     if save:
         layers.record(model, asdict(result))

@@ -80,15 +80,27 @@ class GemFilter:
 
     def filter_layer(self, model: PreTrainedModel) -> int:
         """The layer this selector uses for `model`, validated."""
-        num_layers = architecture(model).num_layers
+        arch = architecture(model)
+        num_layers, usable = arch.num_layers, arch.global_layers
+        if not usable:
+            raise KvsieveError(
+                f"GemFilter scores the prompt at a global attention layer, and every layer of this "
+                f"'{arch.model_type}' model attends within a sliding window of {max(w for w in arch.windows if w)} "
+                "tokens, so its last queries never see the start of a long prompt. Use a method without a select stage."
+            )
         layer = self.layer
-        if layer is None:
-            layer = num_layers // 2
+        if layer is None:  # the middle layer, or on a hybrid model the global layer nearest to it
+            layer = min(usable, key=lambda j: (abs(j - num_layers // 2), j))
         elif layer == "calibrated":
             layer = _recorded_layer(model)
         if not 0 <= layer < num_layers:
             raise KvsieveError(
                 f"Filter layer {layer} is out of range: this model has {num_layers} layers (0..{num_layers - 1})."
+            )
+        if layer not in usable:
+            raise KvsieveError(
+                f"Filter layer {layer} attends within a sliding window of {arch.windows[layer]} tokens, so its last "
+                f"queries never see the start of a long prompt; choose a global layer: {', '.join(map(str, usable))}."
             )
         return layer
 
