@@ -12,7 +12,7 @@ import torch
 from openai import OpenAI
 
 from kvsieve import REGISTRY, Prompt, Sampling, load_model, method, run
-from kvsieve.data import passkey_case
+from kvsieve.data import prompt_case
 from kvsieve.models import architecture
 from kvsieve.serve import ServerThread, create_server
 
@@ -37,12 +37,9 @@ def gemma():
     torch.set_num_threads(before)
 
 
-def passkey_prompt(tokenizer, length: int, depth: float = 0.5) -> tuple[Prompt, str]:
-    """A raw passkey prompt (the base model has no chat turns): the case's context, then its question."""
-    case = passkey_case(tokenizer, length, depth)
-    text = case.context + "\n\n" + case.question + " The pass key is"
-    ids = tokenizer(text, return_tensors="pt")["input_ids"]
-    return Prompt(ids, 1, ids.shape[1] - 1), case.answer
+def passkey_prompt(tokenizer, length: int, depth: float = 0.5) -> Prompt:
+    """The passkey probe as every command builds it: a base model's plain completion (no chat template)."""
+    return prompt_case(tokenizer, "passkey", length, depth)[1]
 
 
 def test_the_adapter_sees_gemma_3s_layers(gemma):
@@ -55,7 +52,7 @@ def test_the_adapter_sees_gemma_3s_layers(gemma):
 
 def test_full_attention_gives_transformers_tokens_at_4k(gemma):
     model, tokenizer = gemma
-    prompt, _ = passkey_prompt(tokenizer, 4096)
+    prompt = passkey_prompt(tokenizer, 4096)
     ours = run(model, tokenizer, prompt, sampling=Sampling(max_new_tokens=16)).tokens
     model.set_attn_implementation("sdpa")
     try:
@@ -68,7 +65,7 @@ def test_full_attention_gives_transformers_tokens_at_4k(gemma):
 
 def test_every_preset_answers_through_the_library_and_the_server_alike(gemma):
     model, tokenizer = gemma
-    prompt, _ = passkey_prompt(tokenizer, 2048)
+    prompt = passkey_prompt(tokenizer, 2048)
     ids = prompt.ids[0].tolist()
     with ServerThread(create_server(model, tokenizer, model_name="gemma3-270m", cache_bytes=10**9)) as server:
         client = OpenAI(base_url=f"{server.url}/v1", api_key="none")

@@ -39,9 +39,13 @@ def test_chat_prompt_wraps_context_and_question_in_the_template():
     assert prompt.ids[0, prompt.context_start : prompt.context_start + prompt.context_len].tolist() == [3, 4, 5, 6, 12]
 
 
-def test_chat_mode_needs_a_template():
-    with pytest.raises(KvsieveError, match="chat template"):
-        build_prompt(word_level_tokenizer(), "hello", "what is it")
+def test_a_tokenizer_without_a_template_gets_a_plain_completion():
+    """A base model (no chat template): BOS, the context, then "Question: ... Answer:" after a blank line."""
+    tokenizer = word_level_tokenizer()
+    prompt = build_prompt(tokenizer, "the pass key is hello", "what is it")
+    question = tokenizer("\n\nQuestion: what is it\nAnswer:", add_special_tokens=False)["input_ids"]
+    assert prompt.ids.tolist() == [[tokenizer.bos_token_id, 3, 4, 5, 6, 12, *question]]
+    assert (prompt.context_start, prompt.context_len, prompt.tail_len) == (1, 5, len(question))
 
 
 @pytest.mark.parametrize(

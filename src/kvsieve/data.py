@@ -23,6 +23,10 @@ from kvsieve.prompt import Prompt, build_prompt
 NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
 NEEDLE_QUESTION = "What is the best thing to do in San Francisco? Answer in one sentence."
 NEEDLE_ANSWER = "eat a sandwich and sit in Dolores Park on a sunny day"
+# A base model's completion starts its answer with these (Gemma 3 270M answered "1. 2. 3." to a bare "Answer:" and
+# the key after the lead, at 2K tokens and three depths).
+NEEDLE_LEAD = "The best thing to do in San Francisco is"
+PASSKEY_LEAD = "The pass key is"
 
 PASSKEY_INTRO = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -44,6 +48,7 @@ class Case:
     needle_start: int  # character offset of the needle inside `context`
     length: int  # context length in tokens
     depth: float  # 0 = start of the context, 1 = end
+    lead: str = ""  # how a base model's answer starts (its prompt ends with it; a chat model's does not)
 
 
 @cache
@@ -84,7 +89,7 @@ def _insert(tokenizer: PreTrainedTokenizerBase, filler: str, needle: str, length
 def needle_case(tokenizer: PreTrainedTokenizerBase, length: int, depth: float) -> Case:
     """The San Francisco needle at `depth` in `length` tokens of essays."""
     context, start = _insert(tokenizer, haystack_text(), NEEDLE, length, depth)
-    return Case(context, NEEDLE_QUESTION, NEEDLE_ANSWER, NEEDLE, start, length, depth)
+    return Case(context, NEEDLE_QUESTION, NEEDLE_ANSWER, NEEDLE, start, length, depth, NEEDLE_LEAD)
 
 
 def passkey_case(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int = 0) -> Case:
@@ -95,7 +100,7 @@ def passkey_case(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, 
     intro_len = len(tokenizer(PASSKEY_INTRO, add_special_tokens=False)["input_ids"])
     context, start = _insert(tokenizer, filler, needle, length - intro_len, depth)
     context = f"{PASSKEY_INTRO} {context}"
-    return Case(context, PASSKEY_QUESTION, key, needle, start + len(PASSKEY_INTRO) + 1, length, depth)
+    return Case(context, PASSKEY_QUESTION, key, needle, start + len(PASSKEY_INTRO) + 1, length, depth, PASSKEY_LEAD)
 
 
 # Probe generators by name: (tokenizer, length, depth) -> Case.
@@ -115,7 +120,7 @@ def prompt_case(tokenizer: PreTrainedTokenizerBase, probe: str, length: int, dep
     if probe not in PROBES:
         raise KvsieveError(f"Unknown probe '{probe}'; choose from {', '.join(PROBES)}.")
     sample = PROBES[probe](tokenizer, 256, depth)
-    sample_prompt = build_prompt(tokenizer, sample.context, sample.question)
+    sample_prompt = build_prompt(tokenizer, sample.context, sample.question, lead=sample.lead)
     overhead = sample_prompt.length - sample_prompt.context_len
     if length - overhead < 64:
         raise KvsieveError(
@@ -123,4 +128,4 @@ def prompt_case(tokenizer: PreTrainedTokenizerBase, probe: str, length: int, dep
             "haystack needs at least 64 more."
         )
     case = PROBES[probe](tokenizer, length - overhead, depth)
-    return case, build_prompt(tokenizer, case.context, case.question)
+    return case, build_prompt(tokenizer, case.context, case.question, lead=case.lead)

@@ -175,7 +175,7 @@ def architecture(model: PreTrainedModel) -> Architecture:
         layers=body.layers,
         rotary_emb=body.rotary_emb,
         windows=windows,
-        rotaries=tuple(_layer_rotary(body.rotary_emb, config, j) for j in range(config.num_hidden_layers)),
+        rotaries=tuple(_layer_rotary(body, config, j) for j in range(config.num_hidden_layers)),
     )
 
 
@@ -199,8 +199,14 @@ def layer_windows(model: PreTrainedModel) -> tuple[int | None, ...]:
     return tuple(window if kind == "sliding_attention" and window else None for kind in types)
 
 
-def _layer_rotary(module: torch.nn.Module, config, layer: int) -> Rotary:
-    """Layer `layer`'s `Rotary`: the model's module, told the layer's kind where it keeps one per kind."""
+def _layer_rotary(body: torch.nn.Module, config, layer: int) -> Rotary:
+    """Layer `layer`'s `Rotary`: the model's module, told the layer's kind where it keeps one per kind (Gemma 3 in
+    transformers 5.24), or the separate local module of a sliding layer where there is one (`rotary_emb_local`,
+    Gemma 3 in earlier releases)."""
+    module = body.rotary_emb
+    sliding = (getattr(config, "layer_types", None) or ["full_attention"] * (layer + 1))[layer] == "sliding_attention"
+    if sliding and hasattr(body, "rotary_emb_local"):
+        return Rotary(body.rotary_emb_local)
     if "layer_type" in inspect.signature(module.forward).parameters:
         return Rotary(module, config.layer_types[layer])
     return Rotary(module)

@@ -40,32 +40,40 @@ def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
 
 
 def build_prompt(
-    tokenizer: PreTrainedTokenizerBase, context: str, question: str | None = None, raw: bool = False
+    tokenizer: PreTrainedTokenizerBase,
+    context: str,
+    question: str | None = None,
+    raw: bool = False,
+    lead: str = "",
 ) -> Prompt:
     """Build the prompt for `context` (the long document) and an optional `question`.
 
     Chat mode (default) wraps "context, blank line, question" as one user turn in the
-    tokenizer's chat template with the generation prompt appended. Raw mode feeds the context
-    followed by the question exactly as given: no template, no BOS, nothing added.
+    tokenizer's chat template with the generation prompt appended. A base model's tokenizer has no
+    template (Gemma 3 270M): its prompt is a plain completion instead, the BOS token, the context,
+    "Question: ... Answer:" after a blank line, then `lead` (how the answer starts, e.g. "The pass key
+    is"; a chat prompt leaves it out). Raw mode feeds the context followed by the question exactly as
+    given: no template, no BOS, nothing added.
     Prefix, context and suffix are tokenized separately so their boundaries are exact.
     """
     if question is not None and not question.strip():
         raise KvsieveError("The question is empty. Pass a non-empty question, or none at all.")
     if not context.strip() and not question:
         raise KvsieveError("The prompt is empty: give a context (file or stdin) and/or a question.")
+    bos: list[int] = []
     if raw:
         prefix, suffix = "", question or ""
+    elif not getattr(tokenizer, "chat_template", None):  # a base model: a plain completion
+        answer = f"\nAnswer: {lead}".rstrip()
+        prefix, suffix = "", f"\n\nQuestion: {question}{answer}" if question else ""
+        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     else:
-        if not getattr(tokenizer, "chat_template", None):
-            raise KvsieveError(
-                "This tokenizer has no chat template, so chat mode cannot format the prompt. "
-                "Use raw mode (--raw / raw=True) to feed the text exactly as given."
-            )
         content = _PLACEHOLDER + (f"\n\n{question}" if question else "")
         rendered = tokenizer.apply_chat_template(
             [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
         )
         prefix, suffix = rendered.split(_PLACEHOLDER)
     prefix_ids, context_ids, suffix_ids = (_encode(tokenizer, part) for part in (prefix, context, suffix))
+    prefix_ids = bos + prefix_ids
     ids = torch.tensor([prefix_ids + context_ids + suffix_ids], dtype=torch.long, device="cpu")  # moved by the pipeline
     return Prompt(ids=ids, context_start=len(prefix_ids), context_len=len(context_ids))
