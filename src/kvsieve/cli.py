@@ -128,7 +128,12 @@ def _specs(args: argparse.Namespace):
 
 def _add_prompt(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", "-c", default="-", help="file with the long context, '-' for stdin (default)")
-    parser.add_argument("--question", "-q", help="question about the context (appended after a blank line)")
+    parser.add_argument(
+        "--question",
+        "-q",
+        help="question about the context (appended after a blank line, in the model's chat template; a base model "
+        "without one gets 'Question: ...' and 'Answer:')",
+    )
     parser.add_argument(
         "--raw", action="store_true", help="feed context + question exactly as given: no chat template, no BOS"
     )

@@ -304,7 +304,7 @@ def _convert(model: PackagedModel, target: Path) -> None:
     import gguf
 
     path = model.gguf_path()
-    print(f"kvsieve: converting {path.name} once to {target} (about 15 s) ...", flush=True)
+    print(f"kvsieve: converting {path.name} once to {target} (SmolLM2 15 s, Gemma 3 270M 85 s) ...", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     with unittest.mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)):
         loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
