@@ -279,6 +279,8 @@ SLOW_FIRST = (
     "test_entry_points.py::test_bench_runs_each_configuration_in_its_own_process",  # 14 s
     "test_cli.py::test_niah_ppl_and_report_on_the_real_model",  # 12 s
     "test_cli.py::test_demo_runs_side_by_side",  # 10 s
+    "test_serve_hybrid.py::test_every_preset_answers_as_the_library",  # 11 s
+    "test_hybrid.py::test_every_preset_stays_on_the_models_device_and_runs_in_bfloat16",  # 10 s
     "test_compiled_step.py::test_evicting_rows_are_compiled_with_their_observers_once_at_their_budget",  # 10 s, cold
     "test_serve_real.py::test_passkey_document_is_reused_for_the_next_question",  # 9 s
     "test_entry_points.py::test_niah_ppl_and_bench_run_every_method",  # 8 s

@@ -60,9 +60,9 @@ def test_every_preset_answers_as_the_library(server, tiny):
         extra = {"kvsieve": {"method": name, "set": settings}}
         for _ in range(2):
             out = client(server).completions.create(
-                model="tiny", prompt=ids, max_tokens=12, temperature=0, extra_body=extra
+                model="tiny", prompt=ids, max_tokens=8, temperature=0, extra_body=extra
             )
-            assert out.choices[0].text == reference(tiny, ids, name, settings, tokens=12), name
+            assert out.choices[0].text == reference(tiny, ids, name, settings), name
 
 
 @pytest.mark.parametrize(
