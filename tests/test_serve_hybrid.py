@@ -10,25 +10,20 @@ import tempfile
 import pytest
 import torch
 from conftest import WINDOW, build_model
-from test_serve import DOC, ask, client, compressed_context_reference, ids_of, reference, start, word_tokenizer
+from test_serve import (
+    DOC,
+    SHRINK,
+    ask,
+    client,
+    compressed_context_reference,
+    ids_of,
+    reference,
+    start,
+    word_tokenizer,
+)
 
 from kvsieve import REGISTRY, Sampling, load_model, method, run
 from kvsieve.prompt import Prompt
-
-SHRINK = {  # every preset at budgets that drop tokens from a 150-token prompt (where the field exists)
-    "select.k": 64,
-    "select.block": 8,
-    "feed.chunk": 32,
-    "feed.memory": 40,
-    "attention.segment": 16,
-    "attention.block": 4,
-    "attention.budget": 32,
-    "attention.dense_prefix": 0,
-    "compress.budget": 40,
-    "compress.policy.window": 8,
-    "compress.policy.kernel": 7,
-    "evict.budget": 40,
-}
 
 
 @pytest.fixture(scope="module")

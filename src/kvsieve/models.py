@@ -107,8 +107,8 @@ class Architecture:
     max_positions: int
     layers: torch.nn.ModuleList
     rotary_emb: torch.nn.Module
-    windows: tuple[int | None, ...] = ()
-    rotaries: tuple[Rotary, ...] = ()
+    windows: tuple[int | None, ...]
+    rotaries: tuple[Rotary, ...]
 
     @property
     def n_rep(self) -> int:
