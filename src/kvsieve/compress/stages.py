@@ -7,8 +7,10 @@ number of concurrent requests. Decoding continues from the logical position (the
 explicit position ids), as SnapKV and H2O do, unless the eviction policy re-encodes positions
 (StreamingLLM's `reencode`, as in its paper): then `EvictRun` keeps every entry at its place in
 the cache in time order (0 .. n-1, by its age stamp), re-rotating the kept keys after each
-eviction, and the next token goes at position n (`EvictRun.position`). The attention scale is
-head_dim ** -0.5, as in every supported architecture.
+eviction, and the next token goes at position n (`EvictRun.position`). Scores use the scale
+head_dim ** -0.5, the model's own in every supported family but Gemma 2/3 checkpoints whose
+`query_pre_attn_scalar` differs from head_dim (Gemma 2 27B: 144 against 128; Gemma 3 270M: equal),
+where the scores' softmax runs at a slightly other temperature than the model's attention.
 
 Layer by layer: after a one-pass prefill, a layer's cache is used by nobody but that layer's own
 attention, so the pipeline hands each run a `finisher` that prunes layer j as soon as its
