@@ -277,3 +277,19 @@ def test_every_preset_stays_on_the_models_device_and_runs_in_bfloat16():
         with DeviceAudit() as audit:
             result = run(bf16, FakeTokenizer(), host, method=spec, sampling=Sampling(4))  # the rings turn at 2
         assert len(result.tokens) == 4 and audit.offenders == [], name
+
+
+def test_a_prefix_stored_compressed_by_an_accumulating_policy_keeps_its_global_sums():
+    """--reuse-budget with A2SF: the stored state's global layer and its accumulated sums are cut to the reuse
+    budget together; the sliding layers, never scored, keep their window and have no sums; a request continues
+    the state."""
+    model = build_model("gemma3", num_layers=3)
+    spec = method("a2sf", {"evict.budget": 16})
+    prompt = make_prompt(PROMPT)
+    first = prefill(model, prompt, method=spec, keep=30, store_with=kvsieve.Compress(spec.evict.policy, 20))
+    stored = first.stored
+    assert [layer.keys.shape[2] for layer in stored.cache.layers] == [WINDOW - 1, WINDOW - 1, 20]
+    assert {alpha: sorted(sums) for alpha, sums in stored.sums.sums.items()} == {spec.evict.policy.alpha: [2]}
+    assert stored.sums.sums[spec.evict.policy.alpha][2].shape[-1] == 20
+    again = prefill(model, prompt, method=spec, prefix=stored.clone(model))
+    assert again.kv_length == 16 and again.stages[0].details["reused_tokens"] == 30

@@ -362,7 +362,7 @@ def _prefill_prefix(
     if squeeze is not None:
         squeeze.resolve_budget(length)
         squeeze.compress(state.cache)
-        for by_layer in sums.values():
-            for layer, kept in enumerate(squeeze.kept_positions):
-                by_layer[layer] = by_layer[layer].gather(1, kept)
+        for by_layer in sums.values():  # the scored layers' sums (a hybrid model's sliding layers have none)
+            for layer in by_layer:
+                by_layer[layer] = by_layer[layer].gather(1, squeeze.kept_positions[layer])
     return state
