@@ -121,6 +121,8 @@ def test_decoding_keeps_each_sliding_layer_in_a_ring_of_its_window():
     layers = decoder.batch.caches[0].layers
     assert all(isinstance(layers[j], WindowBuffer) and layers[j].length == WINDOW for j in (0, 1))
     assert layers[2].length == PROMPT + 2 * WINDOW + 1  # the global layer holds everything
+    assert decoder.batch.keys.shape[0] == 1 and decoder.batch.rings[0].shape[0] == 2  # tables: 1 global, 2 rings
+    assert decoder.batch.rings[0].shape[3] == WINDOW  # a ring's memory is its window, however long the answer
 
 
 def test_a_window_buffer_gives_its_entries_back_in_time_order():

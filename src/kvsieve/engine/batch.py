@@ -4,7 +4,9 @@ Requests differ in cache length (per layer, after their own compression), logica
 method and eviction budget. The batch keeps every running request's cache in one key and one
 value table, (layers, rows, kv_heads, capacity, head_dim): row b's entries of layer j are columns
 0 .. n - 1 of `table[j, b]`, padded on the right up to the longest row. Each row's cache layers are
-`DecodeBuffer`s over its slices of the tables, so a step
+`DecodeBuffer`s over its slices of the tables. A hybrid model's sliding layers are kept apart, in ring tables as
+wide as their window (`WindowBuffer`: a step's entry replaces the oldest once the window is full), so the global
+tables, their padding and their evictions hold the global layers alone. A step
 
 1. feeds each row's next token at its own logical position (position ids per row),
 2. writes each row's new key and value at its own next column, in place (no copy of the caches
@@ -128,11 +130,12 @@ class DecodeBatch:
         None: `compiled_steps_enabled(model)`."""
         self.model = model
         arch = architecture(model)
-        # A hybrid model's sliding layers decode in rings of their window (`WindowBuffer`); in the tables they come
-        # after the global layers, so that an eviction's (global) layers are the tables' first rows, one block.
+        # A hybrid model's sliding layers decode in rings of their window (`WindowBuffer`), in tables of their own as
+        # wide as the window: the global layers' tables (and their evictions) hold the global layers alone.
         self.windows = arch.windows
-        self.order = [*arch.global_layers, *(j for j, w in enumerate(arch.windows) if w is not None)]
-        self.slot = {layer: index for index, layer in enumerate(self.order)}  # model layer -> row of the tables
+        sliding = [j for j, window in enumerate(arch.windows) if window is not None]
+        self.order = [*arch.global_layers, *sliding]
+        self.slot = {j: i for i, j in enumerate(arch.global_layers)} | {j: i for i, j in enumerate(sliding)}
         self.compiled = compiled_steps_enabled(model) if compiled is None else compiled
         # Static steps write each row's entry at its length in every layer: not yet at a sliding layer's ring slot.
         static = (cuda_graphs_enabled(model) or self.compiled) if static is None else static
@@ -140,8 +143,9 @@ class DecodeBatch:
         self.capture = cuda_graphs_enabled(model)  # off for good once a capture has failed
         self.rows: list[Row] = []
         self.caches: list[Cache] = []  # each row's own cache object, its layers DecodeBuffers over the tables
-        self.keys: torch.Tensor | None = None  # (layers, rows, kv_heads, capacity, d) once a row joins
+        self.keys: torch.Tensor | None = None  # (global layers, rows, kv_heads, capacity, d) once a row joins
         self.values: torch.Tensor | None = None
+        self.rings: tuple[torch.Tensor, torch.Tensor] | None = None  # (sliding layers, rows, kv_heads, window, d)
         self.cache: DynamicCache | None = None  # what the model writes every row's new entries through
         self.static_step: StaticStep | None = None  # the current tables' static step, once one ran
         self.behind = 0  # static steps whose entries the rows' buffers do not show yet
@@ -191,7 +195,11 @@ class DecodeBatch:
     def step(self) -> torch.Tensor:
         """One forward pass for every row; returns (rows, vocab) logits of the next tokens."""
         device = self.model.device
-        longest = max(layer.length + self._pending(i) for i, cache in enumerate(self.caches) for layer in cache.layers)
+        longest = max(
+            (cache.layers[j].length + self._pending(i) for i, cache in enumerate(self.caches) for j in self.slot
+             if self.windows[j] is None),
+            default=0,
+        )  # fmt: skip
         if longest + 1 > self.keys.shape[3]:
             self._settle()
             self._rebuild(list(range(len(self))))  # room for SPARE more steps
@@ -281,25 +289,30 @@ class DecodeBatch:
         if len(self.caches) == 1:  # one row: its own buffer writes in place
             return self.caches[0].layers[layer].update(keys, values)
         buffers = [cache.layers[layer] for cache in self.caches]
-        slot = self.slot[layer]
+        table_keys, table_values = self._tables(layer)
         ends = [buffer.next_column() for buffer in buffers]
         if len(set(ends)) == 1:  # no padding (rows of one length): a plain slice
-            self.keys[slot, :, :, ends[0]] = keys[:, :, 0]
-            self.values[slot, :, :, ends[0]] = values[:, :, 0]
+            table_keys[:, :, ends[0]] = keys[:, :, 0]
+            table_values[:, :, ends[0]] = values[:, :, 0]
         else:
             rows = torch.arange(len(ends), device=keys.device)
             columns = torch.tensor(ends, device=keys.device)
-            self.keys[slot, rows, :, columns] = keys[:, :, 0]
-            self.values[slot, rows, :, columns] = values[:, :, 0]
+            table_keys[rows, :, columns] = keys[:, :, 0]
+            table_values[rows, :, columns] = values[:, :, 0]
         for buffer in buffers:
             buffer.advance()
         width = max(buffer.length for buffer in buffers)
-        return self.keys[slot, :, :, :width], self.values[slot, :, :, :width]
+        return table_keys[:, :, :width], table_values[:, :, :width]
+
+    def _tables(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s (rows, kv_heads, capacity, d) key and value tables: the global tables' or the rings'."""
+        keys, values = (self.keys, self.values) if self.windows[layer] is None else self.rings
+        return keys[self.slot[layer]], values[self.slot[layer]]
 
     def _key_lengths(self) -> list[torch.Tensor] | None:
         """Per layer, each row's key count after this step's entry, or None where no row is padded."""
         device = self.model.device
-        per_layer = [[_after_step(cache.layers[j]) for cache in self.caches] for j in range(self.keys.shape[0])]
+        per_layer = [[_after_step(cache.layers[j]) for cache in self.caches] for j in range(len(self.windows))]
         if all(len(set(lengths)) == 1 for lengths in per_layer):
             return None
         return [torch.tensor(lengths, device=device) for lengths in per_layer]
@@ -319,10 +332,9 @@ class DecodeBatch:
                 row.evict.observe_attention(layer, probs[i, :, : cache.layers[layer].length], kv_heads)
 
     def _tables_of(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row `index`'s (layers, 1, kv_heads, capacity, d) slices of the tables' global layers: an eviction moves
-        the entries of every global layer of the row at once (`move_entries`)."""
-        evicted = len(self.order) - sum(w is not None for w in self.windows)
-        return self.keys[:evicted, index : index + 1], self.values[:evicted, index : index + 1]
+        """Row `index`'s (global layers, 1, kv_heads, capacity, d) slices of the tables: an eviction moves the entries
+        of every global layer of the row at once (`move_entries`)."""
+        return self.keys[:, index : index + 1], self.values[:, index : index + 1]
 
     def _rebuild(self, keep: list[int], joining: Cache | None = None) -> None:
         """New tables holding rows `keep` (and `joining`'s entries as a last row) with room for SPARE more steps;
@@ -330,32 +342,36 @@ class DecodeBatch:
         caches = [self.caches[i] for i in keep] + ([joining] if joining is not None else [])
         self.static_step = None  # recorded on the old tables
         if not caches:
-            self.caches, self.keys, self.values, self.cache = [], None, None, None
+            self.caches, self.keys, self.values, self.rings, self.cache = [], None, None, None, None
             return
         first = caches[0].layers[0]
-        capacity = max(layer.keys.shape[2] for cache in caches for layer in cache.layers) + SPARE
-        capacity = max([capacity, *(w for w in self.windows if w is not None)])  # a sliding layer's ring fits
-        shape = (len(caches[0].layers), len(caches), first.keys.shape[1], capacity)
+        globals_ = [j for j in self.order if self.windows[j] is None]
+        capacity = max((cache.layers[j].keys.shape[2] for cache in caches for j in globals_), default=0) + SPARE
+        ring = max((w for w in self.windows if w is not None), default=0)
+        heads, key_dim, value_dim = first.keys.shape[1], first.keys.shape[-1], first.values.shape[-1]
         # Zeros, not empty memory: padding is masked out of the attention weights, but a 0 weight times a NaN
         # left in uninitialised memory would still be NaN.
-        keys = first.keys.new_zeros(*shape, first.keys.shape[-1])
-        values = first.values.new_zeros(*shape, first.values.shape[-1])
+        self.keys = first.keys.new_zeros(len(globals_), len(caches), heads, capacity, key_dim)
+        self.values = first.values.new_zeros(len(globals_), len(caches), heads, capacity, value_dim)
+        sliding = len(self.order) - len(globals_)
+        ring_keys = first.keys.new_zeros(sliding, len(caches), heads, ring, key_dim)
+        self.rings = (ring_keys, first.values.new_zeros(sliding, len(caches), heads, ring, value_dim))
+        self.caches = caches
         for b, cache in enumerate(caches):  # each DecodeBuffer copies its entries into its slices of the new tables
             cache.layers = [
-                self._buffer(j, layer, capacity, (keys[self.slot[j], b : b + 1], values[self.slot[j], b : b + 1]))
+                self._buffer(j, layer, tuple(table[b : b + 1] for table in self._tables(j)))
                 for j, layer in enumerate(cache.layers)
             ]
-        self.caches, self.keys, self.values = caches, keys, values
         self.cache = DynamicCache(config=self.model.config)
-        self.cache.layers = [_BatchLayer(self, j) for j in range(keys.shape[0])]
+        self.cache.layers = [_BatchLayer(self, j) for j in range(len(self.windows))]
         for b, row in enumerate(self.rows[i] for i in keep):
             if row.evict is not None:
                 row.evict.tables = self._tables_of(b)
 
-    def _buffer(self, j: int, layer: DynamicLayer, capacity: int, storage: tuple[torch.Tensor, torch.Tensor]):
-        """Layer `j`'s entries copied into `storage`: a `WindowBuffer` for a sliding layer (a ring keeps its order),
-        a `DecodeBuffer` for a global one."""
-        window = self.windows[j]
+    def _buffer(self, j: int, layer: DynamicLayer, storage: tuple[torch.Tensor, torch.Tensor]):
+        """Layer `j`'s entries copied into `storage` (its slices of the tables): a `WindowBuffer` for a sliding
+        layer (a ring keeps its order), a `DecodeBuffer` for a global one."""
+        window, capacity = self.windows[j], storage[0].shape[2]
         if window is None:
             return DecodeBuffer(layer.keys, layer.values, capacity, storage=storage)
         buffer = WindowBuffer(layer.keys, layer.values, window, capacity, storage)
