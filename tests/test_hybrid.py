@@ -179,11 +179,11 @@ def test_a_chunked_feed_moves_sliding_windows_between_frames_exactly(name):
     torch.testing.assert_close(done.prefilled.last_logits, expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+@pytest.mark.parametrize("arch", [a for a in HYBRID_ARCHS if a != "gemma3"])  # gemma3: the device test, the server's
 def test_every_preset_runs_or_says_why_not(arch):
     """Every registered preset answers on every hybrid family; the only refusals are the ones the README's rule
     names: GemFilter needs a global layer, and Gemma 2's soft-capped logits have no CritiPrefill kernel."""
-    model = build_model(arch, num_layers=6)
+    model = build_model(arch, num_layers=4)
     prompt = make_prompt(PROMPT)
     full = run(model, FakeTokenizer(), prompt, sampling=Sampling(max_new_tokens=6))
     for name, preset in REGISTRY.items():
