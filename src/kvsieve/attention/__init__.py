@@ -140,10 +140,25 @@ def kvsieve_attention(
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     if window is not None or softcap is not None:
         out = _windowed_or_capped(layer, hooks, query, key, value, scaling, lengths, window, softcap)
-        if not hooks.intermediate:
-            for finish in hooks.finishers:
-                finish(layer)
-        return out.transpose(1, 2).contiguous(), None
+    else:
+        out = _hooked(layer, hooks, query, key, value, scaling, lengths)
+    if not hooks.intermediate:
+        for finish in hooks.finishers:
+            finish(layer)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _hooked(
+    layer: int,
+    hooks: Hooks,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    lengths: torch.Tensor | None,
+) -> torch.Tensor:
+    """`kvsieve_attention` on a global layer without a soft-cap: dense, the prefill kernel, a padded batch's step, with
+    the hooks' observers served from the attention's own pass where they can be: (b, h, q, d)."""
     kernel = hooks.kernel if query.shape[2] > 1 else None
     observers = hooks.active_observers()
     rows = [o for o in observers if isinstance(o, AttentionRows)]
@@ -175,10 +190,7 @@ def kvsieve_attention(
         out = dense_attention(query, key, value, scaling)
     else:
         out = kernel(layer, query, key, value, scaling)
-    if not hooks.intermediate:
-        for finish in hooks.finishers:
-            finish(layer)
-    return out.transpose(1, 2).contiguous(), None
+    return out
 
 
 def _windowed_or_capped(
@@ -213,11 +225,9 @@ def _windowed_or_capped(
         return attend_values(probs, value)
     if lengths is None:
         return local_attention(query, key, value, scaling, window, softcap)
-    if softcap is None and (window is None or int(lengths.max()) <= window):  # a ring of at most W entries
-        out = kernel_attention(query, key, value, scaling, lengths)
-        if out is not None:
-            return out
-    return grouped_attention(query, key, value, scaling, lengths, window, softcap)
+    # A padded batch's step: its sliding layers are rings of at most W entries (`WindowBuffer`), all in the window.
+    out = kernel_attention(query, key, value, scaling, lengths) if softcap is None else None
+    return out if out is not None else grouped_attention(query, key, value, scaling, lengths, None, softcap)
 
 
 AttentionInterface.register(ATTENTION_NAME, kvsieve_attention)
