@@ -14,13 +14,14 @@ import logging
 
 import pytest
 import torch
-from conftest import build_model, make_prompt
+from conftest import WINDOW, build_model, make_prompt
 
 from kvsieve import method
 from kvsieve.compiled import Compiled
 from kvsieve.compress.cache import wrap_cache
 from kvsieve.engine import static_step as static_step_module
 from kvsieve.engine.batch import SPARE, DecodeBatch, Row, set_compiled_steps, warm_up
+from kvsieve.models import architecture
 from kvsieve.pipeline import Prefill, prefill
 from kvsieve.quantize import quantize
 
@@ -124,19 +125,25 @@ EVICTING = [  # an H2O row under its budget, a second H2O row (the two scored to
 ]
 
 
-def test_evicting_rows_are_compiled_with_their_observers_once_at_their_budget(model, monkeypatch):
+def test_evicting_rows_are_compiled_with_their_observers_once_at_their_budget(single_thread, monkeypatch, caplog):
     """Rows that evict every step at their budget: their policies' observers are traced into the compiled step and
     their compaction runs after it. The first row's prompt (20 tokens) is under its budget (30): the batch steps the
     ordinary way for the 10 steps it takes to reach it, then every step is compiled (one graph; dynamo is called
     for the first only, the rest call the code its guards chose, the row's scores carried between them), and every
-    step's logits are the ordinary step's (so each compiled step evicted the same entries)."""
+    step's logits are the ordinary step's (so each compiled step evicted the same entries). The model is a hybrid
+    one (Qwen2 with its window on: a global layer, then a sliding layer of 8): the compiled step writes the sliding
+    layer's entries round its ring, whose column wraps at the window, while the rows evict from the global layer."""
+    model = build_model("qwen2-window", num_layers=2, max_positions=512)
+    assert architecture(model).windows == (None, WINDOW)
     tokens = list(range(5, 21))
     done = prefilled(model, EVICTING, reserve=len(tokens) + 8)
     eager, eager_static = decode(model, done, tokens, compiled=False, join_at=0)
     before, calls, call = unique_graphs(), [], Compiled.__call__
     monkeypatch.setattr(Compiled, "__call__", lambda self, *args: calls.append(1) or call(self, *args))
-    compiled, static = decode(model, done, tokens, compiled=True, join_at=0)
+    with caplog.at_level(logging.WARNING):
+        compiled, static = decode(model, done, tokens, compiled=True, join_at=0)
     assert eager_static == 0 and static == len(tokens) - 10 and len(calls) == 1
+    assert "compiling failed" not in caplog.text
     assert unique_graphs() - before <= 1
     for a, b in zip(eager, compiled, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)

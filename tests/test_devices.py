@@ -266,12 +266,14 @@ class CaptureAudit(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def test_the_static_step_as_a_gpu_records_it_reads_nothing_back_to_the_host(monkeypatch, single_thread):
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_static_step_as_a_gpu_records_it_reads_nothing_back_to_the_host(arch, monkeypatch, single_thread):
     """What a CUDA graph records for a batch (`StaticStep._forward`: the forward pass, the evicting rows' per-step
     scoring and their steady eviction, `steady_eviction`) runs on a CPU with PyTorch's operators only, as on CUDA
     (kvsieve's C++ kernels off), under an audit of every operator: none reads a tensor back to the host. The gpu
     test captures it; this one keeps a host read from reaching it unnoticed on machines without a GPU. Rows: full
-    attention, two H2O rows (scored together), A2SF, TOVA and StreamingLLM, all steady."""
+    attention, two H2O rows (scored together), A2SF, TOVA and StreamingLLM, all steady; on gemma3 the sliding
+    layers' rings (prompts past their window) as well."""
     from kvsieve import native
     from kvsieve.compress import stages
     from kvsieve.compress.cache import wrap_cache
@@ -282,7 +284,7 @@ def test_the_static_step_as_a_gpu_records_it_reads_nothing_back_to_the_host(monk
     evictions = []
     eviction = stages.steady_eviction
     monkeypatch.setattr(stages, "steady_eviction", lambda *a: evictions.append(a[2]) or eviction(*a))
-    model = model_in(torch.float32)
+    model = model_in(torch.float32, arch=arch)
     cases = [("full", {}, 30), ("h2o", {"evict.budget": 24}, 61), ("h2o", {"evict.budget": 24}, 55)]
     cases += [("a2sf", {"evict.budget": 24}, 47), ("tova", {"evict.budget": 20}, 40)]
     cases += [("streaming", {"evict.budget": 20}, 52)]
@@ -332,19 +334,21 @@ def test_every_method_on_cuda_in_bfloat16(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graph_steps_give_the_eager_steps_logits(dtype):
+def test_cuda_graph_steps_give_the_eager_steps_logits(dtype, arch):
     """On CUDA the batch captures its step once and replays it: rows of full attention and of four evicting
     presets, two of them H2O (each evicting one entry per step inside the recorded step), teacher-forced on the
     same tokens, give the eager steps' logits at every step and end with the same entries, across a rebuild of
-    the tables (more steps than their spare room, so a second capture)."""
+    the tables (more steps than their spare room, so a second capture); on gemma3 with the sliding layers' rings
+    wrapping round their window inside the recorded step."""
     import copy
 
     from kvsieve.compress.cache import wrap_cache
     from kvsieve.engine.batch import SPARE, DecodeBatch, Row
 
     assert torch.cuda.is_available(), "the gpu tests need CUDA (run them with `make test-gpu` on a GPU machine)"
-    model = model_in(dtype, arch="llama", device="cuda")
+    model = model_in(dtype, arch=arch, device="cuda")
     steps = SPARE + 16
     cases = [("full", {}, 30), ("h2o", {"evict.budget": 24}, 61), ("a2sf", {"evict.budget": 24}, 47)]
     cases += [("tova", {"evict.budget": 20}, 40), ("streaming", {"evict.budget": 20}, 52)]
@@ -375,8 +379,9 @@ def test_cuda_graph_steps_give_the_eager_steps_logits(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_cuda_graph_steps_give_the_eager_steps_logits(dtype, monkeypatch):
+def test_compiled_cuda_graph_steps_give_the_eager_steps_logits(dtype, arch, monkeypatch):
     """`compiled=True` on CUDA: the step's forward pass compiled by inductor, then captured as a CUDA graph and
     replayed; three rows of full attention (padded to each other's lengths), teacher-forced over more steps than
     the tables' spare room (a second capture, the compiled graph reused at the new capacity), end with the same
@@ -388,7 +393,7 @@ def test_compiled_cuda_graph_steps_give_the_eager_steps_logits(dtype, monkeypatc
     from kvsieve.engine.batch import SPARE, DecodeBatch, Row
 
     assert torch.cuda.is_available(), "the gpu tests need CUDA (run them with `make test-gpu` on a GPU machine)"
-    model = model_in(dtype, arch="llama", device="cuda")
+    model = model_in(dtype, arch=arch, device="cuda")
     steps, lengths = SPARE + 16, (30, 47, 61)
     tokens = torch.randint(3, 200, (steps,), generator=torch.Generator().manual_seed(5)).tolist()
 

@@ -169,19 +169,24 @@ STATIC_CASES = [  # the first four start together, the others join midway
     ("tova", {"evict.budget": 20}, 45),
     ("h2o", {"evict.budget": 30}, 66),  # a second H2O and a second TOVA row: each pair scores together
     ("tova", {"evict.budget": 20}, 52),
+    ("full", {}, 5),  # shorter than a hybrid model's window (conftest.WINDOW), which fills in the static steps
 ]
 
 
-def test_static_steps_give_the_ordinary_steps_logits_and_leave_the_same_caches(model):
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2-window"])
+def test_static_steps_give_the_ordinary_steps_logits_and_leave_the_same_caches(arch, single_thread):
     """The static step (tensor-held positions and columns, attention over the tables' whole capacity, evicting
     rows' scores carried in place: what a GPU captures as a CUDA graph) against the ordinary step,
     teacher-forced on the same tokens: rows of different lengths, two of them evicting, one row leaving and two
     joining midway, and more steps than the tables' spare room, so they are rebuilt while static steps are
     pending. Every step's logits agree, and so do the entries each row holds and the caches the rows leave
-    with."""
+    with. On hybrid models (gemma3's sliding layers before its global one, qwen2-window's after) the
+    sliding layers' rings wrap round in the static steps, a short row's ring fills during them, and the
+    evictions stay on the global layers."""
     from kvsieve.engine.batch import SPARE, Row
     from kvsieve.pipeline import prefill
 
+    model = build_model(arch, num_layers=3, max_positions=512)
     steps = SPARE + 20
     done = [
         prefill(model, make_prompt(n, seed=n), method=method(name, s), reserve=steps + 8) for name, s, n in STATIC_CASES
@@ -242,7 +247,8 @@ def test_a_steady_static_step_reads_and_writes_the_same_memory_and_numbers(model
         batch.add(Row(5, d.prefilled.next_position, d.state.evict), d.prefilled.cache)
 
     def state() -> list:
-        seen = [batch.static_step.positions.data_ptr(), batch.static_step.ends.data_ptr()]
+        step = batch.static_step
+        seen = [step.positions.data_ptr(), step.lengths.data_ptr(), step.columns.data_ptr()]
         for row, cache in zip(batch.rows, batch.caches, strict=True):
             seen += [(layer.length, layer.keys.data_ptr(), layer.keys.shape) for layer in cache.layers]
             if row.evict is not None:

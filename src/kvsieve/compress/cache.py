@@ -175,9 +175,9 @@ class DecodeBuffer(DynamicLayer):
         """The column a decoding step's new entry goes to (the engine's batch writes it there itself)."""
         return self.length
 
-    def advance(self) -> None:
-        """Make the entry just written at `next_column()` live."""
-        self.truncate(self.length + 1)
+    def advance(self, steps: int = 1) -> None:
+        """Make the entries that `steps` decoding steps wrote, each at the `next_column()` of its time, live."""
+        self.truncate(self.length + steps)
 
     def detached(self) -> DecodeBuffer:
         """A buffer of its own holding a copy of the live entries in time order (a row leaving the batch)."""
@@ -228,11 +228,10 @@ class WindowBuffer(DecodeBuffer):
     def next_column(self) -> int:
         return self.length if self.length < self.window else self.oldest
 
-    def advance(self) -> None:
-        if self.length < self.window:
-            self.truncate(self.length + 1)
-        else:
-            self.oldest = (self.oldest + 1) % self.window
+    def advance(self, steps: int = 1) -> None:
+        growth = min(steps, self.window - self.length)  # the ring fills first (its oldest entry stays at column 0)
+        self.truncate(self.length + growth)
+        self.oldest = (self.oldest + steps - growth) % self.window
 
     def in_order(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The live (keys, values), oldest first."""

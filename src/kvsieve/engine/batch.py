@@ -137,9 +137,7 @@ class DecodeBatch:
         self.order = [*arch.global_layers, *sliding]
         self.slot = {j: i for i, j in enumerate(arch.global_layers)} | {j: i for i, j in enumerate(sliding)}
         self.compiled = compiled_steps_enabled(model) if compiled is None else compiled
-        # Static steps write each row's entry at its length in every layer: not yet at a sliding layer's ring slot.
-        static = (cuda_graphs_enabled(model) or self.compiled) if static is None else static
-        self.static = static and not arch.hybrid
+        self.static = (cuda_graphs_enabled(model) or self.compiled) if static is None else static
         self.capture = cuda_graphs_enabled(model)  # off for good once a capture has failed
         self.rows: list[Row] = []
         self.caches: list[Cache] = []  # each row's own cache object, its layers DecodeBuffers over the tables
@@ -156,8 +154,11 @@ class DecodeBatch:
         return len(self.rows)
 
     def entries(self, index: int) -> int:
-        """KV entries per layer and KV head that row `index` holds (its first global layer's)."""
-        return self.caches[index].layers[self.order[0]].length + self._pending(index)
+        """KV entries per layer and KV head that row `index` holds (its first global layer's; a model without one:
+        its first ring's)."""
+        layer, window = self.order[0], self.windows[self.order[0]]
+        entries = self.caches[index].layers[layer].length + self._pending(index, sliding=window is not None)
+        return entries if window is None else min(entries, window)
 
     def add(self, row: Row, cache: Cache) -> None:
         """Join `row`, whose own cache (batch 1) was prefilled for it; its entries move into the tables and its
@@ -251,12 +252,15 @@ class DecodeBatch:
         if self.static_step is None:
             self._settle()
             rows = [(row.evict, cache) for row, cache in zip(self.rows, self.caches, strict=True)]
+            tables = [(self.keys, self.values) if window is None else self.rings for window in self.windows]
             self.static_step = StaticStep(
-                self.model, self.keys, self.values, rows, capture=self.capture, compiled=self.compiled
-            )
+                self.model, self.keys, self.values, rows, capture=self.capture, compiled=self.compiled,
+                layers=[(table, self.slot[j]) for j, table in enumerate(tables)], windows=self.windows,
+            )  # fmt: skip
             self.static_step.load(
                 [row.position for row in self.rows],
-                [[cache.layers[j].length for cache in self.caches] for j in range(self.keys.shape[0])],
+                [[cache.layers[j].length for cache in self.caches] for j in range(len(self.windows))],
+                [[cache.layers[j].next_column() for cache in self.caches] for j in range(len(self.windows))],
             )
         step = self.static_step
         captured = step.graph is not None
@@ -270,17 +274,19 @@ class DecodeBatch:
             row.position += 1
         return logits
 
-    def _pending(self, index: int) -> int:
-        """Entries that static steps wrote for row `index` and its buffers do not show yet (none for an evicting
-        row: its eviction keeps its buffers at the budget)."""
-        return self.behind * self.static_step.advance[index] if self.behind else 0
+    def _pending(self, index: int, sliding: bool = False) -> int:
+        """Entries that static steps wrote for row `index` and its buffers do not show yet: in a global layer none
+        for an evicting row (its eviction keeps its buffers at the budget), in a `sliding` layer's ring one a step."""
+        if not self.behind:
+            return 0
+        return self.behind if sliding else self.behind * self.static_step.advance[index]
 
     def _settle(self) -> None:
         """Show the rows' buffers the entries that static steps wrote into the tables."""
         if self.behind:
             for index, cache in enumerate(self.caches):
-                for layer in cache.layers:
-                    layer.truncate(layer.length + self._pending(index))
+                for layer, window in zip(cache.layers, self.windows, strict=True):
+                    layer.advance(self._pending(index, sliding=window is not None))
             self.behind = 0
 
     def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

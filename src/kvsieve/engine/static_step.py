@@ -9,17 +9,18 @@ differs from one step to the next only in such numbers: each row's token, positi
 length per layer. Here they are tensors:
 
 - `ids` (rows, 1) and `positions` (rows, 1): each row's token and logical position;
-- `ends` (layers, rows): the column where each row's next entry of each layer goes;
-- each layer writes its rows' new keys and values into the batch tables at `ends` and attends over
-  the tables' whole capacity, the columns from `ends + 1` on masked as padding (the batch's padded
+- `lengths` and `columns` (layers, rows): each row's entries in each layer, and the column where its next entry
+  goes (the same column but in a hybrid model's full ring of a sliding layer, where it wraps round the window);
+- each layer writes its rows' new keys and values into its tables at `columns` and attends over the tables'
+  whole capacity, the columns from `lengths + 1` (at most the window) on masked as padding (the batch's padded
   attention, the forward's `key_lengths`, whose logits are float32);
-- the step advances `positions` and `ends` itself, so a replay needs only the tokens copied in.
+- the step advances `positions`, `lengths` and `columns` itself, so a replay needs only the tokens copied in.
 
 A row that evicts joins in its steady state (`steady`): its cache at the budget, evicting one entry per
 KV head every step (`evict.interval` 1, no re-encoding). Its new entry goes at column `budget`, the
 eviction moves the newest entry into the victim's slot, and the row is back at `budget` entries: its
-`ends` stay where they are, and every Python number its eviction reads (lengths, budget) is the same at
-every step. The rest of its state is tensors that the step updates in place: the entries' ages
+global layers' `columns` stay where they are, and every Python number its eviction reads (lengths, budget) is the
+same at every step. The rest of its state is tensors that the step updates in place: the entries' ages
 (`EvictRun.stamps`, a view of its stamp table), the clock, and its running scores, which the observers
 make anew each step and the eviction writes back into the tensors the step read them from. That eviction
 (`EvictRun.steady_step`: every layer's victims at once, in `steady_eviction`'s tensor operators, which a GPU
@@ -109,41 +110,46 @@ compiled_steps = Compiled("decoding step", model_step, options={"guard_filter_fn
 
 
 class _ScatterLayer(DynamicLayer):
-    """Layer j of the static step's cache: writes each row's new entry at its column `ends[j, row]` of the
-    tables and hands the attention the tables' whole capacity.
+    """Layer j of the static step's cache: writes each row's new entry at its column `columns[j, row]` of the
+    layer's tables (the global tables, or a hybrid model's rings for a sliding layer) and hands the attention the
+    tables' whole capacity.
 
-    The entries go into the whole tables with one `index_put_` (layer, row and column indices), not into the
+    The entries go into the whole tables with one `index_put_` (table slot, row and column indices), not into the
     layer's view of them: a compiled graph writes into its inputs in place, but a view of another input is
     copied out and back, the layer's whole table every step (SmolLM2's compiled step with full attention:
     70.2 -> 27.4 ms at 8K, 28.7 -> 24.8 ms at 2K; docs/STUDIES.md)."""
 
-    def __init__(self, layer: int, keys: torch.Tensor, values: torch.Tensor, indices: tuple[torch.Tensor, ...]):
-        """Layer `layer` of the tables `keys`/`values`; `indices`: the step's (layer_ids, row_ids, ends). The layer
-        holds the step's tensors, not the step: no reference cycle, so a dropped step (its CUDA graph, its memory
-        pool, the old tables) is freed at once rather than at the next garbage collection."""
+    def __init__(
+        self, layer: int, tables: tuple[torch.Tensor, torch.Tensor], slot: int, indices: tuple[torch.Tensor, ...]
+    ):
+        """Layer `layer`, at slot `slot` of the tables `tables` (keys, values); `indices`: the step's (slots, row_ids,
+        columns). The layer holds the step's tensors, not the step: no reference cycle, so a dropped step (its CUDA
+        graph, its memory pool, the old tables) is freed at once rather than at the next garbage collection."""
         super().__init__()
-        self.layer, self.tables, self.indices = layer, (keys, values), indices
-        self.lazy_initialization(keys[layer], values[layer])
-        self.keys, self.values = keys[layer], values[layer]
+        self.layer, self.slot, self.tables, self.indices = layer, slot, tables, indices
+        keys, values = tables
+        self.lazy_initialization(keys[slot], values[slot])
+        self.keys, self.values = keys[slot], values[slot]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        (keys, values), (layer_ids, row_ids, ends) = self.tables, self.indices
-        where = (layer_ids[self.layer], row_ids, slice(None), ends[self.layer])  # (rows,) each
+        (keys, values), (slots, row_ids, columns) = self.tables, self.indices
+        where = (slots[self.layer], row_ids, slice(None), columns[self.layer])  # (rows,) each
         keys[where] = key_states[:, :, 0]
         values[where] = value_states[:, :, 0]
-        return keys[self.layer], values[self.layer]  # views made in the graph (`self.keys` alias an input)
+        return keys[self.slot], values[self.slot]  # views made in the graph (`self.keys` alias an input)
 
 
 def steady(evict: EvictRun | None, cache: Cache) -> bool:
     """Whether a row with this eviction (None: none) can take static steps: it evicts nothing, or its cache
-    is at the budget in every layer and evicts one entry per KV head every step, without re-encoding."""
+    is at the budget in every layer it evicts from (a hybrid model's global layers) and evicts one entry per KV head
+    every step, without re-encoding."""
     if evict is None:
         return True
     return (
         evict.config.interval == 1
         and not evict.config.reencodes
         and evict.stamps is not None
-        and all(layer.length == evict.budget for layer in cache.layers)
+        and all(cache.layers[j].length == evict.budget for j in evict.layers)
     )
 
 
@@ -159,19 +165,30 @@ class StaticStep:
         *,
         capture: bool,
         compiled: bool = False,
+        layers: list[tuple[tuple[torch.Tensor, torch.Tensor], int]] | None = None,
+        windows: list[int | None] | None = None,
     ):
-        """`keys`/`values` are the batch tables (layers, rows, kv_heads, capacity, d), `rows` each row's
-        eviction (or None) and own cache, every one `steady`; `load` then sets where each row stands. `capture`:
-        record a CUDA graph at the first run; `compiled`: run the forward pass through `compiled_steps`, the
-        evicting rows' observers traced into it (their eviction, `EvictRun.steady_step`, runs after it)."""
+        """`keys`/`values` are the batch's global tables (global layers, rows, kv_heads, capacity, d), `rows` each
+        row's eviction (or None) and own cache, every one `steady`; `load` then sets where each row stands. `layers`:
+        each model layer's tables (keys, values) and its slot in them (None: layer j at slot j of `keys`/`values`),
+        `windows` each layer's sliding window (None: global), whose ring of that many columns a step writes round.
+        `capture`: record a CUDA graph at the first run; `compiled`: run the forward pass through `compiled_steps`,
+        the evicting rows' observers traced into it (their eviction, `EvictRun.steady_step`, runs after it)."""
         self.model, self.keys, self.values, self.capture = model, keys, values, capture
         # On CUDA a batch with an evicting row is captured uncompiled: its compiled observers were not yet run on a GPU.
         self.compiled = compiled and not (capture and any(evict is not None for evict, _ in rows))
-        layers, count = keys.shape[:2]
-        device = keys.device
+        count, device = keys.shape[1], keys.device
+        layers = layers if layers is not None else [((keys, values), j) for j in range(keys.shape[0])]
+        windows = windows if windows is not None else [None] * len(layers)
         self.evicting = [(i, evict, cache) for i, (evict, cache) in enumerate(rows) if evict is not None]
-        self.advance = [0 if evict is not None else 1 for evict, _ in rows]  # columns a row gains per step
-        self.step_ends = torch.tensor(self.advance, device=device)
+        self.advance = [0 if evict is not None else 1 for evict, _ in rows]  # columns a row gains per step (global)
+        # Per layer and row, the entries a step adds (a sliding layer's ring: one, also for an evicting row), and the
+        # most a layer holds: its window, or no limit. A ring's next column wraps round at its window.
+        self.step_lengths = torch.tensor(
+            [[1] * count if window is not None else self.advance for window in windows], device=device
+        )
+        unlimited = torch.iinfo(torch.long).max // 2
+        self.limits = torch.tensor([[window or unlimited] for window in windows], device=device)
         self.steady = []  # per evicting row: its row in the tables, its eviction and the tensors its scores go to
         for i, evict, _ in self.evicting:  # scores in tensors of their own, which its eviction refills every step
             evict.scores = {j: scores.clone() for j, scores in evict.scores.items()}
@@ -189,12 +206,13 @@ class StaticStep:
         self.groups = [g for g in scored if not g[1][0].config.policy.step_reads_attention]
         self.ids = torch.zeros(count, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(count, 1, dtype=torch.long, device=device)
-        self.ends = torch.zeros(layers, count, dtype=torch.long, device=device)
+        self.lengths = torch.zeros(len(layers), count, dtype=torch.long, device=device)  # entries before the step
+        self.columns = torch.zeros(len(layers), count, dtype=torch.long, device=device)  # where its entry goes
         self.row_ids = torch.arange(count, device=device)  # the cache layers' indices into the tables
-        self.layer_ids = torch.arange(layers, device=device).view(-1, 1).expand(layers, count)
+        self.slots = torch.tensor([slot for _, slot in layers], device=device).view(-1, 1).expand(len(layers), count)
         self.cache = DynamicCache(config=model.config)
-        indices = (self.layer_ids, self.row_ids, self.ends)
-        self.cache.layers = [_ScatterLayer(j, keys, values, indices) for j in range(layers)]
+        indices = (self.slots, self.row_ids, self.columns)
+        self.cache.layers = [_ScatterLayer(j, tables, slot, indices) for j, (tables, slot) in enumerate(layers)]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.compiled_calls = 0  # compiled steps run
         # from the second compiled step on, the code dynamo's guards chose, called without them (`Compiled.bound`)
@@ -202,11 +220,13 @@ class StaticStep:
         self.logits: torch.Tensor | None = None  # the graph's output, overwritten by every replay
         self.capture_seconds = 0.0
 
-    def load(self, positions: list[int], ends: list[list[int]]) -> None:
-        """Each row's next position, and per layer each row's entry count (the column its next entry takes).
-        The numbers go through host tensors copied into the step's own (on the model's device)."""
+    def load(self, positions: list[int], lengths: list[list[int]], columns: list[list[int]]) -> None:
+        """Each row's next position, and per layer each row's entry count and the column its next entry takes
+        (the same but in a full ring). The numbers go through host tensors copied into the step's own (on the
+        model's device)."""
         self.positions.copy_(torch.tensor(positions).view(-1, 1))
-        self.ends.copy_(torch.tensor(ends))
+        self.lengths.copy_(torch.tensor(lengths))
+        self.columns.copy_(torch.tensor(columns))
 
     def run(self, tokens: list[int]) -> torch.Tensor:
         """One step with each row feeding `tokens[row]`: (rows, vocab) logits. The first run on CUDA captures
@@ -220,7 +240,7 @@ class StaticStep:
         return self._capture()
 
     def _forward(self) -> torch.Tensor:
-        lengths = self.ends + 1  # each row's keys once this step's entry is written
+        lengths = torch.minimum(self.lengths + 1, self.limits)  # each row's keys once this step's entry is written
         # made for each step: the step holding its own bound methods would keep it alive until a garbage collection
         observers: list[Observer | AttentionRows] = [self._observe] if self.groups else []
         if self.attention_groups:
@@ -238,7 +258,8 @@ class StaticStep:
                 logits = model_step(*arguments)
             for row, evict, carried in self.steady:  # one entry per KV head out: back at `budget`
                 evict.steady_step(self.keys, self.values, row, carried)
-        self.ends.add_(self.step_ends)
+        self.columns.add_(self.step_lengths).remainder_(self.limits)
+        self.lengths.add_(self.step_lengths).clamp_(max=self.limits)
         self.positions.add_(1)
         return logits
 
