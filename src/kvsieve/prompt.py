@@ -68,11 +68,34 @@ def build_prompt(
         prefix, suffix = "", f"\n\nQuestion: {question}{answer}" if question else ""
         bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     else:
-        content = _PLACEHOLDER + (f"\n\n{question}" if question else "")
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
-        )
-        prefix, suffix = rendered.split(_PLACEHOLDER)
+        prefix, suffix = _chat_frame(tokenizer, f"\n\n{question}" if question else "")
+    return _assemble(tokenizer, bos, prefix, context, suffix)
+
+
+def build_task_prompt(tokenizer: PreTrainedTokenizerBase, context: str, question: str, lead: str) -> Prompt:
+    """A benchmark's prompt whose text is given whole (RULER's: instructions and document, the question, how the
+    answer starts): `context + question` is the user turn of the tokenizer's chat template and `lead` opens the
+    answer after it (as RULER's own model templates append its answer prefix); a base model's tokenizer (no
+    template) gets the BOS token and the text as it is. The context is everything before the question."""
+    if not getattr(tokenizer, "chat_template", None):
+        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        return _assemble(tokenizer, bos, "", context, question + lead)
+    prefix, suffix = _chat_frame(tokenizer, question)
+    return _assemble(tokenizer, [], prefix, context, suffix + lead.lstrip())
+
+
+def _chat_frame(tokenizer: PreTrainedTokenizerBase, after_context: str) -> tuple[str, str]:
+    """The chat template's text before and after the context, for one user turn holding the context followed by
+    `after_context`, with the generation prompt appended."""
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _PLACEHOLDER + after_context}], tokenize=False, add_generation_prompt=True
+    )
+    prefix, suffix = rendered.split(_PLACEHOLDER)
+    return prefix, suffix
+
+
+def _assemble(tokenizer: PreTrainedTokenizerBase, bos: list[int], prefix: str, context: str, suffix: str) -> Prompt:
+    """Prefix, context and suffix tokenized apart, so that their boundaries are exact."""
     prefix_ids, context_ids, suffix_ids = (_encode(tokenizer, part) for part in (prefix, context, suffix))
     prefix_ids = bos + prefix_ids
     ids = torch.tensor([prefix_ids + context_ids + suffix_ids], dtype=torch.long, device="cpu")  # moved by the pipeline

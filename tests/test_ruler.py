@@ -1,0 +1,133 @@
+"""RULER in kvsieve (`kvsieve.eval.ruler`, `kvsieve ruler`): NVIDIA's generators, RULER's metrics, the sweep.
+
+The cases are NVIDIA's own (its variable-tracking generator, the cheapest, at 1024 tokens with the default model's
+tokenizer), answered by a tiny random-weight Llama with that tokenizer's vocabulary: the scores mean nothing, what
+is checked is the plumbing: the prompt holds the generator's text with the question where it starts, the metrics are
+RULER's, every configuration of the sweep runs in each mode, sharing one prefill of the context changes no answer,
+the question-agnostic mode compresses the context before the question, and a rerun resumes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import kvsieve
+from kvsieve.errors import KvsieveError
+from kvsieve.eval import ruler
+from kvsieve.eval.methods import build_specs
+
+LENGTH = 1024  # vt's generator never ends at 512: its smallest case does not fit
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm):
+    return smollm[1]
+
+
+@pytest.fixture(scope="module")
+def cases_folder(tokenizer, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ruler-cases")
+    ruler.generate_cases(tokenizer, "vt", LENGTH, 1, 42, folder)
+    return folder
+
+
+@pytest.fixture
+def model(tokenizer, single_thread):
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None  # every answer runs to the task's length
+    return kvsieve.prepare(model)
+
+
+def test_the_cases_are_nvidias_with_the_question_where_it_starts(tokenizer, cases_folder):
+    raw = ruler.generate_cases(tokenizer, "vt", LENGTH, 1, 42, cases_folder)
+    assert len(raw) == 1 and all(len(r["outputs"]) == 5 for r in raw)  # vt: one chain of 4 hops, 5 variables
+    assert all(r["length"] <= LENGTH for r in raw)  # RULER's length holds the prompt and the answer
+    cases = ruler.load_cases(tokenizer, "vt", LENGTH, 1, 42, cases_folder)
+    text = raw[0]["input"]
+    context, question, lead = ruler.split_input(text, ruler.task_configs()["vt"])
+    assert context + question + lead == text
+    assert question.startswith("\nQuestion: Find all variables") and lead.startswith(" Answer: According to")
+    prompt, boundary = cases[0].prompt, cases[0].boundary
+    ids = prompt.ids[0].tolist()
+    assert tokenizer.decode(ids[prompt.context_start : boundary]) == context
+    after = tokenizer.decode(ids[boundary:])  # the user turn closes after the question; the lead opens the answer
+    assert after.startswith(question) and after.endswith(lead.lstrip())
+    assert cases[0].max_new_tokens == 30 and cases[0].references == raw[0]["outputs"]
+
+
+def test_scores_are_rulers_metrics():
+    # string_match_all: the share of references in the answer; string_match_part: any reference
+    assert ruler.score("vt", "X1 and x2 are", ["X1", "X2", "X3", "X4"]) == 50.0
+    assert ruler.score("qa_1", "it was France.", ["Paris", "france"]) == 100.0
+    assert ruler.score("cwe", "\x00 tail rowing", ["rowing", "tail"]) == 100.0
+
+
+def test_the_sweep_runs_every_configuration_and_sharing_the_prefill_changes_no_answer(model, tokenizer, cases_folder,
+                                                                                      tmp_path):  # fmt: skip
+    specs = build_specs("full,snapkv,h2o,gemfilter,streaming,critiprefill")
+    options = dict(tasks=["vt"], samples=1, budgets=[0.25, 0.5], cases=cases_folder, say=lambda _: None)
+    shared = ruler.run_ruler(model, tokenizer, specs, [LENGTH], tmp_path / "shared.json", **options)
+    alone = ruler.run_ruler(model, tokenizer, specs, [LENGTH], tmp_path / "alone.json", share_prefill=False, **options)
+    configs = ruler.configurations(specs, [0.25, 0.5], ruler.MODES)
+    # question mode: 4 presets x 2 budgets + full + critiprefill; agnostic: the 3 with a scorer x 2
+    assert len(configs) == 10 + 6 and len(shared["rows"]) == len(configs)
+    key = lambda r: (r["index"], r["method"], r["budget"], r["mode"])  # noqa: E731
+    assert {key(r): r["answer"] for r in shared["rows"]} == {key(r): r["answer"] for r in alone["rows"]}
+    rows = {key(r): r for r in shared["rows"]}
+    cases = ruler.load_cases(tokenizer, "vt", LENGTH, 1, 42, cases_folder)
+    index = 0
+    assert rows[(index, "full", None, "question")]["reuse"] == "miss"  # the first stores the context
+    assert rows[(index, "snapkv", 0.25, "question")]["reuse"] == "hit"  # the rest start from it
+    assert rows[(index, "gemfilter", 0.5, "question")]["reuse"] in ("miss", "hit")  # its own selection pass
+    assert rows[(index, "critiprefill", None, "question")]["reuse"] == "not reusable"
+    # agnostic: the context (up to the question) compressed to a quarter before the question came
+    assert abs(rows[(index, "snapkv", 0.25, "agnostic")]["kv_length"] - 0.25 * cases[index].boundary) <= 1
+    assert rows[(index, "snapkv", 0.25, "question")]["kv_length"] == round(0.25 * cases[index].prompt.length)
+    assert all(0 <= r["score"] <= 100 and r["references"] for r in shared["rows"])
+    summary = ruler.summarize(shared["rows"])
+    assert summary[("full", None, "question")]["kept"] == 1.0
+    assert summary[("snapkv", 0.25, "question")]["kept"] < 0.3
+
+
+def test_a_rerun_resumes_and_other_settings_are_refused(model, tokenizer, cases_folder, tmp_path):
+    specs = build_specs("full,snapkv")
+    out = tmp_path / "ruler.json"
+    options = dict(tasks=["vt"], samples=1, budgets=[0.5], modes=["question"], cases=cases_folder, say=print)
+    first = ruler.run_ruler(model, tokenizer, specs, [LENGTH], out, **options)
+    assert len(first["rows"]) == 2
+    again = ruler.run_ruler(model, tokenizer, specs, [LENGTH], out, **options)
+    assert again["rows"] == first["rows"] and json.loads(out.read_text())["kind"] == "ruler"
+    with pytest.raises(KvsieveError, match="other settings"):
+        ruler.run_ruler(model, tokenizer, specs, [LENGTH], out, **{**options, "budgets": [0.25]})
+
+
+def test_tasks_that_cannot_run_offline_are_skipped_saying_why(monkeypatch):
+    runnable, skipped = ruler.available_tasks()
+    assert runnable == ruler.TASKS and not skipped  # make setup installs every file RULER reads
+    monkeypatch.setattr(ruler, "punkt_folder", lambda: None)
+    runnable, skipped = ruler.available_tasks()
+    essays = {"niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multivalue", "niah_multiquery"}
+    assert set(skipped) == essays and all("punkt_tab" in why for why in skipped.values())
+    assert "vt" in runnable and "qa_2" in runnable
+    with pytest.raises(KvsieveError, match="Unknown RULER task"):
+        ruler.available_tasks(["vt", "niah"])
+
+
+def test_bad_input_is_refused_with_what_to_do(model, tokenizer, cases_folder, tmp_path):
+    specs = build_specs("full")
+    run = lambda **kw: ruler.run_ruler(model, tokenizer, specs, [LENGTH], tmp_path / "r.json", tasks=["vt"], **kw)  # noqa: E731
+    with pytest.raises(KvsieveError, match=r"Budgets are shares of the prompt in \(0, 1\)"):
+        run(budgets=[0.5, 1.5])
+    with pytest.raises(KvsieveError, match="Unknown mode"):
+        run(modes=["blind"])
+    with pytest.raises(KvsieveError, match="use at least 60"):
+        ruler.run_ruler(model, tokenizer, specs, [40], tmp_path / "r.json", tasks=["vt"], cases=cases_folder)
