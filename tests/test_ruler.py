@@ -19,6 +19,7 @@ import kvsieve
 from kvsieve.errors import KvsieveError
 from kvsieve.eval import ruler
 from kvsieve.eval.methods import build_specs
+from kvsieve.eval.report import write_report
 
 LENGTH = 1024  # vt's generator never ends at 512: its smallest case does not fit
 
@@ -96,6 +97,10 @@ def test_the_sweep_runs_every_configuration_and_sharing_the_prefill_changes_no_a
     summary = ruler.summarize(shared["rows"])
     assert summary[("full", None, "question")]["kept"] == 1.0
     assert summary[("snapkv", 0.25, "question")]["kept"] < 0.3
+    path = write_report(tmp_path / "docs" / "RESULTS.md", ruler_files=[tmp_path / "shared.json"])
+    text = path.read_text()
+    assert "## RULER: score against the KV cache kept" in text and "| snapkv | 0.25 | agnostic | 0.2" in text
+    assert (path.parent / "figures" / "ruler.png").stat().st_size > 5000
 
 
 def test_a_rerun_resumes_and_other_settings_are_refused(model, tokenizer, cases_folder, tmp_path):

@@ -502,7 +502,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
 def cmd_report(args: argparse.Namespace) -> None:
     from kvsieve.eval.report import write_report
 
-    path = write_report(args.out, args.niah, args.ppl, args.bench, args.notes, args.baseline, args.kvpress)
+    path = write_report(
+        args.out, args.niah, args.ppl, args.bench, args.notes, args.baseline, args.kvpress, ruler_files=args.ruler
+    )
     print(f"Wrote {path} (figures in {path.parent / 'figures'}, result files in {path.parent / 'results'})")
 
 
@@ -785,6 +787,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", default="full", help="method the ratios compare against (default full)")
     p.add_argument("--notes", type=Path, help="a Markdown file of further measurements to link at the end")
     p.add_argument("--kvpress", type=Path, help="output of benchmarks/kvpress_compare.py (optional comparison)")
+    p.add_argument(
+        "--ruler", type=Path, action="append", default=[],
+        help="kvsieve ruler result file (repeatable): its curves and per-task table, and the quality axis of the "
+        "glance table and the pareto figure",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("docs/RESULTS.md"), help="report path (default docs/RESULTS.md)")
     p.set_defaults(func=cmd_report)
 

@@ -17,10 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from kvsieve.errors import KvsieveError
-from kvsieve.eval import niah, records
+from kvsieve.eval import niah, records, ruler
 from kvsieve.eval.bench import plot_scaling, summarize
 from kvsieve.eval.methods import specs_from_settings
 from kvsieve.registry import REGISTRY
+
+GLANCE_BUDGET = 0.25  # the RULER budget the glance table and the pareto figure read: the presets' 1024 entries at 4K
 
 
 def _fmt(value: float | None, digits: int = 2) -> str:
@@ -80,14 +82,17 @@ class Report:
         ppl_docs: Sequence[dict[str, Any]] = (),
         bench_docs: Sequence[dict[str, Any]] = (),
         baseline: str = "full",
+        ruler_docs: Sequence[dict[str, Any]] = (),
     ) -> None:
-        if not niah_docs and not ppl_docs and not bench_docs:
-            raise KvsieveError("Nothing to report: give at least one of --niah, --ppl, --bench.")
+        if not niah_docs and not ppl_docs and not bench_docs and not ruler_docs:
+            raise KvsieveError("Nothing to report: give at least one of --niah, --ppl, --bench, --ruler.")
         probes = dict.fromkeys(d["settings"]["probe"] for d in niah_docs)
         self.niah_docs = [merge([d for d in niah_docs if d["settings"]["probe"] == p]) for p in probes]
         self.ppl, self.bench, self.baseline = merge(ppl_docs), merge(bench_docs), baseline
         self.bench_docs = list(bench_docs)
-        self.documents = [*niah_docs, *ppl_docs, *bench_docs]
+        self.ruler = merge(ruler_docs)
+        self.ruler_summary = ruler.summarize(self.ruler["rows"]) if self.ruler else {}
+        self.documents = [*niah_docs, *ppl_docs, *bench_docs, *ruler_docs]
         rows = [r for d in self.documents for r in d["rows"]]
         if not rows:
             raise KvsieveError("The result files have no rows yet; run the evaluations first.")
@@ -102,7 +107,7 @@ class Report:
         """Each method's configuration as recorded in the result files it is reported from (the first file of
         each kind that has it, `merge`), and whether those disagree."""
         seen: dict[str, set[str]] = {}
-        for doc in [*self.niah_docs, *(d for d in (self.ppl, self.bench) if d is not None)]:
+        for doc in [*self.niah_docs, *(d for d in (self.ppl, self.bench, self.ruler) if d is not None)]:
             for name, spec in specs_from_settings(doc["settings"]["methods"]).items():
                 seen.setdefault(name, set()).add(spec.describe())
         return {name: " / ".join(sorted(d)) for name, d in seen.items()}, any(len(d) > 1 for d in seen.values())
@@ -199,23 +204,36 @@ class Report:
             f"{self.baseline}, which are always taken within one run.",
         ]
 
+    def _ruler_average(self, method: str, mode: str = "question") -> float | None:
+        """The method's RULER average (0-100) at the glance budget (`GLANCE_BUDGET` of the prompt; a method without a
+        KV budget as registered), None where it was not run so."""
+        for budget in (GLANCE_BUDGET, None):
+            if (method, budget, mode) in self.ruler_summary:
+                return self.ruler_summary[(method, budget, mode)]["average"]
+        return None
+
     def points(self) -> list[dict[str, Any]]:
-        """One point per method run on both a probe and the bench: its hits over every probe case, and its
-        time to first token, peak memory and KV entries against the baseline's at the longest bench length."""
-        if not self.bench_summary or not self.niah_docs:
+        """One point per method run on both a quality run and the bench: its quality (RULER's average at the glance
+        budget where RULER ran, else its hits over every probe case), and its time to first token, peak memory and KV
+        entries against the baseline's at the longest bench length."""
+        if not self.bench_summary or not (self.niah_docs or self.ruler):
             return []
         length = max(s["length"] for s in self.bench_summary)
         kv = {r["method"]: r["prefill_kv_length"] for r in self.bench["rows"] if r["requested_length"] == length}
         points = []
         for method in self.methods:
             rows = [r for d in self.niah_docs for r in d["rows"] if r["method"] == method]
+            average = self._ruler_average(method) if self.ruler else None
             cost = self._cost(method, length)
-            if not rows or cost is None or not cost["speedup"] or method not in kv or not kv.get(self.baseline):
+            if (not rows and average is None) or cost is None or not cost["speedup"] or method not in kv:
+                continue
+            if not kv.get(self.baseline):
                 continue
             points.append(
                 {
                     "method": method,
                     "length": length,
+                    "quality": average / 100 if self.ruler else sum(r["hit"] for r in rows) / len(rows),
                     "hits": sum(r["hit"] for r in rows),
                     "cases": len(rows),
                     "speedup": cost["speedup"][1],
@@ -234,6 +252,8 @@ class Report:
         lengths = sorted({r["length"] for d in self.niah_docs for r in d["rows"]})
         probes = [d["settings"]["probe"] for d in self.niah_docs]
         head = ["method", "provenance", *(f"{p} hits @{n}" for p in probes for n in lengths)]
+        if self.ruler:
+            head += [f"RULER average, KV {GLANCE_BUDGET:g} of the prompt (question / agnostic)"]
         head += [f"TTFT speedup vs {self.baseline} @{length} (min/med/max)", f"peak memory vs {self.baseline}"]
         head += [f"KV entries vs {self.baseline}"]
         lines = [
@@ -241,7 +261,14 @@ class Report:
             "## Every preset at a glance",
             "",
             "Hits are cases whose answer holds the reference as whole words, over the depths run; cost columns come "
-            f"from the bench at {length} prompt tokens (medians of ratios taken within a repeat).",
+            f"from the bench at {length} prompt tokens (medians of ratios taken within a repeat)."
+            + (
+                " The RULER column (and the figure's quality axis) is the method's RULER average with its KV budget "
+                f"at {GLANCE_BUDGET:g} of the prompt (the presets' default 1024 entries at 4K); a method without a KV "
+                "budget keeps every entry; `-`: no question-agnostic run (no scorer)."
+                if self.ruler
+                else ""
+            ),
             "",
         ]
         if figure is not None:
@@ -255,6 +282,8 @@ class Report:
                 for n in lengths:
                     mine = [r for r in doc["rows"] if r["method"] == method and r["length"] == n]
                     cells.append(f"{sum(r['hit'] for r in mine)}/{len(mine)}" if mine else "-")
+            if self.ruler:
+                cells.append(" / ".join(_fmt(self._ruler_average(method, mode), 1) for mode in ruler.MODES))
             cost = self._cost(method, length)
             cells += [_spread(cost["speedup"]), f"{point['memory_ratio']:.3f}", f"{point['kv_ratio']:.3f}"]
             lines.append("| " + " | ".join(cells) + " |")
@@ -410,9 +439,46 @@ class Report:
         return lines
 
 
-def plot_pareto(points: list[dict[str, Any]], path: Path, baseline: str = "full") -> Path:
-    """Probe accuracy against time-to-first-token speedup (left) and against peak memory (right), one point per
-    method, both against `baseline` at the bench's longest length; marker area is the KV cache kept."""
+def ruler_section(document: dict[str, Any], figure: Path, root: Path) -> list[str]:
+    """RULER's curves and, beside them, each configuration's average and per-task scores."""
+    summary = ruler.summarize(document["rows"])
+    tasks = [t for t in ruler.TASKS if any(r["task"] == t for r in document["rows"])]
+    lengths = sorted({r["length"] for r in document["rows"]})
+    samples = document["settings"]["samples"]
+    lines = [
+        "",
+        "## RULER: score against the KV cache kept",
+        "",
+        f"NVIDIA's RULER tasks at {', '.join(map(str, lengths))} tokens (prompt plus answer), {samples} cases per "
+        "task, generated by NVIDIA's own scripts with the model's tokenizer and scored by RULER's metrics (0-100). "
+        "Each preset runs with its KV budget at each share of the prompt: with the question in the prompt, and "
+        "question-agnostic (the context compressed by the method's scorer before the question is seen, as "
+        "`--reuse-budget` stores it). Full attention is the ceiling; in brackets, each average against it. `KV kept` "
+        "is the measured entries after the prefill (agnostic: the context's, before the question) over the prompt's "
+        "tokens.",
+        "",
+        f"![RULER against KV kept]({figure.relative_to(root).as_posix()})",
+        "",
+        "| method | budget | mode | KV kept | RULER average | " + " | ".join(tasks) + " |",
+        "|---|---|---|---|---|" + "---|" * len(tasks),
+    ]
+    ceiling = summary.get(("full", None, "question"), {}).get("average")
+    for (method, budget, mode), s in sorted(
+        summary.items(), key=lambda item: (item[0][2] != "question", item[0][0] != "full", item[0][0], item[0][1] or 1)
+    ):
+        against = f" ({s['average'] - ceiling:+.1f})" if ceiling is not None and method != "full" else ""
+        cells = [method, "-" if budget is None else f"{budget:g}", mode, f"{s['kept']:.2f}"]
+        cells += [f"{s['average']:.1f}{against}", *(_fmt(s["tasks"].get(t), 1) for t in tasks)]
+        lines.append("| " + " | ".join(cells) + " |")
+    if document.get("seconds") is not None:
+        lines += ["", f"The sweep's answers took {document['seconds']:.0f} s on this machine."]
+    return lines
+
+
+def plot_pareto(points: list[dict[str, Any]], path: Path, baseline: str = "full", quality: str = "") -> Path:
+    """Quality (`quality` names it: RULER's average, else the probes' hits) against time-to-first-token speedup
+    (left) and against peak memory (right), one point per method, both against `baseline` at the bench's longest
+    length; marker area is the KV cache kept."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -426,7 +492,7 @@ def plot_pareto(points: list[dict[str, Any]], path: Path, baseline: str = "full"
     ]
     for ax, (key, label) in zip(axes, panels, strict=True):
         for i, point in enumerate(points):
-            accuracy = point["hits"] / point["cases"]
+            accuracy = point["quality"]
             ax.scatter(point[key], accuracy, s=30 + 400 * point["kv_ratio"], alpha=0.55, color=f"C{i % 10}")
             ax.annotate(
                 point["method"],
@@ -438,7 +504,7 @@ def plot_pareto(points: list[dict[str, Any]], path: Path, baseline: str = "full"
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_xscale("log")
-    axes[0].set_ylabel("needle + passkey hits (share of cases)")
+    axes[0].set_ylabel(quality or "needle + passkey hits (share of cases)")
     fig.suptitle(f"What each preset trades (marker area: KV entries kept after prefill, vs {baseline}'s)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -491,6 +557,7 @@ def write_report(
     notes: Path | None = None,
     baseline: str = "full",
     kvpress_file: Path | None = None,
+    ruler_files: Sequence[Path] = (),
 ) -> Path:
     """Write the Markdown report to `out`, with `results/` (copied inputs) and `figures/` beside it.
 
@@ -500,14 +567,15 @@ def write_report(
     niah_docs = [records.load(p, "niah") for p in niah_files]
     ppl_docs = [records.load(p, "ppl") for p in ppl_files]
     bench_docs = [records.load(p, "bench") for p in bench_files]
+    ruler_docs = [records.load(p, "ruler") for p in ruler_files]
     kvpress = records.load(kvpress_file, "kvpress") if kvpress_file else None
-    report = Report(niah_docs, ppl_docs, bench_docs, baseline)
+    report = Report(niah_docs, ppl_docs, bench_docs, baseline, ruler_docs)
     records.check_writable(out)
     root = out.parent
     results, figures = root / "results", root / "figures"
     results.mkdir(exist_ok=True)
     copied = []
-    for source in [*niah_files, *ppl_files, *bench_files]:
+    for source in [*niah_files, *ppl_files, *bench_files, *ruler_files]:
         target = results / Path(source).name
         if Path(source).resolve() != target.resolve():
             shutil.copyfile(source, target)
@@ -518,9 +586,12 @@ def write_report(
     }
     scaling = plot_scaling(report.bench_summary, figures / "scaling.png") if bench_docs else None
     points = report.points()
-    pareto = plot_pareto(points, figures / "pareto.png", baseline) if points else None
+    quality = f"RULER average / 100 (KV {GLANCE_BUDGET:g} of the prompt)" if ruler_docs else ""
+    pareto = plot_pareto(points, figures / "pareto.png", baseline, quality) if points else None
+    curves = ruler.plot_curves(report.ruler, figures / "ruler.png") if report.ruler else None
     commands = [d["command"] for d in report.documents]
     kinds = ["niah"] * len(niah_docs) + ["ppl"] * len(ppl_docs) + ["bench"] * len(bench_docs)
+    kinds += ["ruler"] * len(ruler_docs)
     inputs = " ".join(f"--{kind} {p.relative_to(root).as_posix()}" for kind, p in zip(kinds, copied, strict=True))
     commands += [
         records.command_line(),
@@ -532,6 +603,7 @@ def write_report(
         *report.glance(pareto, root),
         *report.side_by_side(),
         *report.choosing(),
+        *(ruler_section(report.ruler, curves, root) if curves else []),
         *report.niah_section(heatmaps, root),
         *report.ppl_section(),
         *report.cost_section(scaling, root),

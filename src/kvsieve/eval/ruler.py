@@ -390,3 +390,55 @@ def summarize(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
             "kept": sum(min(1.0, r["kv_length"] / r["prompt_tokens"]) for r in mine) / len(mine),
         }
     return summary
+
+
+def curves(summary: Mapping[tuple, dict[str, Any]], mode: str) -> dict[str, list[tuple[float, float]]]:
+    """Per method, its (budget, RULER average) points in `mode`, by budget; a method without a budget (full
+    attention, CritiPrefill) is one point at 1.0 (it keeps every entry), from its question-mode run."""
+    lines: dict[str, list[tuple[float, float]]] = {}
+    for (method, budget, run_mode), s in summary.items():
+        if run_mode == mode and budget is not None:
+            lines.setdefault(method, []).append((budget, s["average"]))
+        elif budget is None and run_mode == "question":
+            lines.setdefault(method, []).append((1.0, s["average"]))
+    return {method: sorted(points) for method, points in lines.items()}
+
+
+def plot_curves(document: dict[str, Any], path: Path) -> Path:
+    """RULER average against the share of the prompt's KV cache kept, one line per method, one panel per mode,
+    full attention as the dashed ceiling."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = summarize(document["rows"])
+    modes = [m for m in MODES if any(key[2] == m for key in summary)]
+    if not modes:
+        raise KvsieveError("The RULER file has no finished cases to plot yet.")
+    lengths = sorted({r["length"] for r in document["rows"]})
+    fig, axes = plt.subplots(1, len(modes), figsize=(6.2 * len(modes), 4.6), sharey=True, squeeze=False)
+    ceiling = next((s["average"] for (m, b, mode), s in summary.items() if m == "full" and mode == "question"), None)
+    colours = {method: f"C{i % 10}" for i, method in enumerate(dict.fromkeys(key[0] for key in summary))}
+    for ax, mode in zip(axes[0], modes, strict=True):
+        for method, points in curves(summary, mode).items():
+            if method == "full":
+                continue
+            xs, ys = zip(*points, strict=True)
+            ax.plot(xs, ys, marker="o", color=colours[method], label=method)
+        if ceiling is not None:
+            ax.axhline(ceiling, color="black", linestyle="--", linewidth=1, label=f"full attention ({ceiling:.1f})")
+        title = "question in the prompt" if mode == "question" else "question-agnostic (context compressed first)"
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("share of the prompt's KV cache kept")
+        ax.set_xlim(0, 1.05)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("RULER average (0-100)")
+    tasks = len({r["task"] for r in document["rows"]})
+    fig.suptitle(f"RULER at {', '.join(str(n) for n in lengths)} tokens ({tasks} tasks)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
