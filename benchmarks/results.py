@@ -1,7 +1,8 @@
-"""A results document from one run on one machine: presets on the needle and passkey probes and their cost (time to
-first token, peak memory) against full attention.
+"""A results document from one run on one machine: presets on RULER (every task that runs offline, at KV budgets of
+0.1, 0.25, 0.5 and 0.75 of the prompt, with the question and question-agnostic), on the needle and passkey probes,
+and their cost (time to first token, peak memory) against full attention.
 
-    make results                              # docs/RESULTS.md: SmolLM2, every preset, 4K and 8K (about 50 min)
+    make results                              # docs/RESULTS.md: SmolLM2, every preset; RULER at 4K, probes at 4K, 8K
     make results-gemma                        # docs/gemma3/RESULTS.md: Gemma 3 270M at 4K and 16K (the gemma extra)
     python benchmarks/results.py --report-only     # redraw docs/RESULTS.md from runs/results/
 
@@ -44,7 +45,11 @@ def commands(args: argparse.Namespace) -> list[list[str]]:
         "--plot",
         str(args.run / "plots" / "scaling.png"),
     ]
-    return [*niah, bench]
+    ruler = [
+        [*kvsieve, "ruler", *model, "--methods", args.methods, "--lengths", args.ruler_lengths]
+        + ["--samples", str(args.ruler_samples), "--out", str(args.run / "ruler.json")]
+    ]
+    return [*(ruler if args.ruler_lengths else []), *niah, bench]
 
 
 def report(args: argparse.Namespace) -> list[str]:
@@ -52,6 +57,7 @@ def report(args: argparse.Namespace) -> list[str]:
     return [
         sys.executable, "-m", "kvsieve.cli", "report",
         "--niah", str(run / "needle.json"), "--niah", str(run / "passkey.json"), "--bench", str(run / "bench.json"),
+        *(["--ruler", str(run / "ruler.json")] if args.ruler_lengths or (run / "ruler.json").is_file() else []),
         *(["--notes", "docs/STUDIES.md"] if not args.model else []), "--out", str(args.out),
     ]  # fmt: skip
 
@@ -64,6 +70,10 @@ def main() -> None:
     parser.add_argument("--lengths", default="4096,8000", help="probe prompt lengths (default 4096,8000)")
     parser.add_argument("--depths", default="0.5", help="probe depths (default 0.5)")
     parser.add_argument("--bench-lengths", default="8000", help="timed prompt lengths (default 8000)")
+    parser.add_argument(
+        "--ruler-lengths", default="4096", help="RULER lengths (default 4096; empty: no RULER run)"
+    )
+    parser.add_argument("--ruler-samples", type=int, default=10, help="RULER cases per task and length (default 10)")
     parser.add_argument("--run", type=Path, default=Path("runs/results"), help="folder of the result files")
     parser.add_argument(
         "--out", type=Path, default=Path("docs/RESULTS.md"), help="the report (default docs/RESULTS.md)"

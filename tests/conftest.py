@@ -279,6 +279,7 @@ SLOW_FIRST = (
     "test_entry_points.py::test_bench_runs_each_configuration_in_its_own_process",  # 14 s
     "test_cli.py::test_niah_ppl_and_report_on_the_real_model",  # 12 s
     "test_cli.py::test_demo_runs_side_by_side",  # 10 s
+    "test_ruler.py::test_the_cases_are_nvidias_with_the_question_where_it_starts",  # 10 s (the generator's process)
     "test_serve_hybrid.py::test_every_preset_answers_as_the_library",  # 11 s
     "test_hybrid.py::test_every_preset_stays_on_the_models_device_and_runs_in_bfloat16",  # 10 s
     "test_compiled_step.py::test_evicting_rows_are_compiled_with_their_observers_once_at_their_budget",  # 10 s, cold

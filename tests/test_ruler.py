@@ -21,6 +21,9 @@ from kvsieve.eval import ruler
 from kvsieve.eval.methods import build_specs
 from kvsieve.eval.report import write_report
 
+# The cases are generated once per worker (NVIDIA's generator in a process of its own, 10 s): one worker runs them.
+pytestmark = pytest.mark.xdist_group("ruler_cases")
+
 LENGTH = 1024  # vt's generator never ends at 512: its smallest case does not fit
 
 
