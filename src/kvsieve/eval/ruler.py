@@ -348,7 +348,8 @@ def run_ruler(
                 start = time.perf_counter()
                 while scheduler.has_work():
                     scheduler.step()
-                seconds += time.perf_counter() - start
+                elapsed = time.perf_counter() - start
+                seconds += elapsed
                 for config, request in requests:
                     if request.error is not None:
                         raise request.error
@@ -361,6 +362,7 @@ def run_ruler(
                             "score": score(task, result.text, case.references),
                             "kv_length": request.info.get("context_entries", result.prefill_kv_length),
                             "reuse": request.info.get("cache", "off"), "ttft_s": result.prefill_seconds,
+                            "seconds": elapsed / len(requests),  # the case's wall time, shared by its answers
                         }
                     )  # fmt: skip
                     bar.update(1)
