@@ -557,7 +557,7 @@ def cmd_methods(args: argparse.Namespace) -> None:
         "KV policies for compress.policy, evict.policy and feed.pruner (e.g. --set feed.pruner=snapkv): "
         + ", ".join(components("policy"))
     )
-    print("Change any field with --set PATH=VALUE on generate, inspect, niah, ppl, bench, demo and serve.")
+    print("Change any field with --set PATH=VALUE on generate, inspect, niah, ruler, ppl, bench, demo and serve.")
 
 
 DEMO_METHODS = "full,gemfilter,critiprefill,snapkv,a2sf,imdc"
