@@ -27,6 +27,7 @@ never changes an answer, `engine.prefix_cache`). Chunked feeds and CritiPrefill'
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -83,9 +84,11 @@ def punkt_folder() -> Path | None:
     return folder if (folder / "tokenizers" / "punkt_tab" / "english").is_dir() else None
 
 
+@functools.cache
 def task_configs() -> dict[str, dict[str, Any]]:
     """Each task's generator arguments (`args`), generator (`task`), template, answer prefix and answer tokens, as
-    NVIDIA's `prepare.py` merges them from `synthetic.yaml` and the task constants."""
+    NVIDIA's `prepare.py` merges them from `synthetic.yaml` and the task constants. Read once: every answer's score
+    looks its task up, and callers only read it."""
     import yaml
     from long_context_eval.data.synthetic.constants import TASKS as BASE
 
