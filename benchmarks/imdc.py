@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from kvsieve.errors import KvsieveError
+from kvsieve.eval.perplexity import essay_ids
 from kvsieve.feed.chunked import ChunkedPrefill
 from kvsieve.registry import method
 
@@ -52,16 +52,6 @@ def config_feed(name: str, options: dict, length: int) -> ChunkedPrefill:
     if name != "fm":
         settings["feed.schedule"] = options["schedule"]
     return method(name, settings).feed
-
-
-def essay_ids(tokenizer, length: int) -> torch.Tensor:
-    """The first `length` tokens of the essays as (1, length) ids."""
-    from kvsieve.data import haystack_text
-
-    ids = tokenizer(haystack_text(), add_special_tokens=False)["input_ids"]
-    if len(ids) < length:
-        raise KvsieveError(f"The essays have {len(ids)} tokens, fewer than the {length} asked for.")
-    return torch.tensor([ids[:length]])
 
 
 def perplexity(model, ids: torch.Tensor, feed: ChunkedPrefill) -> dict:

@@ -70,9 +70,7 @@ def main() -> None:
     parser.add_argument("--lengths", default="4096,8000", help="probe prompt lengths (default 4096,8000)")
     parser.add_argument("--depths", default="0.5", help="probe depths (default 0.5)")
     parser.add_argument("--bench-lengths", default="8000", help="timed prompt lengths (default 8000)")
-    parser.add_argument(
-        "--ruler-lengths", default="4096", help="RULER lengths (default 4096; empty: no RULER run)"
-    )
+    parser.add_argument("--ruler-lengths", default="4096", help="RULER lengths (default 4096; empty: no RULER run)")
     parser.add_argument("--ruler-samples", type=int, default=10, help="RULER cases per task and length (default 10)")
     parser.add_argument("--run", type=Path, default=Path("runs/results"), help="folder of the result files")
     parser.add_argument(

@@ -113,11 +113,11 @@ def _essays() -> tuple[Any, list[int]]:
     """The default model's tokenizer and the essays' token ids (the model is converted by the first server)."""
     from transformers import AutoTokenizer
 
-    from kvsieve.data import haystack_text
+    from kvsieve.data import haystack_ids
     from kvsieve.models import converted_default_dir
 
     tokenizer = AutoTokenizer.from_pretrained(converted_default_dir(), local_files_only=True)
-    return tokenizer, tokenizer(haystack_text(), add_special_tokens=False)["input_ids"]
+    return tokenizer, haystack_ids(tokenizer)
 
 
 def essay_ids(length: int, offset: int) -> list[int]:

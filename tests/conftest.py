@@ -16,7 +16,6 @@ so generation always runs to `max_new_tokens` unless a test asks otherwise.
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 from collections.abc import Callable, Iterable
@@ -230,30 +229,6 @@ def isolated_cache(tmp_path, monkeypatch):
 # The essays haystack cut at the paragraph break before this many characters: about 20K words of
 # the word-level tokenizer and 23K SmolLM2 tokens, far more than any in-process case uses (needle
 # cases up to 3K tokens, perplexity text up to 8K), and far less than the whole 640K characters.
-HAYSTACK_CHARS = 100_000
-
-
-@pytest.fixture(scope="session", autouse=True)
-def haystack_prefix():
-    """Serve `kvsieve.data.haystack_text` as the haystack's first HAYSTACK_CHARS characters.
-
-    Every consumer reads a prefix of the haystack's tokens (`needle_case` the first `length`, the
-    perplexity text and `simulate` the first `count`), and a paragraph break splits no token, so
-    those prefixes and every case built from them are identical to the whole haystack's; only the
-    unused rest is no longer tokenized (0.3 s to 0.7 s per case: nearly half of test_eval's and
-    test_entry_points' time). Subprocesses (the bench worker) read the whole haystack as before.
-    """
-    real = kvsieve.data.haystack_text
-
-    @functools.cache
-    def prefix() -> str:
-        text = real()
-        return text[: text.rfind("\n\n", 0, HAYSTACK_CHARS)]
-
-    prefix.whole = real  # for the test that checks the claim above
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(kvsieve.data, "haystack_text", prefix)
-        yield prefix
 
 
 @pytest.fixture(scope="session")
@@ -269,38 +244,37 @@ def smollm():
 
 
 # A scheduling hint for pytest-xdist: these tests (the slowest, longest first; seconds in a fresh `make test` on the
-# 2-core VM, empty caches, one thread a worker) start before the rest, so no worker is left running one of them
+# 2-core VM (2026-11-28), one thread a worker) start before the rest, so no worker is left running one of them
 # alone at the end of the run. Only the order changes; a name that no longer exists is ignored.
 SLOW_FIRST = (
-    "test_compiled_step.py::test_compiled_steps_give_the_ordinary_steps_logits_and_compile_once",  # 32 s, cold
-    "test_real_model.py::test_imdc_retrieves_a_key_pruned_before_the_question_arrives",  # 18 s
-    "test_compiled_step.py::test_int8_weights_under_bfloat16_get_their_own_logits",  # 17 s, cold
-    "test_real_model.py::test_needle_answered_with_critiprefill",  # 15 s
+    "test_compiled_step.py::test_compiled_steps_give_the_ordinary_steps_logits_and_compile_once",  # 25 s
+    "test_compiled_step.py::test_int8_weights_under_bfloat16_get_their_own_logits",  # 23 s
+    "test_serve_real.py::test_langchain_chat_openai_runs_against_the_server",  # 20 s
+    "test_cli.py::test_niah_ppl_and_report_on_the_real_model",  # 19 s
+    "test_cli.py::test_demo_runs_side_by_side",  # 19 s
+    "test_real_model.py::test_needle_answered_with_critiprefill",  # 18 s
+    "test_real_model.py::test_imdc_retrieves_a_key_pruned_before_the_question_arrives",  # 17 s
+    "test_entry_points.py::test_niah_ppl_and_bench_run_every_method",  # 14 s
     "test_entry_points.py::test_bench_runs_each_configuration_in_its_own_process",  # 14 s
-    "test_cli.py::test_niah_ppl_and_report_on_the_real_model",  # 12 s
-    "test_cli.py::test_demo_runs_side_by_side",  # 10 s
-    "test_ruler.py::test_the_cases_are_nvidias_with_the_question_where_it_starts",  # 10 s (the generator's process)
-    "test_serve_hybrid.py::test_every_preset_answers_as_the_library",  # 11 s
+    "test_serve_real.py::test_passkey_document_is_reused_for_the_next_question",  # 12 s
+    "test_real_model.py::test_bfloat16_default_model_answers_through_gemfilter",  # 11 s
+    "test_compiled_step.py::test_evicting_rows_are_compiled_with_their_observers_once_at_their_budget",  # 10 s
+    "test_serve.py::test_every_preset_answers_as_the_library",  # 10 s
+    "test_serve_hybrid.py::test_every_preset_answers_as_the_library",  # 10 s
+    "test_hub_load.py::test_model_id_loads_from_the_offline_hf_cache",  # 10 s
     "test_hybrid.py::test_every_preset_stays_on_the_models_device_and_runs_in_bfloat16",  # 10 s
-    "test_compiled_step.py::test_evicting_rows_are_compiled_with_their_observers_once_at_their_budget",  # 10 s, cold
-    "test_serve_real.py::test_passkey_document_is_reused_for_the_next_question",  # 9 s
-    "test_entry_points.py::test_niah_ppl_and_bench_run_every_method",  # 8 s
-    "test_cli.py::test_generate_answers_in_json_and_with_penalties",  # 5 s
-    "test_cli.py::test_generate_with_compression_and_eviction",  # 5 s
-    "test_cli.py::test_generate_full_and_gemfilter",  # 5 s
-    "test_serve_real.py::test_langchain_chat_openai_runs_against_the_server",  # 5 s
-    "test_serve_fuzz.py::test_any_bytes_never_answer_5xx",  # 4 s
-    "test_hub_load.py::test_model_id_loads_from_the_offline_hf_cache",  # 4 s (the module's subprocess)
-    "test_hub_load.py::test_model_id_missing_from_the_offline_cache_is_explained",
-    "test_real_model.py::test_short_passkey_is_answered",  # 4 s each
-    "test_cli.py::test_generate_with_int8_weights_finds_the_passkey",  # 4 s
-    "test_serve.py::test_every_preset_answers_as_the_library",  # 4 s
-    "test_cli.py::test_generate_with_critiprefill_and_its_bad_input",  # 3 s
-    "test_cli.py::test_generate_with_chunked_feeds_beyond_the_context",  # 3 s
-    "test_cli.py::test_budget_above_prompt_keeps_everything_and_says_so",  # 3 s
-    "test_cli.py::test_generate_reads_stdin",  # 3 s
-    "test_serve.py::test_load_8_clients_mixed_methods_and_bad_requests",  # 2 s
-    "test_real_model.py::test_bfloat16_default_model_answers_through_gemfilter",  # 2 s
+    "test_cli.py::test_generate_answers_in_json_and_with_penalties",  # 9 s
+    "test_cli.py::test_generate_with_compression_and_eviction",  # 8 s
+    "test_cli.py::test_generate_full_and_gemfilter",  # 8 s
+    "test_serve_real.py::test_structured_output_keeps_the_answer_within_json_and_its_schema",  # 8 s
+    "test_serve_fuzz.py::test_any_bytes_never_answer_5xx",  # 8 s
+    "test_ruler.py::test_the_cases_are_nvidias_with_the_question_where_it_starts",  # 7 s
+    "test_cli.py::test_generate_with_int8_weights_finds_the_passkey",  # 7 s
+    "test_real_model.py::test_short_passkey_is_answered",  # 7 s
+    "test_serve.py::test_reuse_continues_the_stored_document_and_answers_as_the_library_does",  # 6 s
+    "test_serve.py::test_load_8_clients_mixed_methods_and_bad_requests",  # 5 s
+    "test_ruler.py::test_the_sweep_runs_every_configuration_and_sharing_the_prefill_changes_no_answer",  # 5 s
+    "test_cli.py::test_generate_with_chunked_feeds_beyond_the_context",  # 5 s
 )
 
 

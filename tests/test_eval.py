@@ -208,15 +208,26 @@ def test_heatmaps_are_written(model, chat_tokenizer, tmp_path):
     assert scores == [[by_case[(n, d)] for n in lengths] for d in depths]
 
 
-def test_summary_counts_hits_and_averages():
+def test_summary_counts_hits_averages_and_answers_equal_to_full_attentions():
     rows = [
-        {"method": "a", "length": 1, "rouge1": 1.0, "hit": True},
-        {"method": "a", "length": 2, "rouge1": 0.5, "hit": False},
-        {"method": "b", "length": 1, "rouge1": 0.0, "hit": False},
+        {"method": "full", "length": 1, "depth": 0.5, "rouge1": 1.0, "hit": True, "answer": "key 1"},
+        {"method": "full", "length": 2, "depth": 0.5, "rouge1": 0.0, "hit": False, "answer": "no idea"},
+        {"method": "a", "length": 1, "depth": 0.5, "rouge1": 1.0, "hit": True, "answer": "key 1"},
+        {"method": "a", "length": 2, "depth": 0.5, "rouge1": 0.5, "hit": False, "answer": "key"},
+        {"method": "a", "length": 3, "depth": 0.5, "rouge1": 0.0, "hit": False, "answer": "no idea"},
+        {"method": "b", "length": 1, "depth": 0.25, "rouge1": 0.0, "hit": False, "answer": "key 1"},
     ]
     summary = niah.summarize(rows)
-    assert summary["a"] == {"cases": 2, "hits": 1, "rouge1": 0.75, "by_length": {1: 1.0, 2: 0.5}}
-    assert summary["b"]["hits"] == 0 and summary["b"]["rouge1"] == 0.0
+    assert summary["a"] == {
+        "cases": 3,
+        "hits": 1,
+        "rouge1": 0.5,
+        "by_length": {1: 1.0, 2: 0.5, 3: 0.0},
+        "compared": 2,  # full attention did not run length 3
+        "same_as_full": 1,
+    }
+    assert summary["full"]["same_as_full"] == summary["full"]["compared"] == 2
+    assert summary["b"]["compared"] == 0  # same answer, but not the same case (depth)
 
 
 # ----------------------------------------------------------------------------- perplexity
@@ -411,7 +422,7 @@ def test_report_shows_the_optional_kvpress_comparison(tmp_path):
         "command": "kvsieve niah",
         "machine": records.machine(),
         "settings": {"methods": {"full": method("full").to_dict()}, "probe": "needle", "max_new_tokens": 8},
-        "rows": [{"method": "full", "length": 200, "depth": 0.5, "rouge1": 1.0, "hit": True}],
+        "rows": [{"method": "full", "length": 200, "depth": 0.5, "rouge1": 1.0, "hit": True, "answer": "x"}],
     }
     kvpress_doc = {  # the shape benchmarks/kvpress_compare.py writes
         "kind": "kvpress",

@@ -5,7 +5,7 @@ import torch
 from conftest import word_level_tokenizer
 
 from kvsieve import GemFilter, Sampling, generate, load_model, method
-from kvsieve.data import passkey_case
+from kvsieve.data import haystack_ids, haystack_text, passkey_case
 from kvsieve.models import converted_default_dir
 from kvsieve.prompt import build_prompt
 
@@ -42,26 +42,28 @@ def test_needle_answered_with_critiprefill(smollm):
     from kvsieve.eval.scoring import contains
 
     model, tokenizer = smollm
-    case = needle_case(tokenizer, 3000, 0.5)  # 3K tokens: segments 3 and 4 of 6 run sparse
-    result = generate(model, tokenizer, case.context, case.question, attention=CritiPrefill(), sampling=Sampling(40))
+    case = needle_case(tokenizer, 2000, 0.5)  # 2K tokens in segments of 256: segments 3 to 6 of 8 run sparse
+    attention = CritiPrefill(segment=256, budget=512)
+    result = generate(model, tokenizer, case.context, case.question, attention=attention, sampling=Sampling(40))
     assert contains(result.text, case.answer)
 
 
 def test_imdc_retrieves_a_key_pruned_before_the_question_arrives(smollm):
-    """IMDC as shipped (chunk 1024, memory 1024, every chunk pruned by the question's SnapKV votes) on a 4.2K-token
-    prompt with the key before its last two chunks (in the plan's 5 chunks, at the border of the 2nd and 3rd): the
-    memory that holds it is pruned at least twice before the last chunk arrives. Pruned by each
-    chunk's own votes (the authors' feed, `imdc-paper`), such keys are lost at 4K with this model (on this very
-    case it answers "123456"; docs/STUDIES.md, "Question-guided chunked prefill", also at 16K and 64K). Prompts
-    beyond the 8192 trained positions are tested on tiny models (test_chunked.py); the real model's 16K runs are
-    in STUDIES. That the key lies before the last two chunks comes from the feed's own plan, not from the depth."""
+    """IMDC's plan (every chunk pruned by the question's SnapKV votes) at half the shipped scale (chunk and memory
+    512, not 1024) on a 2.1K-token prompt with the key before its last two chunks (in the plan's 5 chunks, at the
+    border of the 2nd and 3rd): the memory that holds it is pruned at least twice before the last chunk arrives.
+    Pruned by each chunk's own votes (the authors' feed, `imdc-paper`), the same key was lost (it answered "The
+    pass key is 1." when this test was written; docs/STUDIES.md, "Question-guided chunked prefill", has the
+    shipped scale at 4K, 16K and 64K). Prompts beyond the 8192 trained positions are tested on tiny models
+    (test_chunked.py). That the key lies before the last two chunks comes from the feed's own plan, not from the
+    depth."""
     model, tokenizer = smollm
-    case = passkey_case(tokenizer, 4200, 0.5, seed=7)
+    case = passkey_case(tokenizer, 2100, 0.5, seed=7)
     prompt = build_prompt(tokenizer, case.context, case.question)
     key_at = prompt.context_start + len(
         tokenizer(case.context[: case.needle_start], add_special_tokens=False)["input_ids"]
     )
-    spec = method("imdc")
+    spec = method("imdc", {"feed.chunk": 512, "feed.memory": 512})
     chunks, _ = spec.feed.plan(prompt.length, model.config.num_hidden_layers)
     assert len(chunks) == 5 and key_at + 16 < prompt.length - chunks[-1] - chunks[-2]
     result = generate(model, tokenizer, case.context, case.question, method=spec, sampling=Sampling(16))
@@ -77,20 +79,18 @@ def test_bfloat16_default_model_answers_through_gemfilter():
     """What GPU users run: the model in bfloat16 (scores still float32) keeps the key and answers."""
     model, tokenizer = load_model(dtype="bfloat16")
     assert next(model.parameters()).dtype == torch.bfloat16
-    case = passkey_case(tokenizer, 600, 0.3, seed=3)
-    spec = method("gemfilter", {"select.k": 256, "select.layer": 15})
+    case = passkey_case(tokenizer, 300, 0.5, seed=5)  # short: PyTorch's bfloat16 product is slow on a CPU
+    spec = method("gemfilter", {"select.k": 128, "select.layer": 15})
     result = generate(model, tokenizer, case.context, case.question, method=spec, sampling=Sampling(16))
     assert case.answer in result.text and case.answer in result.selected_text
 
 
-def test_the_tests_haystack_prefix_tokenizes_as_the_whole_haystack_begins(smollm, haystack_prefix):
-    """conftest serves the tests a prefix of the haystack: every case built from it must be the whole haystack's.
-
-    Cases, perplexity texts and `simulate` read the first tokens of the haystack; these are the same tokens
-    when the prefix tokenizes as the start of the whole text does, with more tokens than any test reads.
-    """
-    whole, prefix = haystack_prefix.whole(), haystack_prefix()
-    assert len(prefix) < len(whole)
+def test_haystack_ids_are_the_whole_haystacks_first_tokens(smollm):
+    """`haystack_ids` tokenizes only a prefix of the essays (cut at a paragraph break) and doubles it until it holds
+    the tokens asked for: its ids are the whole text's first ones, on the default and on a word-level tokenizer."""
+    whole_text = haystack_text()
     for tokenizer in (smollm[1], word_level_tokenizer()):
-        short = tokenizer(prefix, add_special_tokens=False)["input_ids"]
-        assert len(short) > 2 * 8192 and short == tokenizer(whole, add_special_tokens=False)["input_ids"][: len(short)]
+        whole = tokenizer(whole_text, add_special_tokens=False)["input_ids"]
+        for count in (100, 5000, 40_000):
+            assert haystack_ids(tokenizer, count) == whole[:count]
+        assert haystack_ids(tokenizer) == whole

@@ -509,7 +509,9 @@ def cmd_report(args: argparse.Namespace) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
-    from kvsieve.data import haystack_text
+    import torch
+
+    from kvsieve.data import haystack_ids
     from kvsieve.eval.simulate import compare_policies
     from kvsieve.spec import components
 
@@ -527,10 +529,12 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         else:
             methods[name] = cls(**values)
     model, tokenizer = _load(args)
-    ids = tokenizer(haystack_text(), add_special_tokens=False, return_tensors="pt")["input_ids"]
-    if args.length < 2 or args.length > min(ids.shape[1], model.config.max_position_embeddings):
-        raise KvsieveError(f"--length must be within 2..{min(ids.shape[1], model.config.max_position_embeddings)}.")
-    ids = ids[:, : args.length]
+    most = model.config.max_position_embeddings
+    if not 2 <= args.length <= most:
+        raise KvsieveError(f"--length must be within 2..{most}, the model's positions.")
+    ids = torch.tensor([haystack_ids(tokenizer, args.length)])
+    if ids.shape[1] < args.length:
+        raise KvsieveError(f"--length must be at most {ids.shape[1]}, the essays' tokens.")
     rows = compare_policies(model, ids, methods, args.budget)
     print(f"{'method':<16} {'budget':>6} {'NLL':>7} {'perplexity':>10} {'cosine to ideal':>15}")
     for row in rows:
@@ -578,7 +582,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     )
     # One short warm-up answer first, so the first method timed does not pay for one-time setup.
     generate(model, tokenizer, case.context[:2000], case.question, sampling=Sampling(max_new_tokens=2))
-    sampling = Sampling(max_new_tokens=48)
+    sampling = Sampling(max_new_tokens=args.max_new_tokens)
     results = {}
     for name, spec in specs.items():
         print(f"--- {name} ({spec.describe()}):\n    ", end="", flush=True)
@@ -830,6 +834,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(p)
     p.add_argument("--length", type=int, default=4000, help="haystack length in tokens (default 4000)")
     p.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1] (default 0.5)")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="longest answer in tokens (default 48)")
     _add_method(p, multi=True, default=DEMO_METHODS)
     p.set_defaults(func=cmd_demo)
 

@@ -64,14 +64,34 @@ def haystack_text() -> str:
     return "\n\n".join(f.read_text(encoding="utf-8").strip() for f in files)
 
 
-def _insert(tokenizer: PreTrainedTokenizerBase, filler: str, needle: str, length: int, depth: float) -> tuple[str, int]:
-    """Cut `filler` so that filler + needle is `length` tokens, put the needle at `depth`."""
+def haystack_ids(tokenizer: PreTrainedTokenizerBase, count: int | None = None) -> list[int]:
+    """The haystack's first `count` token ids (every token where `count` is None or beyond the haystack), as
+    tokenizing the whole text gives them.
+
+    Only a prefix of the text is tokenized, doubled until it holds `count` tokens and a margin: the whole is 154K
+    SmolLM2 tokens (about 1 s), which every needle case, perplexity text and `simulate` run paid before. The prefix
+    ends at a line break, and only its last word's tokens can differ from the whole text's, which the margin
+    drops (test_real_model checks the ids on the default and a word-level tokenizer)."""
+    margin = 16
+    text = haystack_text()
+    chars = len(text) if count is None else 8 * count + 4096
+    while True:
+        end = len(text) if chars >= len(text) else max(text.rfind("\n", 0, chars), 1)
+        ids = tokenizer(text[:end], add_special_tokens=False)["input_ids"]
+        if end == len(text) or len(ids) >= count + margin:
+            return ids[:count]
+        chars *= 2
+
+
+def _insert(
+    tokenizer: PreTrainedTokenizerBase, filler_ids: list[int], needle: str, length: int, depth: float
+) -> tuple[str, int]:
+    """Cut `filler_ids` (repeated if too few) so that filler + needle is `length` tokens, put the needle at `depth`."""
     if not 0 <= depth <= 1:
         raise KvsieveError(f"Depth must be within [0, 1] (a fraction of the context), got {depth}.")
     needle_len = len(tokenizer(" " + needle, add_special_tokens=False)["input_ids"])
     if length <= needle_len + 8:
         raise KvsieveError(f"Length {length} is too short for a needle of {needle_len} tokens.")
-    filler_ids = tokenizer(filler, add_special_tokens=False)["input_ids"]
     budget = length - needle_len
     while len(filler_ids) < budget:  # repeat the filler for very long contexts
         filler_ids = filler_ids + filler_ids
@@ -88,7 +108,7 @@ def _insert(tokenizer: PreTrainedTokenizerBase, filler: str, needle: str, length
 
 def needle_case(tokenizer: PreTrainedTokenizerBase, length: int, depth: float) -> Case:
     """The San Francisco needle at `depth` in `length` tokens of essays."""
-    context, start = _insert(tokenizer, haystack_text(), NEEDLE, length, depth)
+    context, start = _insert(tokenizer, haystack_ids(tokenizer, length), NEEDLE, length, depth)
     return Case(context, NEEDLE_QUESTION, NEEDLE_ANSWER, NEEDLE, start, length, depth, NEEDLE_LEAD)
 
 
@@ -98,7 +118,8 @@ def passkey_case(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, 
     needle = f"The pass key is {key}. Remember it. {key} is the pass key."
     filler = " ".join([PASSKEY_FILLER] * (length // 20 + 1))
     intro_len = len(tokenizer(PASSKEY_INTRO, add_special_tokens=False)["input_ids"])
-    context, start = _insert(tokenizer, filler, needle, length - intro_len, depth)
+    filler_ids = tokenizer(filler, add_special_tokens=False)["input_ids"]
+    context, start = _insert(tokenizer, filler_ids, needle, length - intro_len, depth)
     context = f"{PASSKEY_INTRO} {context}"
     return Case(context, PASSKEY_QUESTION, key, needle, start + len(PASSKEY_INTRO) + 1, length, depth, PASSKEY_LEAD)
 

@@ -94,11 +94,15 @@ def run_grid(
 
 
 def summarize(rows: list[dict]) -> dict[str, dict[str, Any]]:
-    """Per method: cases, hits, mean ROUGE-1 recall overall and per length."""
+    """Per method: cases, hits, mean ROUGE-1 recall overall and per length, and how many of its answers are full
+    attention's answer to the same case, word for word (`same_as_full` of `compared`, the cases full attention ran
+    too). A weak model misses cases with full attention as well; agreement with full says what the method changed."""
+    full = {(r["length"], r["depth"]): r["answer"] for r in rows if r["method"] == "full"}
     summary = {}
     for method in dict.fromkeys(r["method"] for r in rows):
         mine = [r for r in rows if r["method"] == method]
         lengths = sorted({r["length"] for r in mine})
+        shared = [r for r in mine if (r["length"], r["depth"]) in full]
         summary[method] = {
             "cases": len(mine),
             "hits": sum(r["hit"] for r in mine),
@@ -107,6 +111,8 @@ def summarize(rows: list[dict]) -> dict[str, dict[str, Any]]:
                 n: sum(r["rouge1"] for r in mine if r["length"] == n) / sum(r["length"] == n for r in mine)
                 for n in lengths
             },
+            "compared": len(shared),
+            "same_as_full": sum(r["answer"] == full[(r["length"], r["depth"])] for r in shared),
         }
     return summary
 

@@ -71,9 +71,9 @@ def continuation_nll(model: PreTrainedModel, ids: torch.Tensor, context_len: int
 
 def essay_ids(tokenizer: PreTrainedTokenizerBase, count: int) -> torch.Tensor:
     """The first `count` tokens of the essays haystack as (1, count) ids."""
-    from kvsieve.data import haystack_text
+    from kvsieve.data import haystack_ids
 
-    ids = tokenizer(haystack_text(), add_special_tokens=False)["input_ids"]
+    ids = haystack_ids(tokenizer, count)
     if len(ids) < count:
         raise KvsieveError(f"The essays have {len(ids)} tokens, fewer than the {count} this run needs.")
     return torch.tensor([ids[:count]], device="cpu")  # host ids; moved to the model by the pipeline

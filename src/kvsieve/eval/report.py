@@ -375,17 +375,19 @@ class Report:
                 "",
                 f"Lengths {', '.join(map(str, lengths))} prompt tokens x depths {', '.join(f'{d:g}' for d in depths)}; "
                 f"greedy answers of up to {s['max_new_tokens']} tokens scored by ROUGE-1 recall against the "
-                "reference answer; a hit is the reference appearing as whole words.",
+                "reference answer; a hit is the reference appearing as whole words; `answer = full's` counts the "
+                "cases whose answer is full attention's answer to the same case, word for word.",
                 "",
                 f"![{probe} heatmaps]({figures[probe].relative_to(root).as_posix()})",
                 "",
-                "| method | cases | hits | mean ROUGE-1 | " + " | ".join(f"{n}" for n in lengths) + " |",
-                "|" + "---|" * (4 + len(lengths)),
+                "| method | cases | hits | answer = full's | mean ROUGE-1 | " + " | ".join(map(str, lengths)) + " |",
+                "|" + "---|" * (5 + len(lengths)),
             ]
             for method in _order(summary):
                 m = summary[method]
                 per = " | ".join(_fmt(m["by_length"].get(n)) for n in lengths)
-                lines.append(f"| {method} | {m['cases']} | {m['hits']} | {m['rouge1']:.3f} | {per} |")
+                same = f"{m['same_as_full']}/{m['compared']}" if m["compared"] and method != "full" else "-"
+                lines.append(f"| {method} | {m['cases']} | {m['hits']} | {same} | {m['rouge1']:.3f} | {per} |")
         return lines
 
     def ppl_section(self) -> list[str]:
