@@ -78,7 +78,7 @@ $(GUIDELLM_VENV)/.installed: Makefile
 
 # docs/RESULTS.md from one run of every shipped preset on this machine: the probes and the bench take about 50 minutes
 # on 2 CPU cores; the RULER step (every preset at four budgets in two modes, 10 cases of each of 13 tasks at 4K) is
-# several thousand answers and has not yet been timed end to end on such a machine (README, "RULER").
+# several thousand answers and has not yet been timed end to end on such a machine (docs/EVALUATION.md, "RULER").
 results: $(STAMP)
 	$(BIN)/python benchmarks/results.py
 

@@ -5,8 +5,8 @@ Issue 26 asks for a step within 1.5x the weight-streaming limit. This script mea
 2. the model's projection matrices (every layer's, distinct tensors, one-row input) through `F.linear`, and as
    `x @ W.T` on transposed contiguous copies; the LM head alone both ways; and for each of `--rows` (a batch of
    decoding steps) the layers' products through `F.linear` and through the model's own layers (kvsieve's fused
-   kernel where it applies, see README "Decoding products on the CPU"; with `--quantize int8` the int8 layers,
-   against `F.linear` on their dequantized float weights);
+   kernel where it applies, see docs/PERFORMANCE.md "Decoding products on the CPU"; with `--quantize int8` the
+   int8 layers, against `F.linear` on their dequantized float weights);
 3. a decoding step of transformers' own `StaticCache` + SDPA, eager and under `torch.compile(fullgraph=True)`:
    the upper bound of what compiling the step can give (it removes the Python between operators).
 

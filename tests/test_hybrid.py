@@ -1,10 +1,11 @@
 """Hybrid attention: models whose sliding-window layers sit beside global ones (Gemma 2/3, Qwen2 with its window
 on) or whose every layer slides (Mistral with a window).
 
-The rule (README, "Supported models"): a sliding layer keeps exactly its window and is never compressed, evicted or
-scored; budgets, GemFilter's filter layer and CritiPrefill's sparsity belong to the global layers; a chunked feed
-moves a sliding layer's window into each step's position frame as one block; decoding keeps a sliding layer in a
-ring of its window. The references are transformers' own eager attention and `generate`, never kvsieve's code.
+The rule (docs/MODELS.md, "Hybrid attention, the rule"): a sliding layer keeps exactly its window and is never
+compressed, evicted or scored; budgets, GemFilter's filter layer and CritiPrefill's sparsity belong to the global
+layers; a chunked feed moves a sliding layer's window into each step's position frame as one block; decoding keeps
+a sliding layer in a ring of its window. The references are transformers' own eager attention and `generate`,
+never kvsieve's code.
 """
 
 from __future__ import annotations
@@ -181,7 +182,7 @@ def test_a_chunked_feed_moves_sliding_windows_between_frames_exactly(name):
 
 @pytest.mark.parametrize("arch", [a for a in HYBRID_ARCHS if a != "gemma3"])  # gemma3: the device test, the server's
 def test_every_preset_runs_or_says_why_not(arch):
-    """Every registered preset answers on every hybrid family; the only refusals are the ones the README's rule
+    """Every registered preset answers on every hybrid family; the only refusals are the ones the rule (docs/MODELS.md)
     names: GemFilter needs a global layer, and Gemma 2's soft-capped logits have no CritiPrefill kernel."""
     model = build_model(arch, num_layers=4)
     prompt = make_prompt(PROMPT)

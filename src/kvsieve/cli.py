@@ -617,7 +617,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    """Serve the model on OpenAI's API (see README "Serving")."""
+    """Serve the model on OpenAI's API (docs/SERVING.md)."""
     from kvsieve.engine.prefix_cache import parse_bytes, parse_reuse_budget
     from kvsieve.models import DEFAULT_MODEL
     from kvsieve.serve import create_server

@@ -18,7 +18,7 @@ How a product runs (`int8_linear`):
   fused int8 GPU kernel is shipped).
 
 The embedding table stays as it is (a step reads one of its rows); a language-model head tied to it
-gets an int8 copy of its own. Measured (README, STUDIES): perplexity and speed against float32.
+gets an int8 copy of its own. Measured (docs/PERFORMANCE.md, docs/STUDIES.md): perplexity and speed against float32.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def resolve_budget(value: int | float, total: int) -> tuple[int, str | None]:
 def is_windowed(layer: object) -> bool:
     """Whether a cache layer belongs to a sliding-window attention layer (transformers' DynamicSlidingWindowLayer,
     which `DynamicCache(config=...)` makes for them, or kvsieve's `WindowBuffer`): bounded by its window, it holds
-    its entries in time order and is never compressed, evicted or re-encoded (a hybrid model's rule, README)."""
+    its entries in time order and is never compressed, evicted or re-encoded (a hybrid model's rule, docs/MODELS.md)."""
     return bool(getattr(layer, "is_sliding", False))
 
 
