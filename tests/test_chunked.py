@@ -335,7 +335,7 @@ def test_kept_positions_align_last_step_scores_with_the_final_cache(single_threa
 
 
 def test_names_and_bad_inputs():
-    assert ChunkedPrefill().name == "fm" and ChunkedPrefill().needs_full_context is False
+    assert ChunkedPrefill().name == "fm" and ChunkedPrefill().one_pass is False
     assert ChunkedPrefill(schedule="sqrt").name == "im"
     assert ChunkedPrefill(schedule="adaptive", decremental=True).name == "imdc"
     bad = [

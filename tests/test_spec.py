@@ -56,6 +56,25 @@ def test_every_spec_round_trips_through_json(name):
     assert changed == spec  # every listed default parses back to itself
 
 
+def test_specs_say_what_their_stages_can_do():
+    """The capabilities the engine and the server ask a method about, read off its stages (one_pass: no chunked
+    feed; continues_prefix: a stored prefix can be extended; prompt_logprobs: every position's logits)."""
+    expected = {  # name: (one_pass, continues_prefix, prompt_logprobs)
+        "full": (True, True, True),
+        "snapkv": (True, True, True),
+        "a2sf": (True, True, True),
+        "gemfilter": (True, True, False),
+        "critiprefill": (True, False, False),
+        "gemfilter-critiprefill": (True, False, False),
+        "imdc": (False, False, False),
+        "fm-paper": (False, False, False),
+    }
+    for name, flags in expected.items():
+        spec = method(name)
+        assert (spec.one_pass, spec.continues_prefix, spec.prompt_logprobs) == flags, name
+    assert MethodSpec("bare").prompt_logprobs  # no stage at all: the one-pass feed
+
+
 def test_settings_change_nested_fields_and_whole_stages():
     spec = method("imdc", [("feed.pruner", "a2sf"), ("feed.pruner.alpha", "0.5"), ("feed.chunk", "512")])
     assert spec.feed.pruner.alpha == 0.5 and spec.feed.chunk == 512 and spec.feed.decremental

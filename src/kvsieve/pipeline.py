@@ -62,7 +62,7 @@ def positions_needed(stages: dict[str, Any], prompt: int, reserve: int) -> int:
         kept = round(select.k * prompt) if isinstance(select.k, float) else select.k
         after = {name: stage for name, stage in stages.items() if name != "select"}
         return max(prompt, positions_needed(after, min(kept, prompt), reserve))
-    if feed is not None and not feed.needs_full_context:
+    if feed is not None and not feed.one_pass:
         return 0
     if evict is None or not evict.reencodes:
         return prompt + reserve
@@ -189,12 +189,13 @@ def prefill(
     `prompt_logits` keeps the logits of every prompt position (`Prefilled.logits`): only a dense
     one-pass feed of the whole prompt computes them (compression and eviction come after it).
     """
-    stages = resolve_method(
+    spec = resolve_method(
         method, {"select": select, "feed": feed, "attention": attention, "compress": compress, "evict": evict}
-    ).stages()
+    )
+    stages = spec.stages()
     select, attention, compress, evict = (stages.get(k) for k in ("select", "attention", "compress", "evict"))
     feed = stages.get("feed") or FullPrefill()
-    if evict is not None and evict.reencodes and not feed.needs_full_context:
+    if evict is not None and evict.reencodes and not feed.one_pass:
         raise KvsieveError(
             f"{evict.name}'s reencode starts from a one-pass prefill, whose keys sit at positions 0 .. n-1; the "
             f"{feed.name} feed leaves its cache in its own position frame. Drop evict.policy.reencode, or use the "
@@ -210,11 +211,9 @@ def prefill(
             "For a batch, pass a list of prompts to kvsieve.run (or of contexts to kvsieve.generate)."
         )
     start_at = prefix.length if prefix is not None else 0
-    if (prefix is not None or keep) and (attention is not None or (select is None and feed.tag != "full")):
+    if (prefix is not None or keep) and not spec.continues_prefix:
         raise KvsieveError("Only a select stage or a one-pass feed without a prefill kernel continues a stored prefix.")
-    if prompt_logits and (
-        select is not None or attention is not None or feed.tag != "full" or prefix is not None or keep
-    ):
+    if prompt_logits and (not spec.prompt_logprobs or prefix is not None or keep):
         raise KvsieveError(
             "Prompt log-probabilities (echo with logprobs) need the whole prompt in one dense pass: a method "
             "without a select stage, a prefill kernel or a chunked feed (full, snapkv, h2o, a2sf, ...), and no "
@@ -243,7 +242,7 @@ def prefill(
             prefix, keep, start_at = None, 0, 0  # the feed runs the kept tokens afresh
         feed_start = time.perf_counter()
         runs = [run for run in (state.compress, state.evict) if run is not None]
-        if isinstance(feed, FullPrefill):
+        if feed.one_pass:
             cache = prefix.cache if prefix is not None else DynamicCache(config=model.config)
             sums = prefix.sums if prefix is not None else None
             position = prefix.position if prefix is not None else 0
@@ -270,10 +269,10 @@ def prefill(
         details = {"tokens": ids.shape[1] - (prefix.length if prefix is not None else 0), **prefilled.details}
         if prefix is not None:
             details["reused_tokens"] = prefix.length
-        if isinstance(feed, FullPrefill) and context_entries < position:
+        if feed.one_pass and context_entries < position:
             details["context_entries"] = context_entries  # the compressed context the question's pass saw
         records.append(StageRecord("feed", feed.name, time.perf_counter() - feed_start, details))
-    if not feed.needs_full_context:  # a chunked feed's own rule: its answer starts after its last chunk
+    if not feed.one_pass:  # a chunked feed's own rule: its answer starts after its last chunk
         _check_answer_room(model, feed, prefilled.next_position, reserve)
     state.prefilled = prefilled
     kept = prefilled.kept_positions  # cache entries among the feed's last attended keys (None: all)

@@ -285,6 +285,23 @@ class MethodSpec:
             if value is not None and getattr(value, "kind", None) != stage:
                 raise KvsieveError(f"Method '{self.name}': {value!r} is not a {stage} component.")
 
+    @property
+    def one_pass(self) -> bool:
+        """Whether the prompt (or the selection's kept tokens) is prefilled in one forward pass: no chunked feed."""
+        return self.feed is None or self.feed.one_pass
+
+    @property
+    def continues_prefix(self) -> bool:
+        """Whether a run can start from a stored state of its prompt's first tokens (`engine.prefix_cache`): a
+        select stage (its scoring pass continues the stored one) or a one-pass feed, and no prefill kernel."""
+        return self.attention is None and (self.select is not None or self.one_pass)
+
+    @property
+    def prompt_logprobs(self) -> bool:
+        """Whether a run can give every prompt position's log-probabilities (echo with logprobs): the whole prompt
+        in one dense pass, with no select stage, prefill kernel or chunked feed."""
+        return self.select is None and self.attention is None and self.one_pass
+
     def stages(self) -> dict[str, Any]:
         """The stage objects, as keyword arguments of `kvsieve.run` (absent stages left out)."""
         return {stage: getattr(self, stage) for stage in STAGES if getattr(self, stage) is not None}

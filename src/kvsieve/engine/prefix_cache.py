@@ -54,7 +54,7 @@ def reuse_tail(spec: MethodSpec) -> int | None:
         return None
     if spec.select is not None:
         return max(1, spec.select.queries)
-    if spec.feed is not None and spec.feed.tag != "full":
+    if not spec.one_pass:
         return None
     tail = 1  # the last prompt token's logits give the first answer token
     for stage in (spec.compress, spec.evict):

@@ -39,8 +39,10 @@ class Prefilled:
 
 class Feed(Protocol):
     name: str
-    # True when every prompt position must fit in the model's trained context.
-    needs_full_context: bool
+    # Whether the prompt goes through the model in one forward pass over every token (the full feed). Such a feed
+    # places every prompt position (they must fit the model's trained context), can continue a stored prefix,
+    # gives every position's logits, and leaves a cache of exactly the prompt's entries; a chunked feed does none.
+    one_pass: bool
 
     def prefill(self, model: PreTrainedModel, ids: torch.Tensor, *, question: int = 0) -> Prefilled:
         """Prefill (1, L) `ids`; the last `question` of them are the prompt's question (0: none)."""

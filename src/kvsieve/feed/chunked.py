@@ -170,7 +170,7 @@ class ChunkedPrefill:
     question_guided: bool = option(
         True, "when the prompt ends in a question, it ranks every chunk's pruning (beyond the paper)"
     )
-    needs_full_context: ClassVar[bool] = False
+    one_pass: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         for label, value in (("chunk", self.chunk), ("memory", self.memory)):

@@ -18,7 +18,7 @@ from kvsieve.spec import component
 class FullPrefill:
     """Prefill the whole prompt in one forward pass; only the last position's logits are computed."""
 
-    needs_full_context: ClassVar[bool] = True
+    one_pass: ClassVar[bool] = True
 
     @property
     def name(self) -> str:

@@ -415,7 +415,7 @@ class Front:
         """--upstream: select locally, send the kept token ids upstream, relay the answer."""
         self.upstream.check_relayable(sampling)
         local = [stage for stage in ("compress", "evict") if getattr(spec, stage) is not None]
-        if spec.feed is not None and spec.feed.tag != "full":
+        if not spec.one_pass:
             local.insert(0, "feed")
         if local:
             raise ApiError(
