@@ -55,13 +55,10 @@ def option(default: Any = dataclasses.MISSING, help: str = "", *, kind: str | No
 
 
 def components(kind: str) -> dict[str, type]:
-    """Registered component classes of `kind`, by tag."""
-    _load_builtin()
+    """Registered component classes of `kind`, by tag. The built-in ones are registered by importing `kvsieve`
+    (its `__init__` imports the registry, which imports every stage module), which any import of a kvsieve module
+    does first; this module imports none of them, so the stage modules can import it."""
     return {tag: cls for tag, cls in _COMPONENTS.items() if cls.kind == kind}
-
-
-def _load_builtin() -> None:
-    import kvsieve.registry  # noqa: F401  (imports every built-in component)
 
 
 # ----------------------------------------------------------------------------- (de)serialization
