@@ -277,15 +277,9 @@ class Front:
         job = Job(
             as_prompt(prompt), spec, sampling, events.emit, boundary=prompt.boundary, use_cache=body.kvsieve.cache
         )
-        self.engine.submit(job)
-        try:
-            first = await events.next()
-        except _ClientGone:
-            job.cancelled.set()
+        first = await self.first_event(job, events)
+        if first is None:
             return Response(status_code=CLIENT_CLOSED)
-        if isinstance(first, Failed):
-            job.cancelled.set()
-            raise as_api_error(first.error)
         echo = None
         if getattr(body, "echo", False):  # completions: the prompt's text (and log-probabilities) first
             text = body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(prompt.ids)
@@ -401,6 +395,20 @@ class Front:
             job.cancelled.set()
             request.state.outcome = status  # the status line said 200 before the stream's end
 
+    async def first_event(self, job: Job, events: _Events) -> Any:
+        """Submit `job` to the engine and wait for its first event (the prefill's, or the selection's); None where
+        the client left first (the job is cancelled). A failure cancels the job and is raised as its API error."""
+        self.engine.submit(job)
+        try:
+            first = await events.next()
+        except _ClientGone:
+            job.cancelled.set()
+            return None
+        if isinstance(first, Failed):
+            job.cancelled.set()
+            raise as_api_error(first.error)
+        return first
+
     async def relay(
         self,
         request: Request,
@@ -426,14 +434,9 @@ class Front:
                 code="invalid_method",
             )
         job = Job(as_prompt(prompt), spec, sampling, events.emit, select_only=True)
-        self.engine.submit(job)
-        try:
-            selected = await events.next()
-        except _ClientGone:
-            job.cancelled.set()
+        selected = await self.first_event(job, events)
+        if selected is None:
             return Response(status_code=CLIENT_CLOSED)
-        if isinstance(selected, Failed):
-            raise as_api_error(selected.error)
         assert isinstance(selected, Selected)
         info = {**selected.info, "upstream": self.upstream.url}
         if not body.stream:
