@@ -16,6 +16,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvsieve
+from kvsieve.engine import prefix_cache
 from kvsieve.errors import KvsieveError
 from kvsieve.eval import ruler
 from kvsieve.eval.methods import build_specs
@@ -75,10 +76,14 @@ def test_scores_are_rulers_metrics():
     assert ruler.score("cwe", "\x00 tail rowing", ["rowing", "tail"]) == 100.0
 
 
-def test_the_sweep_runs_every_configuration_and_sharing_the_prefill_changes_no_answer(model, tokenizer, cases_folder,
-                                                                                      tmp_path):  # fmt: skip
+def test_the_sweep_runs_every_configuration_and_sharing_the_prefill_changes_no_answer(
+    model, tokenizer, cases_folder, tmp_path, monkeypatch
+):
     specs = build_specs("full,snapkv,h2o,gemfilter,streaming,critiprefill")
     options = dict(tasks=["vt"], samples=1, budgets=[0.25, 0.5], cases=cases_folder, say=lambda _: None)
+    passes = []
+    fill = prefix_cache.fill
+    monkeypatch.setattr(prefix_cache, "fill", lambda *args: passes.append(fill(*args)) or passes[-1])
     shared = ruler.run_ruler(model, tokenizer, specs, [LENGTH], tmp_path / "shared.json", **options)
     alone = ruler.run_ruler(model, tokenizer, specs, [LENGTH], tmp_path / "alone.json", share_prefill=False, **options)
     configs = ruler.configurations(specs, [0.25, 0.5], ruler.MODES)
@@ -94,6 +99,12 @@ def test_the_sweep_runs_every_configuration_and_sharing_the_prefill_changes_no_a
     assert rows[(index, "gemfilter", 0.25, "question")]["reuse"] == "miss"  # its own selection pass, stored
     assert rows[(index, "gemfilter", 0.5, "question")]["reuse"] == "hit"  # and shared across its budgets
     assert rows[(index, "critiprefill", None, "question")]["reuse"] == "not reusable"
+    # agnostic: every compressed context comes from one prefill per kind of exact state (snapkv and streaming
+    # keep no sums, h2o its accumulated ones): 2 passes for the 6 configurations, each then a hit
+    assert passes == [2]
+    agnostic = [r for r in shared["rows"] if r["mode"] == "agnostic"]
+    assert len(agnostic) == 6 and {r["reuse"] for r in agnostic} == {"hit"}
+    assert {r["reuse"] for r in alone["rows"] if r["mode"] == "agnostic"} == {"miss"}
     # agnostic: the context (up to the question) compressed to a quarter before the question came
     assert abs(rows[(index, "snapkv", 0.25, "agnostic")]["kv_length"] - 0.25 * cases[index].boundary) <= 1
     assert rows[(index, "snapkv", 0.25, "question")]["kv_length"] == round(0.25 * cases[index].prompt.length)

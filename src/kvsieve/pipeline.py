@@ -247,7 +247,9 @@ def prefill(
             sums = prefix.sums if prefix is not None else None
             position = prefix.position if prefix is not None else 0
             if keep:
-                stored = _prefill_prefix(model, feed, ids[:, start_at:keep], cache, position, sums, runs, store_with)
+                alphas = accumulating([run.config.policy for run in runs])
+                part = ids[:, start_at:keep]
+                stored = prefix_states(model, part, cache, position, sums, alphas, [store_with])[0]
                 start_at, sums, position = keep, stored.sums, keep
                 if stored.compressed:  # go on from the state later requests will start from
                     cache = _snapshot(model, stored.cache)
@@ -333,35 +335,41 @@ def _snapshot(model: PreTrainedModel, cache: DynamicCache) -> DynamicCache:
     return wrap_cache(model, layers, cache.get_seq_length())
 
 
-def _prefill_prefix(
+def prefix_states(
     model: PreTrainedModel,
-    feed: FullPrefill,
     ids: torch.Tensor,
     cache: DynamicCache,
     position: int,
     prior: PrefixSums | None,
-    runs: list[CompressRun | EvictRun],
-    store_with: Compress | None,
-) -> PromptState:
-    """Run `ids` onto `cache` (at `position`) as a pass of their own and return the prefix state they end in.
+    alphas: list[float],
+    squeezes: list[Compress | None],
+) -> list[PromptState]:
+    """Run `ids` onto `cache` (at `position`) as a one-pass prefill of their own and return, per entry of `squeezes`,
+    the prefix state they end in: the exact state for None, else that state compressed by the Compress.
 
-    Accumulating policies get their sums recorded (continuing `prior`'s); nothing is pruned in
-    `cache`, so without `store_with` the state is what any later prompt that starts with these
-    tokens would compute. With it, the returned state (not `cache`) is compressed to its budget by
-    its policy's scores of this pass (the prefix's own queries: query-agnostic), sums gathered alike.
+    The sums of `alphas` (accumulating policies, continuing `prior`'s) are recorded; nothing is pruned in `cache`,
+    so the exact state is what any later prompt that starts with these tokens would compute. A compressed state is
+    cut to its budget by its policy's scores of this pass (the prefix's own queries: query-agnostic), its sums
+    gathered alike. One pass serves every squeeze: a sweep of reuse budgets and policies over one context prefills
+    it once (`engine.prefix_cache.fill`); the squeezes only observe, so each state is the one a pass for it alone
+    gives, as long as the accumulated sums (`alphas`), which choose the attention's path, are the same.
     """
-    alphas = accumulating([run.config.policy for run in runs])
-    squeeze = store_with.begin() if store_with is not None else None
+    runs = [squeeze.begin() if squeeze is not None else None for squeeze in squeezes]
     sums: dict[float, dict[int, torch.Tensor]] = {}
-    observers = sum_recorders(alphas, sums, prior) + (squeeze.observers(prior) if squeeze is not None else [])
+    observers = sum_recorders(alphas, sums, prior)
+    observers += [observer for run in runs if run is not None for observer in run.observers(prior)]
     with attention_hooks(observers=observers, intermediate=True):
-        feed.prefill(model, ids, cache=cache, position=position)
+        FullPrefill().prefill(model, ids, cache=cache, position=position)
     length = position + ids.shape[1]
-    state = PromptState(_snapshot(model, cache), length, length, PrefixSums(length, sums) if alphas else None)
-    if squeeze is not None:
-        squeeze.resolve_budget(length)
-        squeeze.compress(state.cache)
-        for by_layer in sums.values():  # the scored layers' sums (a hybrid model's sliding layers have none)
-            for layer in by_layer:
-                by_layer[layer] = by_layer[layer].gather(1, squeeze.kept_positions[layer])
-    return state
+    states = []
+    for run in runs:
+        kept_sums = {alpha: dict(by_layer) for alpha, by_layer in sums.items()}
+        state = PromptState(_snapshot(model, cache), length, length, PrefixSums(length, kept_sums) if alphas else None)
+        if run is not None:
+            run.resolve_budget(length)
+            run.compress(state.cache)
+            for by_layer in kept_sums.values():  # the scored layers' sums (a hybrid model's sliding layers have none)
+                for layer in by_layer:
+                    by_layer[layer] = by_layer[layer].gather(1, run.kept_positions[layer])
+        states.append(state)
+    return states

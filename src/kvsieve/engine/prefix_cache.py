@@ -15,11 +15,13 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 
-from transformers import PreTrainedModel
+import torch
+from transformers import DynamicCache, PreTrainedModel
 
 from kvsieve.compress.stages import Compress, accumulating
 from kvsieve.errors import KvsieveError
 from kvsieve.feed import PromptState
+from kvsieve.pipeline import prefix_states
 from kvsieve.spec import MethodSpec
 
 BLOCK = 16  # tokens: a stored state cut shorter is cut to a multiple of this (no 3-token "hits")
@@ -93,6 +95,30 @@ def prefix_key(spec: MethodSpec, budget: int | float | None = None) -> str:
     key = "full" + "".join(f"+sums@{alpha:g}" for alpha in accumulating(policies))
     squeeze = reuse_compress(spec, budget)
     return key if squeeze is None else f"{key}+{squeeze.policy!r}@{budget!r}"
+
+
+def fill(model: PreTrainedModel, ids: list[int], entries: list[tuple[PrefixCache, MethodSpec]]) -> int:
+    """Store in each entry's cache the state of `ids` that its method would store there (`prefix_key`,
+    `reuse_compress` at the cache's reuse budget), prefilling `ids` once per kind of exact state rather than once
+    per entry; the number of prefills run.
+
+    A sweep of reuse budgets and policies over one context (`kvsieve ruler`'s question-agnostic mode) then starts
+    every configuration from a stored state: methods whose exact states are the same (`prefix_key` without a reuse
+    budget: the same accumulated sums) share one pass, each compressing its own copy by its own policy's scores of
+    it (`pipeline.prefix_states`). Every state is the one the method's first request would have stored itself."""
+    groups: dict[str, list[tuple[PrefixCache, MethodSpec]]] = {}
+    for cache, spec in entries:
+        if reuse_tail(spec) is None or spec.select is not None:
+            raise KvsieveError(f"Method '{spec.name}' does not store prefix states a pass of the context can fill.")
+        groups.setdefault(prefix_key(spec), []).append((cache, spec))
+    tokens = torch.tensor([ids], device=model.device)
+    for members in groups.values():
+        alphas = accumulating([stage.policy for stage in (members[0][1].compress, members[0][1].evict) if stage])
+        squeezes = [reuse_compress(spec, cache.budget) for cache, spec in members]
+        states = prefix_states(model, tokens, DynamicCache(config=model.config), 0, None, alphas, squeezes)
+        for (cache, spec), state in zip(members, states, strict=True):
+            cache.store(prefix_key(spec, cache.budget), ids, state)
+    return len(groups)
 
 
 def parse_reuse_budget(text: str) -> int | float | None:

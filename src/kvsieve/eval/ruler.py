@@ -296,7 +296,7 @@ def run_ruler(
     cases are kept in `cases` (default: beside `out`, `<out>.cases/`), so a rerun neither regenerates nor changes
     them."""
     from kvsieve.decode import Sampling
-    from kvsieve.engine.prefix_cache import PrefixCache
+    from kvsieve.engine.prefix_cache import PrefixCache, fill
     from kvsieve.engine.request import Request
     from kvsieve.engine.scheduler import Scheduler
 
@@ -334,15 +334,32 @@ def run_ruler(
                 f"{2 * configs_[task]['tokens_to_generate']}."
             )
         for case in load_cases(tokenizer, task, length, samples, seed, folder):
-            for (mode, reuse), configs in groups.items():
-                todo = [c for c in configs if (task, length, case.index, *c.key) not in done]
-                bar.update(len(configs) - len(todo))
-                if not todo:
+            todo = {
+                group: [c for c in configs if (task, length, case.index, *c.key) not in done]
+                for group, configs in groups.items()
+            }
+            bar.update(sum(len(configs) - len(todo[group]) for group, configs in groups.items()))
+            caches = {
+                (mode, reuse): PrefixCache(model, cache_bytes, reuse) if share_prefill or mode == "agnostic" else None
+                for mode, reuse in groups
+            }
+            start = time.perf_counter()
+            agnostic = [
+                (caches[group], spec_at(specs[c.method], c.budget, length))
+                for group, configs in todo.items()
+                for c in configs
+                if group[0] == "agnostic"
+            ]
+            if share_prefill and agnostic:  # the context prefilled once for every compressed copy of it
+                fill(model, case.prompt.ids[0, : case.boundary].tolist(), agnostic)
+            shared = time.perf_counter() - start
+            seconds += shared
+            for group, configs in todo.items():
+                if not configs:
                     continue
-                cache = PrefixCache(model, cache_bytes, reuse) if share_prefill or mode == "agnostic" else None
-                scheduler = Scheduler(model, tokenizer, prefix_cache=cache)
+                scheduler = Scheduler(model, tokenizer, prefix_cache=caches[group])
                 requests = []
-                for config in todo:
+                for config in configs:
                     spec = spec_at(specs[config.method], config.budget, length)
                     sampling = Sampling(case.max_new_tokens)
                     request = Request(case.prompt, spec, sampling, boundary=case.boundary)
@@ -353,6 +370,8 @@ def run_ruler(
                     scheduler.step()
                 elapsed = time.perf_counter() - start
                 seconds += elapsed
+                if group[0] == "agnostic" and share_prefill:
+                    elapsed += shared * len(configs) / len(agnostic)  # its share of the context's one prefill
                 for config, request in requests:
                     if request.error is not None:
                         raise request.error
