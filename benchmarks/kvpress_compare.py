@@ -63,10 +63,11 @@ def kvsieve_run(model, prompt, method, budget: int) -> tuple[float, list[torch.T
     """Prefill `prompt` and compress with kvsieve; same outputs as kvpress_run."""
     from kvsieve.compress.stages import Compress
     from kvsieve.pipeline import prefill
+    from kvsieve.spec import MethodSpec
 
     start = time.perf_counter()
     with torch.no_grad():
-        done = prefill(model, prompt, compress=Compress(method, budget))
+        done = prefill(model, prompt, MethodSpec("custom", compress=Compress(method, budget)))
     seconds = time.perf_counter() - start
     return seconds, done.state.compress.kept_positions, (done.prefilled.cache, done.prefilled.last_logits)
 

@@ -63,13 +63,14 @@ def stream(model, ids: torch.Tensor, budget: int, sinks: int, reencode: bool, sa
     from kvsieve.engine.batch import DecodeBatch, Row
     from kvsieve.pipeline import prefill
     from kvsieve.prompt import Prompt
+    from kvsieve.spec import MethodSpec
 
     evict = Evict(StreamingLLM(sinks=sinks, reencode=reencode), budget)
     targets = ids[0].tolist()
     nll: list[float] = []
     start = time.perf_counter()
     with torch.no_grad():
-        done = prefill(model, Prompt(ids[:, :1], 0, 1), evict=evict)  # the stream's first token
+        done = prefill(model, Prompt(ids[:, :1], 0, 1), MethodSpec("custom", evict=evict))  # the stream's first token
         cache, run = done.prefilled.cache, done.state.evict
         logits, position = done.prefilled.last_logits, done.prefilled.next_position
         batch = DecodeBatch(model)  # the engine's in-place decoding, teacher-forced

@@ -28,6 +28,7 @@ from kvsieve.compress.stages import Evict
 from kvsieve.decode import extend, next_token
 from kvsieve.errors import KvsieveError
 from kvsieve.pipeline import prefill
+from kvsieve.spec import MethodSpec
 
 POLICIES = [H2O(), A2SF(alpha=0.5), A2SF(alpha=0.2, recent=4), StreamingLLM(), LocalWindow(), TOVA(), KNorm()]
 
@@ -47,7 +48,7 @@ def test_compaction_keeps_exactly_the_survivors():
 
 def _plain_decode(model, prompt, evict, steps):
     """The reference: eviction on an ordinary cache (new tensors per step, time order)."""
-    done = prefill(model, prompt, evict=evict, reserve=steps)
+    done = prefill(model, prompt, MethodSpec("custom", evict=evict), reserve=steps)
     cache, run_state = done.prefilled.cache, done.state.evict
     tokens = [next_token(done.prefilled.last_logits, Sampling(), None)]
     position = done.prefilled.next_position
@@ -128,7 +129,7 @@ def test_decoding_without_eviction_writes_in_place_and_equals_the_plain_cache(ma
 def test_steps_write_the_stamps_in_one_preallocated_table(make_model):
     """Each step writes its entries' stamps into the table `in_place` allocated; no step reallocates it."""
     model = make_model("qwen2", num_layers=2)
-    done = prefill(model, make_prompt(40), evict=Evict(H2O(), 16, 4), reserve=12)
+    done = prefill(model, make_prompt(40), MethodSpec("custom", evict=Evict(H2O(), 16, 4)), reserve=12)
     cache, state, position = done.prefilled.cache, done.state.evict, done.prefilled.next_position
     decoder = Decoder(model, cache, position, state)
     table = state.stamp_table.data_ptr()

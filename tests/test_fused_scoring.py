@@ -26,6 +26,7 @@ from kvsieve.compress.policies.h2o import H2O
 from kvsieve.compress.scorers import accumulated_attention
 from kvsieve.compress.stages import Compress, Evict
 from kvsieve.pipeline import prefill
+from kvsieve.spec import MethodSpec
 
 
 def _qkv(q_len: int, n: int, dtype=torch.float32, heads: int = 6, kv_heads: int = 2, dim: int = 8):
@@ -107,7 +108,9 @@ def test_prefill_takes_scores_from_its_own_attention(make_model, monkeypatch, po
     for second_pass in ("prompt_scores", "accumulated_scores"):
         monkeypatch.setattr(policy.__class__, second_pass, lambda self, *a: second_passes.append(a))
     budget = 1000  # covers the prompt: the scores stay aligned with the prompt's keys
-    done = prefill(model, prompt, **{stage: (Compress if stage == "compress" else Evict)(policy, budget)})
+    done = prefill(
+        model, prompt, MethodSpec("custom", **{stage: (Compress if stage == "compress" else Evict)(policy, budget)})
+    )
     assert second_passes == []
     scores = getattr(done.state, stage).scores
     for layer, (query, key) in seen.items():

@@ -21,6 +21,7 @@ from kvsieve.compress.stages import Compress, Evict
 from kvsieve.feed.chunked import ChunkedPrefill
 from kvsieve.feed.full import FullPrefill
 from kvsieve.pipeline import prefill
+from kvsieve.spec import MethodSpec
 
 LAYERS = 3
 
@@ -47,7 +48,7 @@ def test_layer_by_layer_equals_pruning_after_the_prefill(make_model, stage):
     prompt = make_prompt(60)
     reference, reference_kept = _after_the_prefill(model, prompt, stage)
     key = "compress" if isinstance(stage, Compress) else "evict"
-    done = prefill(model, prompt, **{key: stage})
+    done = prefill(model, prompt, MethodSpec("custom", **{key: stage}))
     torch.testing.assert_close(done.prefilled.last_logits, reference.last_logits)
     for ours, theirs in zip(done.prefilled.cache.layers, reference.cache.layers, strict=True):
         assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
@@ -75,7 +76,7 @@ def test_uncompressed_cache_of_all_layers_never_exists(make_model, monkeypatch):
             return original(self, model, ids, cache=cache, position=position, every_logit=every_logit)
 
     monkeypatch.setattr(FullPrefill, "prefill", spy)
-    prefill(model, prompt, compress=Compress(SnapKV(window=4), 16))
+    prefill(model, prompt, MethodSpec("custom", compress=Compress(SnapKV(window=4), 16)))
     assert held == [0, 16, 32, 48]  # never 80 per earlier layer
 
 
@@ -96,7 +97,8 @@ def test_chunked_feed_stages_score_only_its_last_pass(make_model, monkeypatch):
         return run
 
     monkeypatch.setattr(Compress, "begin", begin)
-    done = prefill(model, prompt, feed=ChunkedPrefill(chunk=32, memory=24), compress=Compress(SnapKV(window=4), 16))
+    spec = MethodSpec("custom", feed=ChunkedPrefill(chunk=32, memory=24), compress=Compress(SnapKV(window=4), 16))
+    done = prefill(model, prompt, spec)
     chunks = done.prefilled.details["chunk_sizes"]
     assert len(chunks) == 4 and passes == [chunks[-1]] * 2  # the last chunk, once per layer
     assert done.kv_length == 16

@@ -27,6 +27,7 @@ from kvsieve.errors import KvsieveError
 from kvsieve.feed.chunked import ChunkedPrefill
 from kvsieve.pipeline import prefill
 from kvsieve.prompt import Prompt
+from kvsieve.spec import MethodSpec
 
 SINKS, BUDGET = 4, 16
 
@@ -46,7 +47,7 @@ def _stream(model, ids: torch.Tensor, prompt: int, evict: Evict):
     """Prefill ids[:, :prompt], then feed the rest but the last token one at a time (teacher forcing)
     through the engine's in-place decoding. Returns (decoder, cache, run, logical position of the last token)."""
     with torch.no_grad():
-        done = prefill(model, Prompt(ids[:, :prompt], 0, prompt), evict=evict)
+        done = prefill(model, Prompt(ids[:, :prompt], 0, prompt), MethodSpec("custom", evict=evict))
         cache, state = done.prefilled.cache, done.state.evict
         decoder = Decoder(model, cache, prompt, state)
         for i in range(prompt, ids.shape[1] - 1):
@@ -147,7 +148,7 @@ def test_plain_cache_path_reencodes_like_the_buffers(make_model, interval):
     evict = Evict(StreamingLLM(SINKS, reencode=True), BUDGET, interval=interval)
     buffered = run(model, FakeTokenizer(), prompt, evict=evict, sampling=Sampling(20))
     with torch.no_grad():
-        done = prefill(model, prompt, evict=evict)
+        done = prefill(model, prompt, MethodSpec("custom", evict=evict))
         cache, state = done.prefilled.cache, done.state.evict
         tokens = [int(done.prefilled.last_logits.argmax())]
         position = done.prefilled.next_position
@@ -171,8 +172,11 @@ def test_reencode_after_a_compress_stage_places_each_heads_kept_tokens(single_th
         done = prefill(
             model,
             prompt,
-            compress=Compress(SnapKV(window=4), 24),
-            evict=Evict(StreamingLLM(SINKS, reencode=True), BUDGET),
+            MethodSpec(
+                "custom",
+                compress=Compress(SnapKV(window=4), 24),
+                evict=Evict(StreamingLLM(SINKS, reencode=True), BUDGET),
+            ),
         )
     state = done.state
     kept = state.compress.kept_positions[0].gather(1, _start_kept(state.compress.kept_positions[0], BUDGET))
@@ -216,7 +220,7 @@ def test_reencode_is_refused_where_it_cannot_be_honoured(make_model):
     model = make_model("llama")
     feed = ChunkedPrefill(chunk=16, memory=16)
     with pytest.raises(KvsieveError, match="one-pass prefill"):
-        prefill(model, make_prompt(40), feed=feed, evict=Evict(policy, 16))
+        prefill(model, make_prompt(40), MethodSpec("custom", feed=feed, evict=Evict(policy, 16)))
     state = Evict(policy, 16).begin()
     with pytest.raises(KvsieveError, match="pass the model"):
         state.start(_prefilled_cache(model), None)

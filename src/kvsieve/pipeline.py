@@ -21,7 +21,6 @@ from kvsieve.compress.cache import compose_kept, kv_entries, resolve_budget, wra
 from kvsieve.compress.stages import (
     Compress,
     CompressRun,
-    Evict,
     EvictRun,
     PrefixSums,
     accumulating,
@@ -143,66 +142,100 @@ class Prefill:
     stored: PromptState | None = None  # the prefix state `keep` asked for
 
 
-def resolve_method(method: MethodSpec | str | None, stages: dict[str, Any]) -> MethodSpec:
-    """`method` (a registered name or a spec), or a spec of the stage objects given one by one (not both)."""
-    given = {name: value for name, value in stages.items() if value is not None}
-    if method is None:
-        return MethodSpec("custom", "stages given one by one", **given)
-    if given:
-        raise KvsieveError(
-            f"Give either a method or stage objects, not both (got method and {', '.join(given)}); "
-            "change a method's stages with its settings instead, e.g. method.with_setting('compress.budget', 512)."
-        )
-    return lookup(method)
-
-
 def prefill(
     model: PreTrainedModel,
     prompt: Prompt,
+    method: MethodSpec | str = "full",
     *,
-    method: MethodSpec | str | None = None,
-    select: Selector | None = None,
-    feed: Feed | None = None,
-    attention: Any = None,
-    compress: Compress | None = None,
-    evict: Evict | None = None,
     reserve: int = 0,
     prefix: PromptState | None = None,
     keep: int = 0,
     store_with: Compress | None = None,
     prompt_logits: bool = False,
 ) -> Prefill:
-    """Run select -> feed -> compress (and start `evict`) on `prompt`; `reserve` positions follow it.
+    """Run `method`'s select -> feed -> compress (and start its evict) on `prompt`; `reserve` positions follow it.
 
-    Stages come from `method` (a registered name or a MethodSpec) or are given one by one; the
-    stage objects are never changed, so one configuration may serve concurrent runs. Shared by
-    generation and by evaluations that continue the cache their own way (perplexity).
+    `method` is a registered name or a MethodSpec; its stage objects are never changed, so one configuration may
+    serve concurrent runs. Shared by generation (`engine.request`) and by evaluations that continue the cache their
+    own way (perplexity).
 
-    Context reuse (a select stage or a one-pass feed, no prefill kernel: `engine.prefix_cache.reuse_tail`):
-    `prefix` is a stored state of the prompt's first `prefix.length` tokens (the one-pass feed's
-    cache, or the select stage's pass up to its filter layer), which then are not run again;
-    `keep` > 0 runs the first `keep` tokens as a pass of their own and returns their state in
-    `Prefill.stored`. Either way selection, compression and eviction see the whole prompt.
-    `store_with` (a one-pass feed only) compresses the stored state with its policy, which sees the
-    prefix's own queries only (no question), to its budget; this run then goes on from that
-    compressed state too, so the first request on a prefix answers as every later one does.
-    `prompt_logits` keeps the logits of every prompt position (`Prefilled.logits`): only a dense
-    one-pass feed of the whole prompt computes them (compression and eviction come after it).
+    Context reuse (`spec.continues_prefix`, `engine.prefix_cache.reuse_tail`): `prefix` is a stored state of the
+    prompt's first `prefix.length` tokens (the one-pass feed's cache, or the select stage's pass up to its filter
+    layer), which then are not run again; `keep` > 0 runs the first `keep` tokens as a pass of their own and returns
+    their state in `Prefill.stored`. Either way selection, compression and eviction see the whole prompt.
+    `store_with` (a one-pass feed only) compresses the stored state with its policy, which sees the prefix's own
+    queries only (no question), to its budget; this run then goes on from that compressed state too, so the first
+    request on a prefix answers as every later one does. `prompt_logits` keeps the logits of every prompt position
+    (`Prefilled.logits`): only a dense one-pass feed of the whole prompt computes them (`spec.prompt_logprobs`).
     """
-    spec = resolve_method(
-        method, {"select": select, "feed": feed, "attention": attention, "compress": compress, "evict": evict}
+    spec = lookup(method) if isinstance(method, str) else method
+    feed = spec.feed or FullPrefill()
+    _check_run(model, spec, feed, prompt, reserve, prefix, keep, store_with, prompt_logits)
+    state = RunState(
+        compress=spec.compress.begin() if spec.compress is not None else None,
+        evict=spec.evict.begin() if spec.evict is not None else None,
+        kernel=spec.attention.begin() if spec.attention is not None else None,
     )
-    stages = spec.stages()
-    select, attention, compress, evict = (stages.get(k) for k in ("select", "attention", "compress", "evict"))
-    feed = stages.get("feed") or FullPrefill()
-    if evict is not None and evict.reencodes and not feed.one_pass:
+    records: list[StageRecord] = []
+    ids = prompt.ids.to(model.device)
+    start = time.perf_counter()
+    stored = None
+    with attention_hooks(kernel=state.kernel):
+        if spec.select is not None:
+            selected = Prompt(ids, prompt.context_start, prompt.context_len)
+            state.selected, record, stored = select_tokens(model, selected, spec.select, prefix=prefix, keep=keep)
+            ids = ids[:, state.selected]
+            records.append(record)
+            prefix, keep = None, 0  # the feed runs the kept tokens afresh
+        runs = [run for run in (state.compress, state.evict) if run is not None]
+        if feed.one_pass:
+            prefilled, record, kept = _feed_one_pass(model, feed, ids, runs, prefix, keep, store_with, prompt_logits)
+            stored = kept or stored
+        else:
+            prefilled, record = _feed_chunked(model, feed, ids, runs, question=prompt.tail_len)
+        records.append(record)
+    if not feed.one_pass:  # a chunked feed's own rule: its answer starts after its last chunk
+        _check_answer_room(model, feed, prefilled.next_position, reserve)
+    state.prefilled = prefilled
+    kept = prefilled.kept_positions  # cache entries among the feed's last attended keys (None: all)
+    if state.compress is not None:
+        compress_start = time.perf_counter()
+        details = state.compress.compress(prefilled.cache, kept)
+        kept = compose_kept(kept, state.compress.kept_positions)
+        records.append(StageRecord("compress", spec.compress.name, time.perf_counter() - compress_start, details))
+    evict_details = state.evict.start(prefilled.cache, kept, model) if state.evict is not None else {}
+    return Prefill(
+        prefilled=prefilled,
+        stages=records,
+        seconds=time.perf_counter() - start,
+        kv_length=kv_entries(prefilled.cache),
+        evict_details=evict_details,
+        ids=ids,
+        state=state,
+        stored=stored,
+    )
+
+
+def _check_run(
+    model: PreTrainedModel,
+    spec: MethodSpec,
+    feed: Feed,
+    prompt: Prompt,
+    reserve: int,
+    prefix: PromptState | None,
+    keep: int,
+    store_with: Compress | None,
+    prompt_logits: bool,
+) -> None:
+    """Refuse a run whose stages, prompt, stored prefix or positions do not fit together, saying why."""
+    if spec.evict is not None and spec.evict.reencodes and not feed.one_pass:
         raise KvsieveError(
-            f"{evict.name}'s reencode starts from a one-pass prefill, whose keys sit at positions 0 .. n-1; the "
+            f"{spec.evict.name}'s reencode starts from a one-pass prefill, whose keys sit at positions 0 .. n-1; the "
             f"{feed.name} feed leaves its cache in its own position frame. Drop evict.policy.reencode, or use the "
             "full feed (a chunked feed already re-encodes positions while it prefills)."
         )
     check_prepared(model)
-    for stage in stages.values():  # settings that depend on the model (CritiPrefill's dense layers)
+    for stage in spec.stages().values():  # settings that depend on the model (CritiPrefill's dense layers)
         if hasattr(stage, "check_model"):
             stage.check_model(architecture(model))
     if prompt.ids.ndim != 2 or prompt.ids.shape[0] != 1:
@@ -219,81 +252,65 @@ def prefill(
             "without a select stage, a prefill kernel or a chunked feed (full, snapkv, h2o, a2sf, ...), and no "
             "reused prefix."
         )
-    if store_with is not None and (select is not None or not keep):
+    if store_with is not None and (spec.select is not None or not keep):
         raise KvsieveError("store_with compresses the prefix state that `keep` stores after a one-pass feed.")
     if start_at >= prompt.length or (keep and not start_at < keep < prompt.length):
         raise KvsieveError(f"A stored prefix ({start_at} / {keep} tokens) must leave prompt tokens to run.")
-    check_positions(model, stages, prompt.length, reserve)
-    state = RunState(
-        compress=compress.begin() if compress is not None else None,
-        evict=evict.begin() if evict is not None else None,
-        kernel=attention.begin() if attention is not None else None,
-    )
-    records: list[StageRecord] = []
-    ids = prompt.ids.to(model.device)
+    check_positions(model, spec.stages(), prompt.length, reserve)
+
+
+def _feed_one_pass(
+    model: PreTrainedModel,
+    feed: FullPrefill,
+    ids: torch.Tensor,
+    runs: list[CompressRun | EvictRun],
+    prefix: PromptState | None,
+    keep: int,
+    store_with: Compress | None,
+    prompt_logits: bool,
+) -> tuple[Prefilled, StageRecord, PromptState | None]:
+    """The one-pass feed of `ids`, from `prefix`'s state where given (its tokens not run again), the first `keep`
+    tokens first as a pass of their own whose state is returned (compressed by `store_with`); the first pruning
+    stage cuts each layer right after its attention (a lower peak)."""
     start = time.perf_counter()
+    cache = prefix.cache if prefix is not None else DynamicCache(config=model.config)
+    sums = prefix.sums if prefix is not None else None
+    position = prefix.position if prefix is not None else 0
+    start_at = prefix.length if prefix is not None else 0
     stored = None
-    with attention_hooks(kernel=state.kernel):
-        if select is not None:
-            selected = Prompt(ids, prompt.context_start, prompt.context_len)
-            state.selected, record, stored = select_tokens(model, selected, select, prefix=prefix, keep=keep)
-            ids = ids[:, state.selected]
-            records.append(record)
-            prefix, keep, start_at = None, 0, 0  # the feed runs the kept tokens afresh
-        feed_start = time.perf_counter()
-        runs = [run for run in (state.compress, state.evict) if run is not None]
-        if feed.one_pass:
-            cache = prefix.cache if prefix is not None else DynamicCache(config=model.config)
-            sums = prefix.sums if prefix is not None else None
-            position = prefix.position if prefix is not None else 0
-            if keep:
-                alphas = accumulating([run.config.policy for run in runs])
-                part = ids[:, start_at:keep]
-                stored = prefix_states(model, part, cache, position, sums, alphas, [store_with])[0]
-                start_at, sums, position = keep, stored.sums, keep
-                if stored.compressed:  # go on from the state later requests will start from
-                    cache = _snapshot(model, stored.cache)
-            context_entries = kv_entries(cache)
-            if context_entries < position:  # a compressed prefix: budgets are still of the prompt's tokens
-                for run in runs:
-                    run.resolve_budget(ids.shape[1])
-            observers = [observer for run in runs for observer in run.observers(sums)]
-            # One pass: the first pruning stage cuts each layer right after its attention (lower peak).
-            finishers = [runs[0].finisher(cache)] if runs else []
-            with attention_hooks(last_pass=observers, finishers=finishers):
-                prefilled = feed.prefill(
-                    model, ids[:, start_at:], cache=cache, position=position, every_logit=prompt_logits
-                )
-        else:  # a chunked feed: the prompt's question (its tail, kept by a select stage) can guide its pruning
-            question = prompt.tail_len
-            with attention_hooks(last_pass=[observer for run in runs for observer in run.observers()]):
-                prefilled = feed.prefill(model, ids, question=question)
-        details = {"tokens": ids.shape[1] - (prefix.length if prefix is not None else 0), **prefilled.details}
-        if prefix is not None:
-            details["reused_tokens"] = prefix.length
-        if feed.one_pass and context_entries < position:
-            details["context_entries"] = context_entries  # the compressed context the question's pass saw
-        records.append(StageRecord("feed", feed.name, time.perf_counter() - feed_start, details))
-    if not feed.one_pass:  # a chunked feed's own rule: its answer starts after its last chunk
-        _check_answer_room(model, feed, prefilled.next_position, reserve)
-    state.prefilled = prefilled
-    kept = prefilled.kept_positions  # cache entries among the feed's last attended keys (None: all)
-    if state.compress is not None:
-        compress_start = time.perf_counter()
-        details = state.compress.compress(prefilled.cache, kept)
-        kept = compose_kept(kept, state.compress.kept_positions)
-        records.append(StageRecord("compress", compress.name, time.perf_counter() - compress_start, details))
-    evict_details = state.evict.start(prefilled.cache, kept, model) if state.evict is not None else {}
-    return Prefill(
-        prefilled=prefilled,
-        stages=records,
-        seconds=time.perf_counter() - start,
-        kv_length=kv_entries(prefilled.cache),
-        evict_details=evict_details,
-        ids=ids,
-        state=state,
-        stored=stored,
-    )
+    if keep:
+        alphas = accumulating([run.config.policy for run in runs])
+        part = ids[:, start_at:keep]
+        stored = prefix_states(model, part, cache, position, sums, alphas, [store_with])[0]
+        start_at, sums, position = keep, stored.sums, keep
+        if stored.compressed:  # go on from the state later requests will start from
+            cache = _snapshot(model, stored.cache)
+    context_entries = kv_entries(cache)
+    if context_entries < position:  # a compressed prefix: budgets are still of the prompt's tokens
+        for run in runs:
+            run.resolve_budget(ids.shape[1])
+    observers = [observer for run in runs for observer in run.observers(sums)]
+    finishers = [runs[0].finisher(cache)] if runs else []
+    with attention_hooks(last_pass=observers, finishers=finishers):
+        prefilled = feed.prefill(model, ids[:, start_at:], cache=cache, position=position, every_logit=prompt_logits)
+    details = {"tokens": ids.shape[1] - (prefix.length if prefix is not None else 0), **prefilled.details}
+    if prefix is not None:
+        details["reused_tokens"] = prefix.length
+    if context_entries < position:
+        details["context_entries"] = context_entries  # the compressed context the question's pass saw
+    return prefilled, StageRecord("feed", feed.name, time.perf_counter() - start, details), stored
+
+
+def _feed_chunked(
+    model: PreTrainedModel, feed: Feed, ids: torch.Tensor, runs: list[CompressRun | EvictRun], question: int
+) -> tuple[Prefilled, StageRecord]:
+    """A chunked feed of `ids`; the prompt's `question` last tokens (kept by a select stage) can guide its pruning,
+    and the compress and evict stages observe its last pass."""
+    start = time.perf_counter()
+    with attention_hooks(last_pass=[observer for run in runs for observer in run.observers()]):
+        prefilled = feed.prefill(model, ids, question=question)
+    details = {"tokens": ids.shape[1], **prefilled.details}
+    return prefilled, StageRecord("feed", feed.name, time.perf_counter() - start, details)
 
 
 def select_tokens(

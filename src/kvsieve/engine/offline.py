@@ -16,11 +16,25 @@ from kvsieve.compress.stages import Compress, Evict
 from kvsieve.decode import Sampling
 from kvsieve.engine.request import Event, GenerationResult, Request, Text
 from kvsieve.engine.scheduler import Scheduler
+from kvsieve.errors import KvsieveError
 from kvsieve.feed import Feed
-from kvsieve.pipeline import resolve_method
 from kvsieve.prompt import Prompt, build_prompt
+from kvsieve.registry import method as lookup
 from kvsieve.select import Selector
 from kvsieve.spec import MethodSpec
+
+
+def resolve_method(method: MethodSpec | str | None, stages: dict[str, Any]) -> MethodSpec:
+    """`method` (a registered name or a spec), or a spec of the stage objects given one by one (not both)."""
+    given = {name: value for name, value in stages.items() if value is not None}
+    if method is None:
+        return MethodSpec("custom", "stages given one by one", **given)
+    if given:
+        raise KvsieveError(
+            f"Give either a method or stage objects, not both (got method and {', '.join(given)}); "
+            "change a method's stages with its settings instead, e.g. method.with_setting('compress.budget', 512)."
+        )
+    return lookup(method)
 
 
 def run(

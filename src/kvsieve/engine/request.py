@@ -197,7 +197,7 @@ class Request:
         done = prefill(
             model,
             self.prompt,
-            **self.spec.stages(),
+            self.spec,
             reserve=self.sampling.max_new_tokens,
             prefix=hit,
             keep=keep,
