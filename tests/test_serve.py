@@ -170,6 +170,36 @@ def test_metrics_move_with_each_request(server, tiny):
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("queue_depth", "kv_entries", "prefix_cache_hits_total", "time_per_output_token_seconds_bucket"):
         assert f"kvsieve_{name}" in text
+    # memory, part by part beside the resident size: the model's bytes are its parameters' and buffers' (the rotary
+    # frequencies), the batch's tables are empty once nothing runs, and the resident size holds at least the model
+    model, _ = tiny
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    assert metric(server, "kvsieve_model_bytes") == weights
+    assert metric(server, "kvsieve_resident_bytes") > weights
+    assert metric(server, "kvsieve_batch_table_bytes") == 0 and metric(server, "kvsieve_largest_step_bytes") >= 0
+
+
+def test_a_peak_watch_sees_what_a_step_allocates_and_the_batch_counts_its_tables(tiny):
+    """PeakWatch: 64 MB touched inside the watched stretch shows in its peak (Linux's resident high-water mark,
+    reset at `start`); freed before the next stretch, it does not show there. DecodeBatch.nbytes: its tables."""
+    from kvsieve.engine.batch import DecodeBatch, Row
+    from kvsieve.pipeline import prefill
+    from kvsieve.serve.memory import PeakWatch
+
+    watch = PeakWatch(torch.device("cpu"))
+    assert watch.cpu  # Linux: /proc/self/clear_refs resets the resident high-water mark
+    watch.start()
+    block = torch.ones(16 * 2**20)  # 64 MB, written
+    assert watch.peak() >= 60 * 2**20
+    del block
+    watch.start()
+    assert watch.peak() < 32 * 2**20
+    model, _ = tiny
+    batch = DecodeBatch(model)
+    assert batch.nbytes == 0
+    done = prefill(model, Prompt(torch.tensor([[5, 6, 7, 8]]), 0, 4))
+    batch.add(Row(token=9, position=done.prefilled.next_position), done.prefilled.cache)
+    assert batch.nbytes == 2 * batch.keys.numel() * batch.keys.element_size() > 0
 
 
 BAD = [

@@ -153,6 +153,13 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(self.rows)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the shared key and value tables (global layers) and the sliding layers' rings, as allocated:
+        their capacity, not only the entries in use."""
+        tensors = [t for t in (self.keys, self.values, *(self.rings or ())) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def entries(self, index: int) -> int:
         """KV entries per layer and KV head that row `index` holds (its first global layer's; a model without one:
         its first ring's)."""

@@ -20,6 +20,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from kvsieve.engine.prefix_cache import PrefixCache
 from kvsieve.engine.request import Event, Failed, Finished, Request, Selected, Started, Text
 from kvsieve.engine.scheduler import Scheduler
+from kvsieve.serve.memory import PeakWatch, model_bytes, resident_bytes
 from kvsieve.serve.metrics import Metrics
 from kvsieve.serve.openai_types import ApiError
 
@@ -60,8 +61,21 @@ class Engine:
             ("kv_entries", "KV entries per layer and KV head held by the decoding requests", self.kv_entries),
             ("prefix_cache_bytes", "bytes of stored prompt states", lambda: self._cache_stat("bytes")),
             ("prefix_cache_states", "stored prompt states", lambda: self._cache_stat("states")),
+            # Memory, named part by part beside the process's resident size (kvsieve.serve.memory).
+            ("resident_bytes", "the process's resident set size", resident_bytes),
+            ("model_bytes", "the model's parameters and buffers", lambda: self._model_bytes),
+            ("batch_table_bytes", "the running batch's key/value tables and rings, as allocated", self._tables),
+            (
+                "largest_step_bytes",
+                "the most memory one engine step (prefill slice and decoding step) took above where it began "
+                "(resident memory on a CPU, the allocator's on CUDA)",
+                lambda: self.largest_step,
+            ),
         ]:
             metrics.gauge(name, text, read)
+        self._model_bytes = model_bytes(model)
+        self._watch = PeakWatch(next(model.parameters()).device)
+        self.largest_step = 0
 
     # ------------------------------------------------------------------------- front side
 
@@ -95,6 +109,12 @@ class Engine:
         try:  # read from another thread: a snapshot is enough for a gauge
             return self.scheduler.kv_entries()
         except (IndexError, AttributeError):
+            return 0
+
+    def _tables(self) -> int:
+        try:  # read from another thread: a snapshot is enough for a gauge
+            return self.scheduler.batch.nbytes
+        except AttributeError:
             return 0
 
     def _cache_stat(self, what: str) -> int:
@@ -137,7 +157,9 @@ class Engine:
             try:
                 self._take(block=not self.scheduler.has_work())
                 if self.scheduler.has_work():
+                    self._watch.start()
                     self.scheduler.step()
+                    self.largest_step = max(self.largest_step, self._watch.peak())
             except Exception as error:  # a bug must not stop the server: fail what runs, go on
                 log.exception("engine step failed")
                 self._fail_all(error)
