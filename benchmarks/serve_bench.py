@@ -9,6 +9,7 @@
     python benchmarks/serve_bench.py upstream --repeats 3       # GemFilter k=1024 here, the rest upstream
     python benchmarks/serve_bench.py step                       # one batched decoding step, in process
     python benchmarks/serve_bench.py chat                       # needle/passkey as chat: reuse vs generate
+    python benchmarks/serve_bench.py soak --minutes 30          # mixed load: resident size against /metrics' parts
 
 `--serve-args "..."` adds options to every server started (e.g. "--max-step-tokens 0" for whole
 prefills); to measure an older checkout, run this script with PYTHONPATH=OLD/src.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -37,6 +39,7 @@ from typing import Any
 
 import httpx
 
+from kvsieve.engine.prefix_cache import parse_bytes
 from kvsieve.serve.processes import kvsieve_server, llama_server
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -489,6 +492,102 @@ def step(args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": rows}
 
 
+SOAK_LENGTHS = (1024, 2048, 4096, 8000)
+MEMORY_GAUGES = ("resident", "model", "prefix_cache", "batch_table", "largest_step")
+
+
+def gauges(url: str) -> dict[str, float]:
+    """The server's memory gauges (`kvsieve_<name>_bytes`), in bytes."""
+    values = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        for name in MEMORY_GAUGES:
+            if line.startswith(f"kvsieve_{name}_bytes "):
+                values[name] = float(line.split()[1])
+    return values
+
+
+def soak_request(url: str, rng: random.Random, methods: list[str], serial: int) -> dict[str, Any]:
+    """One request of the mixed load: a random preset, prompt length, form (token ids or a chat), streamed or
+    not, n of 1 or 2; its outcome as a row."""
+    name, length = rng.choice(methods), rng.choice(SOAK_LENGTHS)
+    chat, streamed, n = rng.random() < 0.5, rng.random() < 0.5, rng.choice((1, 1, 2))
+    offset = rng.randrange(100_000)
+    extra = {"max_tokens": 16, "temperature": 0.7 if n > 1 else 0, "n": n, "kvsieve": {"method": name}}
+    if chat:  # the document in a system message, as a reusing client sends it
+        path, body = (
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    {"role": "system", "content": essay_text(length - 64, offset)},
+                    {"role": "user", "content": f"Question {serial}: what is the essay about?"},
+                ]
+            },
+        )
+    else:
+        path, body = "/v1/completions", {"prompt": essay_ids(length, offset)}
+    row = {"method": name, "length": length, "chat": chat, "stream": streamed, "n": n}
+    start = time.perf_counter()
+    try:
+        if streamed:
+            stream(url, path, {**body, **extra})
+        else:
+            response = httpx.post(f"{url}{path}", json={**body, **extra, "model": MODEL}, timeout=900)
+            response.raise_for_status()
+        row["status"] = 200
+    except (RuntimeError, httpx.HTTPError) as error:
+        row["status"], row["error"] = getattr(getattr(error, "response", None), "status_code", 0), str(error)[:200]
+    row["seconds"] = time.perf_counter() - start
+    return row
+
+
+def soak(args: argparse.Namespace) -> dict[str, Any]:
+    """`--clients` clients send the mixed load (`soak_request`, every registered preset) for `--minutes`; every
+    `--sample-seconds` the server's memory gauges are read. Reports the resident size against model + cache cap +
+    the largest step, its growth from the second third to the last, and the share the named parts account for."""
+    from kvsieve.registry import REGISTRY
+
+    methods = list(REGISTRY) if args.methods == "all" else args.methods.split(",")
+    cap = parse_bytes(args.cache_memory)
+    deadline = time.perf_counter() + 60 * args.minutes
+    samples, rows = [], []
+    with server("--cache-memory", args.cache_memory) as url:
+
+        def client(index: int) -> list[dict[str, Any]]:
+            rng, mine, serial = random.Random(1000 + index), [], 0
+            while time.perf_counter() < deadline:
+                mine.append(soak_request(url, rng, methods, serial))
+                serial += 1
+            return mine
+
+        with ThreadPoolExecutor(args.clients) as pool:
+            running = [pool.submit(client, i) for i in range(args.clients)]
+            begun = time.perf_counter()
+            while not all(f.done() for f in running):
+                samples.append({"t": time.perf_counter() - begun, **gauges(url)})
+                time.sleep(args.sample_seconds)
+            rows = [row for f in running for row in f.result()]
+        samples.append({"t": time.perf_counter() - begun, **gauges(url)})
+    last = samples[-1]
+    bound = last["model"] + cap + last["largest_step"]
+    thirds = len(samples) // 3
+    second = statistics.median(s["resident"] for s in samples[thirds : 2 * thirds] or samples)
+    final = statistics.median(s["resident"] for s in samples[2 * thirds :] or samples)
+    named = sum(last[k] for k in ("model", "prefix_cache", "batch_table", "largest_step"))
+    failed = [r for r in rows if r["status"] != 200]
+    print(
+        f"{len(rows)} requests ({len(failed)} failed) over {args.minutes} min, {args.clients} clients, "
+        f"{len(methods)} methods\n"
+        f"resident at the end {last['resident'] / 1e9:.2f} GB against model + cache cap + largest step "
+        f"{bound / 1e9:.2f} GB: {last['resident'] / bound:.2f}x (target <= 1.5x)\n"
+        f"resident, median of the second third {second / 1e9:.2f} GB, of the last third {final / 1e9:.2f} GB "
+        f"({final / second - 1:+.1%})\n"
+        f"named by /metrics {named / 1e9:.2f} GB: {named / last['resident']:.0%} of the resident size "
+        f"(model {last['model'] / 1e9:.2f}, prefix cache {last['prefix_cache'] / 1e9:.2f}, tables "
+        f"{last['batch_table'] / 1e9:.2f}, largest step {last['largest_step'] / 1e9:.2f})"
+    )
+    return {"samples": samples, "requests": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parts = {
@@ -499,6 +598,7 @@ def main() -> None:
         "upstream": upstream,
         "step": step,
         "chat": chat,
+        "soak": soak,
     }
     parser.add_argument("part", choices=list(parts))
     parser.add_argument("--repeats", type=int, default=3)
@@ -525,9 +625,13 @@ def main() -> None:
         default="",
         help="latency: a second kvsieve server with these options after the first, e.g. '--quantize int8'",
     )
+    parser.add_argument("--minutes", type=float, default=30, help="soak: how long the load runs")
+    parser.add_argument("--sample-seconds", type=float, default=10, help="soak: seconds between memory samples")
+    parser.add_argument("--cache-memory", default="2GB", help="soak: the server's --cache-memory")
     parser.add_argument("--out", type=Path, default=Path("runs/serve_bench.json"))
     args = parser.parse_args()
-    args.methods = args.methods or (CHAT_METHODS if args.part == "chat" else "full,snapkv,gemfilter")
+    defaults = {"chat": CHAT_METHODS, "soak": "all"}
+    args.methods = args.methods or defaults.get(args.part, "full,snapkv,gemfilter")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     SERVE_ARGS.extend(args.serve_args.split())
     result = parts[args.part](args)
