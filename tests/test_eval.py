@@ -86,7 +86,7 @@ def test_grid_rows_have_a_stable_schema_and_consistent_scores(model, chat_tokeni
     out = tmp_path / "niah.json"
     document = grid(model, chat_tokenizer, out)
     saved = json.loads(out.read_text())
-    assert set(saved) == {"kind", "schema", "command", "machine", "settings", "rows"}
+    assert set(saved) == {"kind", "schema", "command", "commands", "machine", "settings", "rows"}
     assert saved["kind"] == "niah" and saved["schema"] == records.SCHEMA == 1
     specs = small("full", "gemfilter")
     assert saved["settings"]["methods"] == {name: spec.to_dict() for name, spec in specs.items()}
@@ -123,6 +123,19 @@ def test_interrupted_grid_resumes_without_recomputing(model, chat_tokenizer, tmp
     assert calls == []  # nothing left: nothing recomputed
     grid(model, chat_tokenizer, out, fresh=True)
     assert len(calls) == 8
+
+
+def test_a_resumed_file_keeps_every_command_that_added_to_it(tmp_path, monkeypatch):
+    """A run that resumes a file with more lengths is a second command: the file keeps both, oldest first, and a
+    file from before `commands` reads as its one command."""
+    out = tmp_path / "niah.json"
+    for typed in ("kvsieve niah --lengths 4096", "kvsieve niah --lengths 16384", "kvsieve niah --lengths 16384"):
+        monkeypatch.setattr(records, "command_line", lambda typed=typed: typed)
+        records.save(out, records.open_results(out, "niah", {"probe": "needle"}))
+    saved = json.loads(out.read_text())
+    assert saved["commands"] == ["kvsieve niah --lengths 4096", "kvsieve niah --lengths 16384"]
+    assert saved["command"] == "kvsieve niah --lengths 16384"
+    assert records.commands_of({"command": "kvsieve ppl"}) == ["kvsieve ppl"]
 
 
 def test_resume_refuses_other_settings(model, chat_tokenizer, tmp_path):

@@ -1,9 +1,11 @@
 """Result files of long evaluation runs: written after every row, resumable, self-describing.
 
-A result file is JSON: {"kind", "schema", "command", "machine", "settings", "rows"}. `settings`
+A result file is JSON: {"kind", "schema", "command", "commands", "machine", "settings", "rows"}. `settings`
 are everything that changes a row's value (methods' options, probe, tokens); rerunning with the
 same settings resumes (finished rows are kept and skipped), with other settings it refuses to mix
-them. Every save writes a temporary file and renames it, so Ctrl-C never leaves a torn file.
+them. `command` is the latest run's command line, `commands` every distinct one that added to the file, oldest
+first (a resumed run that adds lengths is a second command: a report lists both). Every save writes a temporary
+file and renames it, so Ctrl-C never leaves a torn file.
 """
 
 from __future__ import annotations
@@ -86,9 +88,10 @@ def open_results(path: Path, kind: str, settings: dict[str, Any], fresh: bool = 
     """
     check_writable(path)
     settings = json.loads(json.dumps(settings))  # the form it takes once saved (tuples -> lists)
-    new = {"kind": kind, "schema": SCHEMA, "command": command_line(), "machine": machine(), "settings": settings}
+    command = command_line()
+    new = {"kind": kind, "schema": SCHEMA, "command": command, "machine": machine(), "settings": settings}
     if fresh or not path.exists():
-        return {**new, "rows": []}
+        return {**new, "commands": [command], "rows": []}
     try:
         old = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
@@ -101,7 +104,13 @@ def open_results(path: Path, kind: str, settings: dict[str, Any], fresh: bool = 
             f"{path} was made with other settings ({', '.join(changed)} differ), so its rows cannot be resumed. "
             "Rerun with the same settings, add --fresh to start over, or choose another --out."
         )
-    return {**new, "rows": old.get("rows", [])}
+    commands = commands_of(old)
+    return {**new, "commands": commands + ([command] if command not in commands else []), "rows": old.get("rows", [])}
+
+
+def commands_of(document: dict[str, Any]) -> list[str]:
+    """Every command that added to a result file, oldest first (a file from before `commands`: its one command)."""
+    return list(document.get("commands") or [document["command"]])
 
 
 def save(path: Path, document: dict[str, Any]) -> None:

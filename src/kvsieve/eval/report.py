@@ -591,7 +591,7 @@ def write_report(
     quality = f"RULER average / 100 (KV {GLANCE_BUDGET:g} of the prompt)" if ruler_docs else ""
     pareto = plot_pareto(points, figures / "pareto.png", baseline, quality) if points else None
     curves = ruler.plot_curves(report.ruler, figures / "ruler.png") if report.ruler else None
-    commands = [d["command"] for d in report.documents]
+    commands = [command for d in report.documents for command in records.commands_of(d)]
     kinds = ["niah"] * len(niah_docs) + ["ppl"] * len(ppl_docs) + ["bench"] * len(bench_docs)
     kinds += ["ruler"] * len(ruler_docs)
     inputs = " ".join(f"--{kind} {p.relative_to(root).as_posix()}" for kind, p in zip(kinds, copied, strict=True))
