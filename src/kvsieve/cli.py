@@ -509,9 +509,7 @@ def cmd_report(args: argparse.Namespace) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
-    import torch
-
-    from kvsieve.data import haystack_ids
+    from kvsieve.eval.perplexity import essay_ids
     from kvsieve.eval.simulate import compare_policies
     from kvsieve.spec import components
 
@@ -532,9 +530,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     most = model.config.max_position_embeddings
     if not 2 <= args.length <= most:
         raise KvsieveError(f"--length must be within 2..{most}, the model's positions.")
-    ids = torch.tensor([haystack_ids(tokenizer, args.length)])
-    if ids.shape[1] < args.length:
-        raise KvsieveError(f"--length must be at most {ids.shape[1]}, the essays' tokens.")
+    ids = essay_ids(tokenizer, args.length)  # host ids; compare_policies moves them to the model
     rows = compare_policies(model, ids, methods, args.budget)
     print(f"{'method':<16} {'budget':>6} {'NLL':>7} {'perplexity':>10} {'cosine to ideal':>15}")
     for row in rows:

@@ -67,7 +67,7 @@ class Engine:
             ("batch_table_bytes", "the running batch's key/value tables and rings, as allocated", self._tables),
             (
                 "largest_step_bytes",
-                "the most memory one engine step (prefill slice and decoding step) took above where it began "
+                "the most memory one engine step with prefill work took above where it began "
                 "(resident memory on a CPU, the allocator's on CUDA)",
                 lambda: self.largest_step,
             ),
@@ -157,9 +157,14 @@ class Engine:
             try:
                 self._take(block=not self.scheduler.has_work())
                 if self.scheduler.has_work():
-                    self._watch.start()
+                    # Only a step with prefill work is watched (0.2 ms on a CPU): a decoding-only step writes into
+                    # tables allocated before it.
+                    watched = bool(self.scheduler.waiting or self.scheduler.prefilling)
+                    if watched:
+                        self._watch.start()
                     self.scheduler.step()
-                    self.largest_step = max(self.largest_step, self._watch.peak())
+                    if watched:
+                        self.largest_step = max(self.largest_step, self._watch.peak())
             except Exception as error:  # a bug must not stop the server: fail what runs, go on
                 log.exception("engine step failed")
                 self._fail_all(error)
