@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from decode_steps import _sync, random_model, weight_stream_ms
 from transformers import StaticCache
 
-from kvsieve import load_model
+from kvsieve import fast_paths, load_model
 from kvsieve.attention import decode_kernel, dense_attention, grouped_attention
 from kvsieve.linear import kernel_product
 from kvsieve.quantize import QUANTIZE_CHOICES, Int8Linear, quantize
@@ -146,11 +146,8 @@ def attention_times(model, key_counts: list[int], batch_rows: list[int]) -> dict
         def kernel(layers=layers, lengths=lengths):
             return [decode_kernel.kernel_attention(q, k, v, None, lengths) for q, k, v in layers]
 
-        decode_kernel.set_enabled(False)
-        try:
+        with fast_paths.using(attention_kernel=False):
             times = {"pytorch_ms": median_ms(pytorch, 15, model.device)}
-        finally:
-            decode_kernel.set_enabled(True)
         times["kernel_ms"] = median_ms(kernel, 15, model.device)
         times["sum_ms"] = median_ms(lambda layers=layers: [(k.sum(), v.sum()) for _, k, v in layers], 15, model.device)
         result[f"{keys} keys x {rows} rows"] = times

@@ -66,13 +66,11 @@ import torch
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from kvsieve import load_model, prepare
-from kvsieve.attention.decode_kernel import set_enabled as set_attention_kernel
+from kvsieve import fast_paths, load_model, prepare
 from kvsieve.compress.cache import wrap_cache
 from kvsieve.data import prompt_case
 from kvsieve.engine.batch import DecodeBatch, Row
 from kvsieve.eval.bench import spread as bench_spread
-from kvsieve.linear import set_enabled as set_fused_products
 from kvsieve.pipeline import Prefill, prefill
 from kvsieve.prompt import Prompt
 from kvsieve.quantize import quantize
@@ -167,8 +165,7 @@ class Decoder:
         (fastest of 3 reads each side, `limit_ms`)."""
         limits = [stream.ms(3)] if stream is not None else []
         self.evicting.clear()
-        set_fused_products(self.variant.fused)
-        set_attention_kernel(self.variant.kernel)
+        before = fast_paths.configure(fused_products=self.variant.fused, attention_kernel=self.variant.kernel)
         _sync(self.model.device)
         start = time.perf_counter()
         for _ in range(steps):
@@ -183,8 +180,7 @@ class Decoder:
         _sync(self.model.device)
         seconds = time.perf_counter() - start
         limits += [stream.ms(3)] if stream is not None else []
-        set_fused_products(True)
-        set_attention_kernel(True)
+        fast_paths.configure(fused_products=before.fused_products, attention_kernel=before.attention_kernel)
         return {
             "ms_per_step": seconds / steps * 1e3,
             "tokens_per_s": steps * len(self.batch) / seconds,

@@ -100,7 +100,7 @@ def peak_worker(library: str, press: str, length: int, ratio: float, window: int
     """In this (fresh) process: one prefill + compression by `library`, and its peak memory."""
     from kvsieve import SnapKV, StreamingLLM
     from kvsieve.data import prompt_case
-    from kvsieve.eval.bench import memory_status, reset_peak_rss
+    from kvsieve.eval.bench import peak_watch
     from kvsieve.models import converted_default_dir, load_model
 
     model, tokenizer = load_model()
@@ -131,18 +131,18 @@ def peak_worker(library: str, press: str, length: int, ratio: float, window: int
             return kvsieve_run(model, p, method, int(p.length * (1 - ratio)))
 
     once(warm)
-    reset_peak_rss()
-    before = memory_status("VmRSS")
+    watch = peak_watch(model.device)
+    watch.start()
     seconds, _, _ = once(prompt)
-    peak = memory_status("VmHWM")
+    added = watch.peak()
     return {
         "library": library,
         "press": press,
         "length": prompt.length,
         "kept": budget,
         "seconds": seconds,
-        "peak_mb": peak,
-        "added_mb": peak - before,
+        "peak_mb": (watch.base + added) / 2**20,
+        "added_mb": added / 2**20,
     }
 
 

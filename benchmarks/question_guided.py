@@ -24,7 +24,7 @@ import torch
 
 from kvsieve import load_model, method
 from kvsieve.data import prompt_case
-from kvsieve.eval.bench import memory_status, reset_peak_rss
+from kvsieve.eval.bench import peak_watch
 from kvsieve.spec import parse_settings
 
 
@@ -61,11 +61,12 @@ def main() -> None:
         whole = prompt.tail_len
         counts = [whole if n == "all" else min(int(n), whole) for n in args.question_tokens.split(",")]
         for question in [*counts, 0]:  # 0: unguided
-            reset_peak_rss()
+            watch = peak_watch(model.device)
+            watch.start()
             start = time.perf_counter()
             with torch.no_grad():
                 fed = replace(feed, question_guided=question > 0).prefill(model, prompt.ids, question=question or whole)
-            seconds, peak_mb = time.perf_counter() - start, memory_status("VmHWM")
+            seconds, peak_mb = time.perf_counter() - start, (watch.base + watch.peak()) / 2**20
             by_head = [  # per layer, per KV head: the share of the needle's tokens in that head's memory
                 (torch.isin(indices, torch.tensor(list(span))).sum(-1).float() / len(span)).flatten().tolist()
                 for indices in fed.token_indices

@@ -16,11 +16,11 @@ import pytest
 import torch
 from conftest import WINDOW, build_model, make_prompt
 
-from kvsieve import method
+from kvsieve import fast_paths, method
 from kvsieve.compiled import Compiled
 from kvsieve.compress.cache import wrap_cache
 from kvsieve.engine import static_step as static_step_module
-from kvsieve.engine.batch import SPARE, DecodeBatch, Row, set_compiled_steps, warm_up
+from kvsieve.engine.batch import SPARE, DecodeBatch, Row, warm_up
 from kvsieve.models import architecture
 from kvsieve.pipeline import Prefill, prefill
 from kvsieve.quantize import quantize
@@ -218,12 +218,12 @@ def test_a_failed_compile_runs_the_step_eagerly(model, monkeypatch, caplog):
 
 @SAME_WORKER
 def test_warm_up_compiles_the_steps_a_server_will_run(model, monkeypatch):
-    """With compiled steps on (`--compile-steps`: the environment's KVSIEVE_COMPILED_STEPS), `warm_up` (what
+    """With compiled steps on (`--compile-steps`: the switch `compiled_steps`, `kvsieve.fast_paths`), `warm_up` (what
     `kvsieve serve` runs before answering) compiles the step for one row and for several; requests' steps after
     it (one row, then three) compile nothing more. Off, batches step the ordinary way."""
-    monkeypatch.setenv("KVSIEVE_COMPILED_STEPS", "0")
+    monkeypatch.setattr(fast_paths, "_current", fast_paths.FastPaths())  # the defaults; restored after the test
     assert not DecodeBatch(model).compiled and not DecodeBatch(model).static
-    set_compiled_steps(True)  # what the CLI's --compile-steps does
+    fast_paths.configure(compiled_steps=True)  # what the CLI's --compile-steps does
     assert DecodeBatch(model).compiled and DecodeBatch(model).static
     compiled_steps, calls, call = static_step_module.compiled_steps, [], Compiled.__call__
     monkeypatch.setattr(Compiled, "__call__", lambda self, *args: calls.append(1) or call(self, *args))

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsieve.attention import decode_kernel, dense_attention, grouped_attention
+from kvsieve import fast_paths
+from kvsieve.attention import dense_attention, grouped_attention
 from kvsieve.attention.decode_kernel import kernel_attention, kernel_attention_probs, supports
 from kvsieve.attention.dense import grouped_probs
 
@@ -117,11 +118,8 @@ def test_dense_attention_takes_the_kernel_for_one_query(monkeypatch):
     monkeypatch.setattr(torch.ops.kvsieve, "decode_attention", lambda *args: calls.append(args) or args[0])
     dense_attention(query, key, value, None)
     assert len(calls) == 1
-    decode_kernel.set_enabled(False)
-    try:
+    with fast_paths.using(attention_kernel=False):
         dense_attention(query, key, value, None)
-    finally:
-        decode_kernel.set_enabled(True)
     assert len(calls) == 1
 
 

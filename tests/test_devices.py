@@ -25,7 +25,7 @@ from conftest import FakeTokenizer, build_model, make_prompt
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kvsieve import REGISTRY, KvsieveError, Sampling, method, run
+from kvsieve import REGISTRY, KvsieveError, Sampling, fast_paths, method, run
 from kvsieve.attention import attention_hooks
 from kvsieve.pipeline import prefill
 from kvsieve.prompt import Prompt
@@ -411,11 +411,10 @@ def test_compiled_cuda_graph_steps_give_the_eager_steps_logits(dtype, arch, monk
             logits.append(batch.step().float())
         return torch.stack(logits), batch
 
-    monkeypatch.setenv("KVSIEVE_COMPILED_STEPS", "1")  # --compile-steps: compiled and captured by default
-    assert DecodeBatch(model).compiled and DecodeBatch(model).capture
-    monkeypatch.setenv("KVSIEVE_CUDA_GRAPHS", "0")
-    assert DecodeBatch(model).compiled and not DecodeBatch(model).capture
-    monkeypatch.delenv("KVSIEVE_CUDA_GRAPHS")
+    monkeypatch.setattr(fast_paths, "_current", fast_paths.FastPaths(compiled_steps=True))  # --compile-steps
+    assert DecodeBatch(model).compiled and DecodeBatch(model).capture  # compiled and captured by default
+    with fast_paths.using(cuda_graphs=False):
+        assert DecodeBatch(model).compiled and not DecodeBatch(model).capture
     eager, eager_batch = decode(model, False)
     compiled, batch = decode(model, True)
     assert batch.captures == 2 and batch.static_step.graph is not None and batch.static_step.compiled

@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import FakeTokenizer, build_model, make_prompt
 
-from kvsieve import Sampling, method, run
+from kvsieve import Sampling, fast_paths, method, run
 from kvsieve.compress.cache import wrap_cache
 from kvsieve.engine import request as request_module
 from kvsieve.engine.batch import DecodeBatch
@@ -272,7 +272,6 @@ def test_evicting_rows_score_from_the_steps_own_attention(model, monkeypatch):
     and leave the same running scores."""
     import kvsieve.attention as attention
     import kvsieve.compress.policy as policy
-    from kvsieve.attention import decode_kernel
     from kvsieve.engine.batch import Row
     from kvsieve.pipeline import prefill
 
@@ -294,8 +293,7 @@ def test_evicting_rows_score_from_the_steps_own_attention(model, monkeypatch):
     def decode(static: bool, kernel: bool) -> tuple[list[torch.Tensor], list[dict]]:
         second_pass.clear()
         kernel_pass.clear()
-        decode_kernel.set_enabled(kernel)
-        try:
+        with fast_paths.using(attention_kernel=kernel):
             batch, logits = DecodeBatch(model, static=static), []
             for d in done:
                 layers = [(layer.keys.clone(), layer.values.clone()) for layer in d.prefilled.cache.layers]
@@ -304,8 +302,6 @@ def test_evicting_rows_score_from_the_steps_own_attention(model, monkeypatch):
                 for row in batch.rows:
                     row.token = token
                 logits.append(batch.step())
-        finally:
-            decode_kernel.set_enabled(True)
         assert not second_pass and bool(kernel_pass) == kernel, (static, kernel)
         assert (batch.static_step is not None) == static
         return logits, [dict(row.evict.scores) for row in batch.rows if row.evict is not None]

@@ -2,8 +2,8 @@
 
 It must compute what `F.linear` computes (up to the order of a float32 sum) for every row count, shape and
 dtype it takes, leave larger products, grad-enabled ones and other dtypes to PyTorch, keep the model's
-parameters, tied weights and state dict, and turn off with `set_enabled(False)`. Where the library cannot be
-built PyTorch's product runs (test_native.py).
+parameters, tied weights and state dict, and turn off with the switch `fused_products` (`kvsieve.fast_paths`).
+Where the library cannot be built PyTorch's product runs (test_native.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from conftest import build_model, tiny_config
 
 import kvsieve.linear as linear_module
-from kvsieve import native, prepare
+from kvsieve import fast_paths, native, prepare
 from kvsieve.linear import FusedLinear, fuse_linears, kernel_product
 from kvsieve.quantize import Int8Linear
 
@@ -97,8 +97,7 @@ def test_other_dtypes_gradients_and_a_switch_keep_pytorchs_product(monkeypatch):
     out = layer(x)  # gradients on: PyTorch's product, which autograd differentiates
     out.sum().backward()
     assert layer.weight.grad is not None
-    monkeypatch.setattr(linear_module, "_enabled", False)
-    with torch.no_grad():
+    with torch.no_grad(), fast_paths.using(fused_products=False):
         assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
     assert calls == []
 
@@ -129,8 +128,8 @@ def test_a_decoding_model_calls_the_fused_product_and_decodes_as_pytorchs(monkey
     calls = counted(monkeypatch)
     fused = run(model, FakeTokenizer(), prompt, method=method("full"), sampling=sampling)
     assert calls and max(calls) == 1  # the prefill's 40 rows went to PyTorch, every step's one row here
-    monkeypatch.setattr(linear_module, "_enabled", False)
-    assert run(model, FakeTokenizer(), prompt, method=method("full"), sampling=sampling).tokens == fused.tokens
+    with fast_paths.using(fused_products=False):
+        assert run(model, FakeTokenizer(), prompt, method=method("full"), sampling=sampling).tokens == fused.tokens
 
 
 def compiled_calls_the_kernel(layer: torch.nn.Module, x: torch.Tensor) -> bool:
@@ -167,14 +166,11 @@ def test_inside_a_compiled_graph_one_row_is_traced_and_several_call_the_kernel(k
 def test_warm_up_builds_the_kernels_a_decoding_step_calls(monkeypatch):
     """`warm_up` (what `kvsieve serve` runs before answering) loads the library; with the kernels off it does
     nothing."""
-    from kvsieve.attention import decode_kernel
-
     model = build_model("llama")
     loads: list[bool] = []
     monkeypatch.setattr(native, "load", lambda: loads.append(True) or True)
-    monkeypatch.setattr(linear_module, "_enabled", False)
-    monkeypatch.setattr(decode_kernel, "_enabled", False)
-    assert linear_module.warm_up(model) == 0.0 and loads == []
-    monkeypatch.setattr(decode_kernel, "_enabled", True)  # either kernel on: the library is loaded
-    linear_module.warm_up(model)
+    with fast_paths.using(fused_products=False, attention_kernel=False):
+        assert linear_module.warm_up(model) == 0.0 and loads == []
+    with fast_paths.using(fused_products=False):  # either kernel on: the library is loaded
+        linear_module.warm_up(model)
     assert loads == [True]

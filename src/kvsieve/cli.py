@@ -206,12 +206,13 @@ def _load(args: argparse.Namespace, warm_steps: bool = False):
     kernels, on a machine that has not built them (about 11 s, once), would otherwise be counted in the first
     prompt's time to first token. `warm_steps` (a server): with --compile-steps, the decoding step's graphs too
     (`kvsieve.engine.batch.warm_up`); a one-shot command's step compiles at its first token instead."""
-    from kvsieve.engine.batch import set_compiled_steps, warm_up
+    from kvsieve import fast_paths
+    from kvsieve.engine.batch import warm_up
     from kvsieve.linear import warm_up as warm_up_kernels
     from kvsieve.models import load_model
 
     if args.compile_steps:
-        set_compiled_steps(True)
+        fast_paths.configure(compiled_steps=True)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)
     seconds = (warm_up if warm_steps else warm_up_kernels)(model)
     if seconds > 1 and warm_steps and args.compile_steps:

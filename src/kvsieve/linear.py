@@ -18,20 +18,18 @@ is called from the graph, except for one row, whose product is traced into it (`
 fuses it with the operators around it, which measured faster than the call). `kvsieve.prepare` gives a
 model's linear layers this forward (`fuse_linears`). int8 weights (`kvsieve.quantize`) use the same
 kernel with a scale. Where the library cannot be built, PyTorch's product runs (`kvsieve.native` warns
-once). `KVSIEVE_FUSED_PRODUCTS=0` (or `set_enabled(False)`) turns the kernel off: every product is then
+once). The switch `fused_products` (`kvsieve.fast_paths`) turns the kernel off: every product is then
 PyTorch's own.
 """
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
 import torch.nn.functional as F
 
-from kvsieve import native
-from kvsieve.attention import decode_kernel
+from kvsieve import fast_paths, native
 
 # Rows up to which a CPU product takes the kernel (the kernel's limit; a decoding batch's rows). Per weight dtype,
 # SmolLM2's 211 products (ms, kernel vs PyTorch's): float32 1 row 16.6 vs 42.8, 2 rows 16.3 vs 73.5, 4 rows
@@ -40,18 +38,11 @@ from kvsieve.attention import decode_kernel
 # 1.95-2.39. Other dtypes keep PyTorch's product.
 KERNEL_ROWS = 8  # the most rows the kernel takes at once (decode_products.cpp's MAX_ROWS)
 FUSED_ROWS = {torch.float32: KERNEL_ROWS, torch.bfloat16: KERNEL_ROWS}
-_enabled = os.environ.get("KVSIEVE_FUSED_PRODUCTS", "1") != "0"
-
-
-def set_enabled(enabled: bool) -> None:
-    """Use the kernel for a CPU's few-row products (the default) or PyTorch's own products."""
-    global _enabled
-    _enabled = enabled
 
 
 def fused_rows(x: torch.Tensor, most: int) -> bool:
     """Whether a product of `x` (..., in) takes a fused kernel: enabled, on a CPU, at most `most` rows."""
-    return _enabled and x.device.type == "cpu" and x.numel() <= most * x.shape[-1]
+    return fast_paths.current().fused_products and x.device.type == "cpu" and x.numel() <= most * x.shape[-1]
 
 
 def kernel_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -119,7 +110,8 @@ def warm_up(model: torch.nn.Module) -> float:
     spent. A server calls it before serving, so that no request waits for the compiler (about 8 s on a machine
     that has not built them, nothing after). Nothing is built where they are not used (a GPU, both kernels off)."""
     device = next(model.parameters()).device
-    if device.type != "cpu" or not (_enabled or decode_kernel.enabled()):
+    switches = fast_paths.current()
+    if device.type != "cpu" or not (switches.fused_products or switches.attention_kernel):
         return 0.0
     start = time.perf_counter()
     native.load()

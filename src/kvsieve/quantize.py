@@ -23,8 +23,6 @@ gets an int8 copy of its own. Measured (docs/PERFORMANCE.md, docs/STUDIES.md): p
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 
 import torch
@@ -33,6 +31,7 @@ from transformers import PreTrainedModel
 
 from kvsieve.errors import KvsieveError
 from kvsieve.linear import KERNEL_ROWS, TRACED_ROWS, fused_rows, kernel_product, traced_product
+from kvsieve.memory import release_freed
 
 QUANTIZE_CHOICES = ("none", "int8")
 QUANTIZE_ROWS = 4096  # output rows quantized at a time (a 49152-row LM head would need 3 float copies at once)
@@ -112,9 +111,7 @@ def _release_float_weights(model: PreTrainedModel) -> None:
             if parameter.device.type == "cpu":
                 parameter.data = parameter.data.clone()
     gc.collect()
-    libc = ctypes.util.find_library("c")
-    if libc is not None and hasattr(ctypes.CDLL(libc), "malloc_trim"):
-        ctypes.CDLL(libc).malloc_trim(0)
+    release_freed()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 

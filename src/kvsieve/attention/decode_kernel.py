@@ -13,38 +13,23 @@ per-step scores of H2O, A2SF and TOVA: `kvsieve.attention.AttentionRows`).
 It is the operators `torch.ops.kvsieve.decode_attention` and `decode_attention_probs`, which a compiled graph
 calls as they are. Where the
 library cannot be built (no compiler), `kernel_attention` returns None (`kvsieve.native` warns once) and the
-caller runs PyTorch's attention. `KVSIEVE_ATTENTION_KERNEL=0` (or `set_enabled(False)`) turns it off.
+caller runs PyTorch's attention. The switch `attention_kernel` (`kvsieve.fast_paths`) turns it off.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from kvsieve import native
+from kvsieve import fast_paths, native
 
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)
-
-_enabled = os.environ.get("KVSIEVE_ATTENTION_KERNEL", "1") != "0"
-
-
-def set_enabled(enabled: bool) -> None:
-    """Use the kernel for a CPU's decoding attention (the default) or PyTorch's attention."""
-    global _enabled
-    _enabled = enabled
-
-
-def enabled() -> bool:
-    """Whether the kernel is on (`set_enabled`, `KVSIEVE_ATTENTION_KERNEL`)."""
-    return _enabled
 
 
 def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether the kernel serves these tensors: enabled, on a CPU, float32, one query per row, a head dimension it
     is built for, query heads a multiple of the KV heads, keys and values contiguous in the last dimension."""
     return (
-        _enabled
+        fast_paths.current().attention_kernel
         and query.device.type == "cpu"
         and query.dtype == key.dtype == value.dtype == torch.float32
         and query.shape[2] == 1

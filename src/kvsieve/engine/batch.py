@@ -28,13 +28,12 @@ its entries with it (its request's result keeps its cache), and the tables' memo
 While every row is `steady` (it evicts nothing, or it evicts one entry per step from a cache at its
 budget), the step is a static one (`engine.static_step`): every number it depends on is a tensor, and
 on CUDA it is captured once per generation of the tables as a CUDA graph and replayed (`static=None`:
-on CUDA unless KVSIEVE_CUDA_GRAPHS=0). The rows' buffers then learn of the entries written in the
+on CUDA unless the switch `cuda_graphs` is off). The rows' buffers then learn of the entries written in the
 tables lazily (`_settle`), before anything reads them.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -42,6 +41,7 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from kvsieve import fast_paths
 from kvsieve.attention import AttentionRows, attention_hooks
 from kvsieve.compress.cache import DecodeBuffer, WindowBuffer
 from kvsieve.compress.stages import EvictRun
@@ -80,24 +80,18 @@ class _BatchLayer(DynamicLayer):
 
 
 def cuda_graphs_enabled(model: PreTrainedModel) -> bool:
-    """Whether `model`'s decoding steps are captured as CUDA graphs by default: on CUDA, unless the
-    environment sets KVSIEVE_CUDA_GRAPHS=0 (a model whose forward cannot be captured is also detected and
+    """Whether `model`'s decoding steps are captured as CUDA graphs by default: on CUDA, unless the switch
+    `cuda_graphs` is off (`kvsieve.fast_paths`; a model whose forward cannot be captured is also detected and
     decoded eagerly, with a warning)."""
-    return model.device.type == "cuda" and os.environ.get("KVSIEVE_CUDA_GRAPHS", "1") != "0"
-
-
-def set_compiled_steps(enabled: bool) -> None:
-    """Compile the decoding steps (`engine.static_step.compiled_steps`) from now on, or stop; on CUDA the compiled
-    step is then captured as a CUDA graph. Off by default: compiling SmolLM2's step takes 1.5-2.5 minutes on a
-    2-core machine, more than a short answer's whole decode, and 80-90 s per graph on the H100's machine. The
-    setting is the environment's KVSIEVE_COMPILED_STEPS, so worker processes (`kvsieve bench`'s) inherit it."""
-    os.environ["KVSIEVE_COMPILED_STEPS"] = "1" if enabled else "0"
+    return model.device.type == "cuda" and fast_paths.current().cuda_graphs
 
 
 def compiled_steps_enabled(model: PreTrainedModel) -> bool:
-    """Whether `model`'s decoding steps run compiled by default: on a CPU or CUDA, with KVSIEVE_COMPILED_STEPS=1
-    (the CLI's `--compile-steps`, `set_compiled_steps(True)`)."""
-    return model.device.type in ("cpu", "cuda") and os.environ.get("KVSIEVE_COMPILED_STEPS", "0") == "1"
+    """Whether `model`'s decoding steps run compiled by default: on a CPU or CUDA, with the switch
+    `compiled_steps` on (`kvsieve.fast_paths`; the CLI's `--compile-steps`). Off by default: compiling
+    SmolLM2's step takes 1.5-2.5 minutes on a 2-core machine, more than a short answer's whole decode, and
+    80-90 s per graph on the H100's machine; on CUDA the compiled step is then captured as a CUDA graph."""
+    return model.device.type in ("cpu", "cuda") and fast_paths.current().compiled_steps
 
 
 def warm_up(model: PreTrainedModel) -> float:
@@ -186,15 +180,17 @@ class DecodeBatch:
         if row.evict is not None:
             row.evict.in_place(cache, self._tables_of(len(self.rows) - 1))
 
-    def remove(self, rows: list[Row]) -> None:
-        """Leave: each leaving row's cache keeps a copy of its entries; the tables shrink to the others."""
+    def remove(self, rows: list[Row], keep_entries: bool = True) -> None:
+        """Leave: the tables shrink to the other rows. Each leaving row's cache keeps a copy of its entries, or
+        with `keep_entries=False` (a finished answer nobody reads again) is emptied, so that no view of the old
+        tables outlives them and no copy is made."""
         keep = [i for i, row in enumerate(self.rows) if all(row is not r for r in rows)]
         if len(keep) == len(self.rows):
             return
         self._settle()
         for i in set(range(len(self.rows))) - set(keep):
             cache = self.caches[i]
-            cache.layers = [layer.detached() for layer in cache.layers]
+            cache.layers = [layer.detached() for layer in cache.layers] if keep_entries else []
             if self.rows[i].evict is not None:
                 self.rows[i].evict.tables = None
         self._rebuild(keep)

@@ -9,7 +9,9 @@ prefill progresses even when the decode tokens alone use up the budget. `max_ste
 runs each prefill in one go (nothing to interleave with when a lone request runs).
 
 At most `max_batch` requests prefill or decode at once; the rest wait. A cancelled request
-(`request.cancelled`) leaves at the next step, and its cache is freed.
+(`request.cancelled`) leaves at the next step, and its cache is freed. `ended` counts the prefills and
+answers that ended (done, failed, cancelled, left the batch): a step that moves it freed a working set or a
+cache, which the server then gives back to the system (`kvsieve.memory.release_freed`).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self.running: list[Request] = []  # in the order of the batch's rows
+        self.ended = 0  # prefills and answers that ended so far
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -115,6 +118,7 @@ class Scheduler:
                 self._fail(request, error)
                 continue
             if request.slices.done:
+                self.ended += 1
                 self.prefilling.remove(request)
                 try:
                     self._start_decoding(request)
@@ -152,6 +156,7 @@ class Scheduler:
             self.running.append(answer)
 
     def _fail(self, request: Request, error: Exception) -> None:
+        self.ended += 1
         self.prefilling.remove(request)
         request.fail(error)
 
@@ -161,11 +166,13 @@ class Scheduler:
     def _drop_cancelled(self) -> None:
         self.waiting = deque(r for r in self.waiting if not r.cancelled.is_set())
         for request in [r for r in self.prefilling if r.cancelled.is_set()]:
+            self.ended += 1
             request.slices.close()
             self.prefilling.remove(request)
         self._leave([r for r in self.running if r.cancelled.is_set()])
 
     def _leave(self, leaving: list[Request]) -> None:
-        if leaving:
-            self.batch.remove([request.row for request in leaving])
+        if leaving:  # no one reads a finished answer's cache: its entries are not copied out of the tables
+            self.ended += len(leaving)
+            self.batch.remove([request.row for request in leaving], keep_entries=False)
             self.running = [r for r in self.running if all(r is not gone for gone in leaving)]

@@ -4,25 +4,31 @@ Machines here are shared and noisy, so configurations are interleaved (every rep
 configuration once) and compared as ratios within the same repeat. Peak memory on CPU is the
 worker process's peak resident set size (VmHWM), reset after the model is loaded and warmed up,
 so `peak_mb` covers weights plus everything the measured call allocated; `added_mb` is the peak
-above the resident size just before the call. On CUDA it is `torch.cuda.max_memory_allocated`.
+above the resident size just before the call. On CUDA they are the allocator's (`kvsieve.memory.PeakWatch`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 from kvsieve.errors import KvsieveError
 from kvsieve.eval import records
 from kvsieve.spec import MethodSpec
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvsieve.memory import PeakWatch
 
 
 @dataclass(frozen=True)
@@ -45,22 +51,20 @@ class BenchConfig:
         return json.dumps(asdict(self))
 
 
-def memory_status(field: str) -> float:
-    """A VmRSS / VmHWM value of this process in MB (Linux)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise KvsieveError(f"/proc/self/status has no {field}; peak memory needs Linux.")
+def peak_watch(device: torch.device) -> PeakWatch:
+    """A `PeakWatch` for `device`, or a clear error where its peak memory cannot be read."""
+    from kvsieve.memory import PeakWatch
 
-
-def reset_peak_rss() -> None:
-    Path("/proc/self/clear_refs").write_text("5")
+    watch = PeakWatch(device)
+    if not watch.measures:
+        raise KvsieveError(
+            f"Peak memory on {device.type} needs CUDA, or Linux's /proc/self/clear_refs on a CPU; neither is here."
+        )
+    return watch
 
 
 def measure(config: BenchConfig) -> dict:
     """Run one configuration in this process and return its timings and memory."""
-    import torch
-
     from kvsieve.data import prompt_case
     from kvsieve.decode import Sampling
     from kvsieve.engine.offline import run
@@ -72,20 +76,17 @@ def measure(config: BenchConfig) -> dict:
     sampling = Sampling(max_new_tokens=config.decode_tokens, ignore_eos=True)  # same step count for every method
     _, warm = prompt_case(tokenizer, "needle", min(2048, config.length), 0.5)
     run(model, tokenizer, warm, method=spec, sampling=sampling)  # warm-up: allocator, kernels
-    cuda = model.device.type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    reset_peak_rss()
-    before = memory_status("VmRSS")
+    watch = peak_watch(model.device)
+    watch.start()
     result = run(model, tokenizer, prompt, method=spec, sampling=sampling)
-    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else memory_status("VmHWM")
+    added = watch.peak()
     return {
         "method": spec.name,
         "length": prompt.length,
         "ttft_s": result.prefill_seconds,
         "decode_tokens_per_s": result.decode_tokens_per_s,
-        "peak_mb": peak,
-        "added_mb": peak - (0 if cuda else before),
+        "peak_mb": (watch.base + added) / 2**20,
+        "added_mb": added / 2**20,
         "prefill_kv_length": result.prefill_kv_length,
         "kv_cache_length": result.kv_cache_length,
         "generated_tokens": len(result.tokens),
@@ -94,11 +95,14 @@ def measure(config: BenchConfig) -> dict:
 
 
 def run_in_process(config: BenchConfig) -> dict:
-    """Measure `config` in a fresh Python process (clean peak memory)."""
+    """Measure `config` in a fresh Python process (clean peak memory), with this process's fast paths."""
+    from kvsieve import fast_paths
+
     proc = subprocess.run(
         [sys.executable, "-m", "kvsieve.eval.bench", config.to_json()],
         capture_output=True,
         text=True,
+        env={**os.environ, **fast_paths.environment()},
     )
     if proc.returncode != 0:
         raise KvsieveError(f"Benchmark worker for {config} failed:\n{proc.stderr.strip()[-2000:]}")

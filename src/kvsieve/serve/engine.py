@@ -5,6 +5,12 @@ thread owns the model: it moves queued requests into the scheduler and runs its 
 decoding token for every running request plus at most `max_step_tokens` of prefill), so a long
 prompt delays running streams by one prefill slice per step, never by its whole prefill. A
 request whose client went away (the front sets `request.cancelled`) leaves at the next step.
+
+Memory (issue 48, docs/SERVING.md#memory): nothing here holds a request once it is answered (no reference
+cycle through its events, so its tensors go when the front drops it, without waiting for Python's garbage
+collector), and after a step in which a prefill or an answer ended the freed heap pages go back to the system
+(`kvsieve.memory.release_freed`): glibc would otherwise keep them, and the resident size would climb towards
+the sum of every peak the server has seen.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -20,7 +27,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from kvsieve.engine.prefix_cache import PrefixCache
 from kvsieve.engine.request import Event, Failed, Finished, Request, Selected, Started, Text
 from kvsieve.engine.scheduler import Scheduler
-from kvsieve.serve.memory import PeakWatch, model_bytes, resident_bytes
+from kvsieve.memory import PeakWatch, model_bytes, release_freed, resident_bytes
 from kvsieve.serve.metrics import Metrics
 from kvsieve.serve.openai_types import ApiError
 
@@ -61,7 +68,7 @@ class Engine:
             ("kv_entries", "KV entries per layer and KV head held by the decoding requests", self.kv_entries),
             ("prefix_cache_bytes", "bytes of stored prompt states", lambda: self._cache_stat("bytes")),
             ("prefix_cache_states", "stored prompt states", lambda: self._cache_stat("states")),
-            # Memory, named part by part beside the process's resident size (kvsieve.serve.memory).
+            # Memory, named part by part beside the process's resident size (kvsieve.memory).
             ("resident_bytes", "the process's resident set size", resident_bytes),
             ("model_bytes", "the model's parameters and buffers", lambda: self._model_bytes),
             ("batch_table_bytes", "the running batch's key/value tables and rings, as allocated", self._tables),
@@ -125,26 +132,29 @@ class Engine:
 
     def _counted(self, request: Request, emit: Callable[[Event], None]) -> Callable[[Event], None]:
         """`emit` that also feeds the metrics: time to first token, gaps between streamed pieces, tokens,
-        prefix-cache hits and misses."""
-        last = 0.0
+        prefix-cache hits and misses. It refers to the request weakly: the request holds it, and a cycle would
+        keep the request's tensors until the garbage collector ran."""
+        last, arrived, prompt_tokens, taken = 0.0, request.arrived, request.prompt.length, weakref.ref(request)
 
         def counted(event: Event) -> None:
             nonlocal last
             now = time.perf_counter()
             if isinstance(event, Started):
-                self.metrics.add("prompt_tokens", request.prompt.length)
+                self.metrics.add("prompt_tokens", prompt_tokens)
                 self.metrics.add("prefill_tokens", event.info["prefill_tokens"])
                 if event.info["cache"] == "hit":
                     self.metrics.add("prefix_cache_hits")
                 elif event.info["cache"] == "miss":
                     self.metrics.add("prefix_cache_misses")
-                self.metrics.first_token(now - request.arrived)
+                self.metrics.first_token(now - arrived)
             elif isinstance(event, Text):
                 self.metrics.token_latency(now - last)
             elif isinstance(event, Finished):
                 self.metrics.add("generation_tokens", event.completion_tokens)
+            elif isinstance(event, Failed):  # logged where it was raised; its frames would hold the request
+                event.error.__traceback__ = None
             if isinstance(event, Finished | Failed | Selected):
-                self._open.discard(request)
+                self._open.discard(taken())
             last = now
             emit(event)
 
@@ -160,24 +170,36 @@ class Engine:
                     # Only a step with prefill work is watched (0.2 ms on a CPU): a decoding-only step writes into
                     # tables allocated before it.
                     watched = bool(self.scheduler.waiting or self.scheduler.prefilling)
+                    ended = self.scheduler.ended
                     if watched:
                         self._watch.start()
                     self.scheduler.step()
                     if watched:
                         self.largest_step = max(self.largest_step, self._watch.peak())
+                    if self.scheduler.ended != ended:
+                        self._release()
             except Exception as error:  # a bug must not stop the server: fail what runs, go on
                 log.exception("engine step failed")
                 self._fail_all(error)
 
+    def _release(self) -> None:
+        """Give the heap pages freed by the prefill or answer that just ended back to the system (timed)."""
+        start = time.perf_counter()
+        release_freed()
+        self.metrics.add("memory_releases")
+        self.metrics.add("memory_release_seconds", time.perf_counter() - start)
+
     def _take(self, block: bool) -> None:
         """Move queued requests into the scheduler while it has room (waiting briefly for one when idle);
-        the others stay in the queue, which is what 429 and the queue_depth gauge count."""
+        the others stay in the queue, which is what 429 and the queue_depth gauge count. Cancelled requests leave
+        `_open` here (the scheduler drops them silently), so that nothing holds one once its client has gone."""
+        if any(r.cancelled.is_set() for r in self._open):
+            self._open = {r for r in self._open if not r.cancelled.is_set()}
         while self.scheduler.has_room():
             try:
                 request = self._queue.get(timeout=0.05) if block else self._queue.get_nowait()
             except queue.Empty:
                 return
-            self._open = {r for r in self._open if not r.cancelled.is_set()}  # the scheduler drops those silently
             self._open.add(request)
             self.scheduler.add(request)
             block = False

@@ -21,6 +21,8 @@ COUNTERS = {
     "generation_tokens": "tokens generated",
     "prefix_cache_hits": "requests that started from a cached prompt state",
     "prefix_cache_misses": "requests that could have reused a prompt state but found none",
+    "memory_releases": "times the engine gave freed heap memory back to the system (a prefill or answer ended)",
+    "memory_release_seconds": "seconds the engine spent giving freed heap memory back",
 }
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -53,7 +55,7 @@ class Metrics:
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
 
-    def add(self, counter: str, amount: int = 1) -> None:
+    def add(self, counter: str, amount: float = 1) -> None:
         self.counters[counter].inc(amount)
 
     def first_token(self, seconds: float) -> None:
