@@ -21,9 +21,10 @@ from conftest import FakeTokenizer, build_model, make_prompt
 
 from kvsieve import Sampling, fast_paths, method, run
 from kvsieve.compress.cache import wrap_cache
-from kvsieve.engine import request as request_module
+from kvsieve.engine import prefill_run
 from kvsieve.engine.batch import DecodeBatch
-from kvsieve.engine.request import Failed, Finished, Request, Started, Text
+from kvsieve.engine.events import Failed, Finished, Started, Text
+from kvsieve.engine.request import Request
 from kvsieve.engine.scheduler import Scheduler
 from kvsieve.errors import KvsieveError
 
@@ -358,8 +359,8 @@ def test_n_answers_share_one_prefill_and_each_is_the_answer_its_seed_gives(model
     eviction state, batched with the others) is exactly the one answer a run seeded seed + i gives."""
     prompt, spec = make_prompt(40, seed=3), method(name, settings)
     prefills = []
-    prefill = request_module.prefill
-    monkeypatch.setattr(request_module, "prefill", lambda *a, **k: prefills.append(1) or prefill(*a, **k))
+    prefill = prefill_run.prefill
+    monkeypatch.setattr(prefill_run, "prefill", lambda *a, **k: prefills.append(1) or prefill(*a, **k))
     sampling = Sampling(max_new_tokens=10, temperature=1.0, seed=7, n=3)
     answers = run(model, FakeTokenizer(), prompt, method=spec, sampling=sampling)
     assert len(prefills) == 1 and len(answers) == 3

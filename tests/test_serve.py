@@ -182,7 +182,8 @@ def test_metrics_move_with_each_request(server, tiny):
 
 def test_a_peak_watch_sees_what_a_step_allocates_and_the_batch_counts_its_tables(tiny):
     """PeakWatch: 64 MB touched inside the watched stretch shows in its peak (Linux's resident high-water mark,
-    reset at `start`); freed before the next stretch, it does not show there. DecodeBatch.nbytes: its tables."""
+    reset at `start`); freed before the next stretch, it does not show there. DecodeBatch.nbytes: its tables, none once
+    its one row has left without keeping its entries."""
     from kvsieve.engine.batch import DecodeBatch, Row
     from kvsieve.memory import PeakWatch
     from kvsieve.pipeline import prefill
@@ -199,8 +200,11 @@ def test_a_peak_watch_sees_what_a_step_allocates_and_the_batch_counts_its_tables
     batch = DecodeBatch(model)
     assert batch.nbytes == 0
     done = prefill(model, Prompt(torch.tensor([[5, 6, 7, 8]]), 0, 4))
-    batch.add(Row(token=9, position=done.prefilled.next_position), done.prefilled.cache)
+    row = Row(token=9, position=done.prefilled.next_position)
+    batch.add(row, done.prefilled.cache)
     assert batch.nbytes == 2 * batch.keys.numel() * batch.keys.element_size() > 0
+    batch.remove([row], keep_entries=False)  # a finished answer: its entries are not copied out of the tables
+    assert done.prefilled.cache.layers == [] and batch.nbytes == 0
 
 
 BAD = [

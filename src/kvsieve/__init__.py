@@ -19,8 +19,8 @@ from kvsieve.compress.policies.streaming import StreamingLLM
 from kvsieve.compress.policies.tova import TOVA
 from kvsieve.compress.stages import Compress, Evict
 from kvsieve.decode import Sampling
+from kvsieve.engine.events import GenerationResult
 from kvsieve.engine.offline import generate, run
-from kvsieve.engine.request import GenerationResult
 from kvsieve.errors import KvsieveError
 from kvsieve.feed.chunked import ChunkedPrefill
 from kvsieve.feed.full import FullPrefill

@@ -854,7 +854,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cache-memory",
         default="2GB",
-        help="bytes of reusable prompt states kept, LRU (default 2GB; 0 turns reuse off)",
+        help="bytes of reusable prompt states kept, LRU (default 2GB; 0 turns reuse off). It bounds the prefix "
+        "cache only: the process also holds the model, the running requests' caches and a prefill's working memory "
+        "(docs/SERVING.md#memory-what-the-server-holds)",
     )
     p.add_argument(
         "--reuse-budget",

@@ -180,17 +180,19 @@ class DecodeBatch:
         if row.evict is not None:
             row.evict.in_place(cache, self._tables_of(len(self.rows) - 1))
 
-    def remove(self, rows: list[Row], keep_entries: bool = True) -> None:
-        """Leave: the tables shrink to the other rows. Each leaving row's cache keeps a copy of its entries, or
-        with `keep_entries=False` (a finished answer nobody reads again) is emptied, so that no view of the old
-        tables outlives them and no copy is made."""
+    def remove(self, rows: list[Row], keep_entries: bool | list[bool] = True) -> None:
+        """Leave: the tables shrink to the other rows. Each leaving row's cache keeps a copy of its entries, or,
+        where `keep_entries` (one for all, or one per row of `rows`) is False (an answer nobody reads again), is
+        emptied, so that no view of the old tables outlives them and no copy is made."""
         keep = [i for i, row in enumerate(self.rows) if all(row is not r for r in rows)]
         if len(keep) == len(self.rows):
             return
+        kept = keep_entries if isinstance(keep_entries, list) else [keep_entries] * len(rows)
         self._settle()
         for i in set(range(len(self.rows))) - set(keep):
             cache = self.caches[i]
-            cache.layers = [layer.detached() for layer in cache.layers] if keep_entries else []
+            copied = next(k for row, k in zip(rows, kept, strict=True) if row is self.rows[i])
+            cache.layers = [layer.detached() for layer in cache.layers] if copied else []
             if self.rows[i].evict is not None:
                 self.rows[i].evict.tables = None
         self._rebuild(keep)

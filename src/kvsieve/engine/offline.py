@@ -14,7 +14,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvsieve.compress.stages import Compress, Evict
 from kvsieve.decode import Sampling
-from kvsieve.engine.request import Event, GenerationResult, Request, Text
+from kvsieve.engine.events import Event, GenerationResult, Text
+from kvsieve.engine.request import Request
 from kvsieve.engine.scheduler import Scheduler
 from kvsieve.errors import KvsieveError
 from kvsieve.feed import Feed

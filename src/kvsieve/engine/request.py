@@ -1,12 +1,12 @@
 """One request's lifecycle: waiting -> prefill in slices -> decoding steps -> finished.
 
-A `Request` owns everything one prompt's run learns: its prefill (the method's stages, run by
-`kvsieve.pipeline.prefill` in budgeted slices, `engine.slices`), its answer so far, its sampling
+A `Request` owns everything one prompt's run learns: its prefill (the method's stages from a stored prefix
+where one fits, `engine.prefill_run`, in budgeted slices, `engine.slices`), its answer so far, its sampling
 generator and its row in the decode batch. The stage objects stay frozen configuration. The
 scheduler (`engine.scheduler`) moves requests by steps; `kvsieve.generate` and every CLI command
 drive theirs to the end through the same scheduler, and `kvsieve serve` drives many at once.
 
-A request reports what happens through `emit` (events below): `Started` once its prefill is done,
+A request reports what happens through `emit` (`engine.events`): `Started` once its prefill is done,
 `Text` for each piece of the answer that became final, then `Finished` or `Failed`. A
 `select_only` request (the server's --upstream relay) stops after the select stage and reports
 the kept token ids (`Selected`).
@@ -18,7 +18,7 @@ import copy
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -27,87 +27,14 @@ from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 from kvsieve.compress.cache import wrap_cache
 from kvsieve.decode import Sampling, TextStream, TokenLogprob, adjust, next_token, prompt_logprobs, token_logprob
 from kvsieve.engine.batch import Row
-from kvsieve.engine.prefix_cache import BLOCK, PrefixCache, prefix_key, reuse_compress, reuse_tail
+from kvsieve.engine.events import Event, Failed, Finished, GenerationResult, Selected, Started, Text, json_safe
+from kvsieve.engine.prefill_run import prefill_tokens, prefill_with_reuse, select_only
+from kvsieve.engine.prefix_cache import PrefixCache
 from kvsieve.engine.slices import PrefillSlices
-from kvsieve.pipeline import Prefill, RunState, StageRecord, prefill, select_tokens
+from kvsieve.pipeline import Prefill, StageRecord
 from kvsieve.prompt import Prompt
 from kvsieve.spec import MethodSpec
 from kvsieve.structured import Constraint
-
-
-@dataclass
-class Started:
-    """Prefill is done; `info` says what the stages did. The first text follows."""
-
-    info: dict[str, Any]
-    prompt_logprobs: list[TokenLogprob] | None = None  # when Sampling.prompt_logprobs asked for them
-
-
-@dataclass
-class Text:
-    piece: str
-    tokens: int  # answer tokens so far (a piece can span several tokens, or wait for the next)
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # of this piece's tokens, when asked for
-    index: int = 0  # which of the request's n answers
-
-
-@dataclass
-class Finished:
-    reason: str  # "eos", "stop" or "length"
-    completion_tokens: int
-    info: dict[str, Any]
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # of answer tokens no Text reported
-    index: int = 0  # which of the request's n answers
-
-
-@dataclass
-class Selected:
-    """A select-only request: the prompt ids the select stage kept."""
-
-    ids: list[int]
-    info: dict[str, Any]
-
-
-@dataclass
-class Failed:
-    error: Exception  # a KvsieveError: the request asked for something the method cannot do
-
-
-Event = Started | Text | Finished | Selected | Failed
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    tokens: list[int]
-    finish_reason: str
-    prompt_tokens: int
-    prefill_seconds: float  # time to first token: selection + feed + compression
-    decode_seconds: float
-    decode_tokens_per_s: float
-    prefill_kv_length: int  # cache entries per layer and KV head when the first token was picked
-    kv_cache_length: int  # cache entries per layer and KV head when decoding ended
-    stages: list[StageRecord]
-    selected_indices: list[int] | None = None
-    selected_text: str | None = None
-    state: RunState | None = field(default=None, repr=False)  # what the run learned (tensors; not in to_dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form: everything but the per-run state."""
-        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "state"}
-        data["stages"] = [asdict(stage) for stage in self.stages]
-        return data
-
-
-def json_safe(value: Any) -> Any:
-    """`value` with tensors as lists and anything else that JSON cannot hold as its string."""
-    if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [json_safe(v) for v in value]
-    if isinstance(value, torch.Tensor):
-        return value.tolist()
-    return value if isinstance(value, str | int | float | bool | None) else str(value)
 
 
 class Request:
@@ -115,7 +42,9 @@ class Request:
 
     boundary: tokens of reusable context at the start of the prompt (a chat's earlier messages),
         where the request stores its prefix state for later requests when a prefix cache is on;
-    use_cache: look up and store prefix states (off: the whole prompt runs through the method).
+    use_cache: look up and store prefix states (off: the whole prompt runs through the method);
+    keep_cache: the cache an answer decoded into stays in its result (`GenerationResult.state`) once it leaves
+        the batch; off (the server, which reads no cache), its entries are not copied out of the batch's tables.
     """
 
     def __init__(
@@ -128,10 +57,12 @@ class Request:
         boundary: int = 0,
         use_cache: bool = True,
         select_only: bool = False,
+        keep_cache: bool = True,
     ):
         self.prompt, self.spec, self.sampling = prompt, spec, sampling
         self.emit = emit or (lambda event: None)
         self.boundary, self.use_cache, self.select_only = boundary, use_cache, select_only
+        self.keep_cache = keep_cache
         self.cancelled = threading.Event()
         self.arrived = time.perf_counter()
         self.slices: PrefillSlices | None = None
@@ -152,10 +83,6 @@ class Request:
         self.model: PreTrainedModel | None = None
         self._first_token_at = 0.0
 
-    @property
-    def ids(self) -> list[int]:
-        return self.prompt.ids[0].tolist()
-
     # ------------------------------------------------------------------------- prefill
 
     def start(
@@ -164,8 +91,7 @@ class Request:
         """Set the prefill up (it runs in the scheduler's slices); nothing is computed yet."""
         self.model, self.tokenizer = model, tokenizer
         self._begin_answer(eos)
-        work = (lambda: self._select(model)) if self.select_only else (lambda: self._prefill(model, cache))
-        self.slices = PrefillSlices(model, work)
+        self.slices = PrefillSlices(model, self._select if self.select_only else lambda: self._prefill(cache))
 
     def _begin_answer(self, eos: set[int]) -> None:
         """A fresh answer: its text, grammar state and log-probabilities."""
@@ -174,70 +100,14 @@ class Request:
             self.constraint = Constraint(self.tokenizer, self.model.config.vocab_size, self.sampling.grammar)
         self._logprobs = []
 
-    def _prefill(self, model: PreTrainedModel, cache: PrefixCache | None) -> Prefill:
-        """The method's stages on the prompt, from a stored prefix where one fits (`reuse_tail`)."""
-        tail = reuse_tail(self.spec)
-        status, hit, keep, squeeze = "off", None, 0, None
-        wants_prompt = self.sampling.prompt_logprobs is not None  # a reused prefix computed no logits
-        if cache is not None and (not self.use_cache or wants_prompt):
-            status = "bypassed"
-        elif cache is not None and tail is None:
-            status = "not reusable"
-        elif cache is not None:
-            ids, longest = self.ids, self.prompt.length - tail
-            key, squeeze = prefix_key(self.spec, cache.budget), reuse_compress(self.spec, cache.budget)
-            hit = cache.lookup(key, ids, longest)
-            # The chat's boundary when the method's scored queries fit after it, else whole blocks: a follow-up whose
-            # question is a token longer then finds the same state rather than storing a copy one token longer.
-            split = self.boundary if 0 < self.boundary <= longest else longest - longest % BLOCK
-            status = "hit" if hit is not None else "miss"
-            if split > (hit.length if hit is not None else 0):
-                keep = split
-        context = hit.compressed and hit.kv_entries if hit is not None else False  # the run prunes the hit's cache
-        done = prefill(
-            model,
-            self.prompt,
-            self.spec,
-            reserve=self.sampling.max_new_tokens,
-            prefix=hit,
-            keep=keep,
-            store_with=squeeze if keep else None,
-            prompt_logits=wants_prompt,
+    def _prefill(self, cache: PrefixCache | None) -> Prefill:
+        done, self._reuse = prefill_with_reuse(
+            self.model, self.prompt, self.spec, self.sampling, cache, boundary=self.boundary, use_cache=self.use_cache
         )
-        if done.stored is not None:
-            context = done.stored.compressed and done.stored.kv_entries
-        self._reuse = {
-            "cache": status,
-            "cached_tokens": hit.length if hit is not None else 0,
-            # Whether the compression that chose the answer's context saw the question: not when the context
-            # came from a state compressed without it (--reuse-budget), which then holds `context_entries`.
-            "query_aware": not context,
-        }
-        if cache is not None:  # what stored contexts keep: every entry, or a budget (the server's --reuse-budget)
-            kept_as = reuse_compress(self.spec, cache.budget)
-            self._reuse["reuse_budget"] = "whole" if kept_as is None else kept_as.budget
-        if context:
-            self._reuse["context_entries"] = context
-        if done.stored is not None:
-            cache.store(key, self.ids[:keep], done.stored)
-            done.stored = None  # the cache holds its own copy
         return done
 
-    def _select(self, model: PreTrainedModel) -> Selected:
-        """Only the select stage (and its kernel); without one the whole prompt is kept."""
-        start, ids, details = time.perf_counter(), self.ids, {}
-        if self.spec.select is not None:
-            indices, record, _ = select_tokens(model, self.prompt, self.spec.select, self.spec.attention)
-            ids = [ids[i] for i in indices.tolist()]
-            details = {k: v for k, v in record.details.items() if isinstance(v, int | float | str)}
-        info = {
-            "method": self.spec.name,
-            "prompt_tokens": self.prompt.length,
-            "selected_tokens": len(ids),
-            "select_seconds": round(time.perf_counter() - start, 6),
-            **details,
-        }
-        return Selected(ids, info)
+    def _select(self) -> Selected:
+        return select_only(self.model, self.prompt, self.spec)
 
     def prefill_done(self) -> None:
         """The prefill has returned: report it and pick the first token (the answer may end there)."""
@@ -249,7 +119,7 @@ class Request:
         self.info = {
             "method": self.spec.name,
             **self._reuse,
-            "prefill_tokens": self._prefill_tokens(done),
+            "prefill_tokens": prefill_tokens(done, self.prompt.length, self._reuse["cached_tokens"]),
             "kv_entries": done.kv_length,
             "prefill_seconds": round(done.seconds, 6),  # from its first slice: queueing not included
             "stages": [json_safe(asdict(record)) for record in done.stages],
@@ -287,12 +157,6 @@ class Request:
         fork.row = Row(0, self.row.position, copy.deepcopy(self.row.evict))
         fork.sample(logits)
         return fork
-
-    def _prefill_tokens(self, done: Prefill) -> int:
-        """Tokens the full model prefilled: the kept ones after a select stage, the new ones after a reused prefix."""
-        if done.state.selected is not None:
-            return len(done.state.selected)
-        return self.prompt.length - self._reuse["cached_tokens"]
 
     # ------------------------------------------------------------------------- decoding
 

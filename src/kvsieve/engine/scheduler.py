@@ -172,7 +172,8 @@ class Scheduler:
         self._leave([r for r in self.running if r.cancelled.is_set()])
 
     def _leave(self, leaving: list[Request]) -> None:
-        if leaving:  # no one reads a finished answer's cache: its entries are not copied out of the tables
+        if leaving:  # a cancelled answer's cache is read by no one: its entries are not copied out of the tables
             self.ended += len(leaving)
-            self.batch.remove([request.row for request in leaving], keep_entries=False)
+            keep = [r.keep_cache and not r.cancelled.is_set() for r in leaving]
+            self.batch.remove([request.row for request in leaving], keep_entries=keep)
             self.running = [r for r in self.running if all(r is not gone for gone in leaving)]

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
 from kvsieve.decode import Sampling, TokenLogprob
-from kvsieve.engine.request import Event, Failed, Finished, Selected, Text
+from kvsieve.engine.events import Event, Failed, Finished, Selected, Text
 from kvsieve.engine.request import Request as Job
 from kvsieve.errors import KvsieveError
 from kvsieve.pipeline import positions_needed
@@ -275,7 +275,13 @@ class Front:
         if self.upstream is not None:
             return await self.relay(request, body, spec, prompt, sampling, events, reply, arrived)
         job = Job(
-            as_prompt(prompt), spec, sampling, events.emit, boundary=prompt.boundary, use_cache=body.kvsieve.cache
+            as_prompt(prompt),
+            spec,
+            sampling,
+            events.emit,
+            boundary=prompt.boundary,
+            use_cache=body.kvsieve.cache,
+            keep_cache=False,  # the answers are sent as events: no one reads the cache they decoded into
         )
         first = await self.first_event(job, events)
         if first is None:
