@@ -1,11 +1,12 @@
 """`kvsieve serve`: an OpenAI-compatible server with batched decoding and compressed-context reuse.
 
-    app.py           the HTTP front (FastAPI): validates, queues, streams, relays --upstream
-    openai_types.py  OpenAI's request bodies, responses, chunks and errors
-    prompts.py       token ids of a request, and where its reusable context ends
-    engine.py        the thread that owns the model and runs `kvsieve.engine`'s scheduler
-    upstream.py      select locally, send the kept token ids to another engine
-    metrics.py       Prometheus text for /metrics
+    app.py             the HTTP front (FastAPI): queues, streams, relays --upstream
+    request_options.py what a request asks for (body, method, sampling), checked against the server's limits
+    openai_types.py    OpenAI's request bodies, responses, chunks and errors
+    prompts.py         token ids of a request, and where its reusable context ends
+    engine.py          the thread that owns the model and runs `kvsieve.engine`'s scheduler
+    upstream.py        select locally, send the kept token ids to another engine
+    metrics.py         Prometheus text for /metrics
 
 `create_server(model, tokenizer, ...)` builds the app; `ServerThread(app)` runs it on a free
 localhost port in a background thread (tests, benchmarks, notebooks).
@@ -23,9 +24,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvsieve.models import architecture
 from kvsieve.registry import method
-from kvsieve.serve.app import ServeConfig, create_app
+from kvsieve.serve.app import create_app
 from kvsieve.serve.engine import Engine
 from kvsieve.serve.metrics import Metrics
+from kvsieve.serve.request_options import ServeConfig
 from kvsieve.serve.upstream import Upstream
 from kvsieve.spec import MethodSpec
 

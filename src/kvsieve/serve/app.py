@@ -28,9 +28,7 @@ from kvsieve.decode import Sampling, TokenLogprob
 from kvsieve.engine.events import Event, Failed, Finished, Selected, Text
 from kvsieve.engine.request import Request as Job
 from kvsieve.errors import KvsieveError
-from kvsieve.pipeline import positions_needed
 from kvsieve.prompt import Prompt
-from kvsieve.registry import method as lookup_method
 from kvsieve.serve.engine import Engine
 from kvsieve.serve.metrics import CONTENT_TYPE, CountRequests, Metrics
 from kvsieve.serve.openai_types import (
@@ -38,7 +36,6 @@ from kvsieve.serve.openai_types import (
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
-    KvsieveOptions,
     TokenizeRequest,
     choice_object,
     chunk_object,
@@ -51,27 +48,13 @@ from kvsieve.serve.openai_types import (
     usage,
 )
 from kvsieve.serve.prompts import PromptIds, chat_prompt, completion_prompt
+from kvsieve.serve.request_options import ServeConfig, method_of, read_body, sampling_of
 from kvsieve.serve.upstream import Upstream, UpstreamPiece
-from kvsieve.spec import MethodSpec, json_type_error
-from kvsieve.structured import compile_grammar
+from kvsieve.spec import MethodSpec
 
 log = logging.getLogger("kvsieve.serve")
 
 CLIENT_CLOSED = 499  # nginx's status for a request whose client went away
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    """What the front checks requests against."""
-
-    model_name: str
-    default_spec: MethodSpec
-    max_positions: int  # the model's trained context
-    vocab_size: int
-    api_key: str | None = None
-    max_body_bytes: int = 4_000_000
-    max_prompt_tokens: int = 131_072
-    default_max_tokens: int = 256
 
 
 class _ClientGone(Exception):
@@ -245,7 +228,7 @@ class Front:
 
     async def tokenize(self, request: Request) -> dict[str, Any]:
         """vLLM's /tokenize: the ids a completion prompt or chat messages become (the chat template applied)."""
-        body = parse_body(await self.read_body(request), TokenizeRequest)
+        body = parse_body(await read_body(request, self.config.max_body_bytes), TokenizeRequest)
         self.check_model(body.model)
         if body.messages is not None:
             prompt = await run_in_threadpool(chat_prompt, self.tokenizer, body.messages)
@@ -255,21 +238,31 @@ class Front:
 
     async def detokenize(self, request: Request) -> dict[str, Any]:
         """vLLM's /detokenize: the text of token ids (ids outside the vocabulary: 400)."""
-        body = parse_body(await self.read_body(request), DetokenizeRequest)
+        body = parse_body(await read_body(request, self.config.max_body_bytes), DetokenizeRequest)
         self.check_model(body.model)
         ids = completion_prompt(self.tokenizer, body.tokens, self.config.vocab_size).ids
         return {"prompt": self.tokenizer.decode(ids)}
 
     async def serve(self, request: Request, chat: bool) -> Response:
         arrived = time.perf_counter()
-        body = parse_body(await self.read_body(request), ChatRequest if chat else CompletionRequest)
+        body = parse_body(
+            await read_body(request, self.config.max_body_bytes), ChatRequest if chat else CompletionRequest
+        )
         self.check_model(body.model)
-        spec = self.method_of(body.kvsieve)
+        spec = method_of(body.kvsieve, self.config)
         if chat:
             prompt = await run_in_threadpool(chat_prompt, self.tokenizer, body.messages)
         else:
             prompt = await run_in_threadpool(completion_prompt, self.tokenizer, body.prompt, self.config.vocab_size)
-        sampling = self.sampling_of(body, prompt, spec, "messages" if chat else "prompt")
+        sampling = sampling_of(
+            body,
+            prompt,
+            spec,
+            "messages" if chat else "prompt",
+            self.config,
+            self.tokenizer,
+            relayed=self.upstream is not None,
+        )
         events = _Events(request)
         reply = Reply(chat, new_id("chatcmpl" if chat else "cmpl"), self.config.model_name, len(prompt.ids))
         if self.upstream is not None:
@@ -507,90 +500,6 @@ class Front:
         finally:
             await pieces.aclose()
             request.state.outcome = status  # the status line said 200 before the stream's end
-
-    async def read_body(self, request: Request) -> bytes:
-        """The raw body, refusing more than --max-body-bytes (413) without reading it all."""
-        limit = self.config.max_body_bytes
-        declared = request.headers.get("content-length", "")
-        too_large = ApiError(413, f"The request body is larger than {limit} bytes.", code="request_too_large")
-        if declared.isdigit() and int(declared) > limit:
-            raise too_large
-        data = bytearray()
-        async for chunk in request.stream():
-            data += chunk
-            if len(data) > limit:
-                raise too_large
-        return bytes(data)
-
-    def method_of(self, options: KvsieveOptions) -> MethodSpec:
-        """The request's method: its `kvsieve.method` (or the server's) with `kvsieve.set` applied."""
-        try:
-            base = lookup_method(options.method) if options.method is not None else self.config.default_spec
-            for path, value in options.set.items():
-                if (problem := json_type_error(base, path, value)) is not None:
-                    raise KvsieveError(problem)
-            return base.with_settings(options.set)
-        except KvsieveError as error:
-            raise ApiError(400, str(error), param="kvsieve", code="invalid_method") from None
-
-    def sampling_of(
-        self, body: ChatRequest | CompletionRequest, prompt: PromptIds, spec: MethodSpec, param: str
-    ) -> Sampling:
-        """Sampling options, after checking the prompt and answer fit what the method can hold."""
-        n = len(prompt.ids)
-        if n > self.config.max_prompt_tokens:
-            raise ApiError(
-                400, f"The prompt has {n} tokens; this server accepts at most {self.config.max_prompt_tokens}.",
-                param=param, code="prompt_too_long",
-            )  # fmt: skip
-        limit = body.token_limit()
-        # An upstream engine checks its own context; here only the select pass places every prompt token.
-        needed = positions_needed(spec.stages(), n, limit or 1) if self.upstream is None else (n if spec.select else 0)
-        if needed > self.config.max_positions:
-            raise ApiError(
-                400,
-                f"This model's maximum context length is {self.config.max_positions} tokens; the request needs "
-                f"{needed} ({n} in the prompt). Shorten it, lower max_tokens, or use a method that feeds the prompt "
-                "in chunks with a compressed memory (imdc), which takes any length.",
-                param=param,
-                code="context_length_exceeded",
-            )
-        if not limit and self.upstream is None and positions_needed(spec.stages(), n, 0) > 0:  # the answer must fit
-            limit = min(self.config.default_max_tokens, self.config.max_positions - needed + 1)
-        sampling = Sampling(
-            max_new_tokens=limit or self.config.default_max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            seed=body.seed,
-            stop=body.stop_strings(),
-            ignore_eos=body.ignore_eos,
-            top_k=max(body.top_k, 0),
-            min_tokens=body.min_tokens,
-            presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty,
-            repetition_penalty=body.repetition_penalty,
-            logit_bias=body.biases(),
-            logprobs=body.logprob_alternatives(),
-            grammar=body.grammar(),
-            n=body.n,
-            prompt_logprobs=body.logprobs if getattr(body, "echo", False) else None,
-        )
-        try:
-            sampling.validate()
-        except KvsieveError as error:
-            raise ApiError(400, str(error), code="invalid_value") from None
-        unknown = [token for token, _ in sampling.logit_bias if token >= self.config.vocab_size]
-        if unknown:
-            raise ApiError(
-                400, f"logit_bias names token ids {unknown} beyond this model's {self.config.vocab_size} tokens.",
-                param="logit_bias", code="invalid_value",
-            )  # fmt: skip
-        if sampling.grammar is not None:
-            try:  # compiled once per grammar; the request's decoding then only matches against it
-                compile_grammar(self.tokenizer, self.config.vocab_size, sampling.grammar)
-            except KvsieveError as error:
-                raise ApiError(400, str(error), param="response_format", code="invalid_value") from None
-        return sampling
 
 
 @dataclass(frozen=True)
