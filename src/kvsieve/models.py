@@ -35,6 +35,7 @@ from transformers.utils import logging as hf_logging
 from kvsieve.attention import ATTENTION_NAME
 from kvsieve.errors import KvsieveError
 from kvsieve.linear import fuse_linears
+from kvsieve.paths import cache_dir
 from kvsieve.quantize import QUANTIZE_CHOICES
 from kvsieve.quantize import quantize as quantize_weights
 
@@ -59,14 +60,6 @@ UNSUPPORTED_FEATURES = {
     "falcon_h1": "Mamba layers, whose state is not a KV cache",
     "jamba": "Mamba layers, whose state is not a KV cache",
 }
-
-
-def cache_dir() -> Path:
-    """Where kvsieve keeps converted weights and calibration results (KVSIEVE_CACHE_DIR overrides)."""
-    root = os.environ.get("KVSIEVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvsieve"
-    )
-    return Path(root)
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ torch's headers, as one translation unit (`unity_source`): most of a file's comp
 one unit parses once (10.5-12.3 s on one core, against 11.1-12.2 s for the three files compiled side by side on
 two, about 21 s of CPU time: on a fresh machine the build runs beside the default model's conversion). Flags:
 `-march=native` and `-ffp-contract=fast` (the kernels' sums are chains of multiply-adds: fused, the attention over
-SmolLM2's 30 layers at 2K keys took 4.3-6.2 ms instead of 7.0-7.4, docs/STUDIES.md). The library goes into a cache
-(`$KVSIEVE_CACHE_DIR`, else `~/.cache/kvsieve`) keyed by the sources, torch's version, the compiler commands and
-the CPU's features. Each operator has a fake implementation, so a compiled graph calls it as it is. Where the
+SmolLM2's 30 layers at 2K keys took 4.3-6.2 ms instead of 7.0-7.4, docs/STUDIES.md). The library goes into
+kvsieve's cache folder (`kvsieve.paths.cache_dir()`), keyed by the sources, torch's version, the compiler commands
+and the CPU's features. Each operator has a fake implementation, so a compiled graph calls it as it is. Where the
 library cannot be built (no compiler), `load` warns once and returns False, and the callers run PyTorch's
 attention, products and eviction.
 """
@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from kvsieve.paths import cache_dir
 
 log = logging.getLogger("kvsieve.native")
 
@@ -94,8 +96,7 @@ def library_path() -> Path:
     digest.update(" ".join(link_command([Path("x")], Path("x"))).encode())
     digest.update(torch.__version__.encode())
     digest.update(_cpu_features().encode())
-    cache = Path(os.environ.get("KVSIEVE_CACHE_DIR") or Path.home() / ".cache" / "kvsieve")
-    return cache / "kernels" / f"kvsieve-{digest.hexdigest()[:16]}.so"
+    return cache_dir() / "kernels" / f"kvsieve-{digest.hexdigest()[:16]}.so"
 
 
 def _run(command: list[str], what: str) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
-from kvsieve.models import cache_dir
+from kvsieve.paths import cache_dir
 
 
 def calibration_file() -> Path:
