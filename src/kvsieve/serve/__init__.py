@@ -1,11 +1,12 @@
 """`kvsieve serve`: an OpenAI-compatible server with batched decoding and compressed-context reuse.
 
-    app.py             the HTTP front (FastAPI): queues, streams, relays --upstream
+    app.py             the HTTP front (FastAPI): submits, answers whole or streamed
     request_options.py what a request asks for (body, method, sampling), checked against the server's limits
     openai_types.py    OpenAI's request bodies, responses, chunks and errors
     prompts.py         token ids of a request, and where its reusable context ends
     engine.py          the thread that owns the model and runs `kvsieve.engine`'s scheduler
-    upstream.py        select locally, send the kept token ids to another engine
+    relay.py           --upstream: select locally, relay the upstream engine's answer as this request's
+    upstream.py        the client of that upstream engine (its completions, streamed or whole)
     metrics.py         Prometheus text for /metrics
 
 `create_server(model, tokenizer, ...)` builds the app; `ServerThread(app)` runs it on a free

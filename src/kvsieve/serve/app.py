@@ -13,32 +13,31 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
-from kvsieve.decode import Sampling, TokenLogprob
-from kvsieve.engine.events import Event, Failed, Finished, Selected, Text
+from kvsieve.decode import TokenLogprob
+from kvsieve.engine.events import Event, Failed, Finished, Text
 from kvsieve.engine.request import Request as Job
 from kvsieve.errors import KvsieveError
-from kvsieve.prompt import Prompt
 from kvsieve.serve.engine import Engine
 from kvsieve.serve.metrics import CONTENT_TYPE, CountRequests, Metrics
 from kvsieve.serve.openai_types import (
+    CLIENT_CLOSED,
     ApiError,
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
+    Reply,
     TokenizeRequest,
     choice_object,
-    chunk_object,
     completion_object,
     finish_reason,
     logprobs_object,
@@ -47,14 +46,12 @@ from kvsieve.serve.openai_types import (
     sse,
     usage,
 )
-from kvsieve.serve.prompts import PromptIds, chat_prompt, completion_prompt
+from kvsieve.serve.prompts import as_prompt, chat_prompt, completion_prompt
+from kvsieve.serve.relay import Relay
 from kvsieve.serve.request_options import ServeConfig, method_of, read_body, sampling_of
-from kvsieve.serve.upstream import Upstream, UpstreamPiece
-from kvsieve.spec import MethodSpec
+from kvsieve.serve.upstream import Upstream
 
 log = logging.getLogger("kvsieve.serve")
-
-CLIENT_CLOSED = 499  # nginx's status for a request whose client went away
 
 
 class _ClientGone(Exception):
@@ -96,11 +93,6 @@ def as_api_error(error: Exception) -> ApiError:
     if isinstance(error, KvsieveError):
         return ApiError(400, str(error), param="kvsieve", code="invalid_method")
     return ApiError(500, f"The engine failed: {error!r}", type="server_error")
-
-
-def as_prompt(prompt: PromptIds) -> Prompt:
-    """The library's prompt for a request's token ids: the last `tail` tokens are its question."""
-    return Prompt(torch.tensor([prompt.ids]), 0, len(prompt.ids) - prompt.tail)
 
 
 def create_app(
@@ -199,6 +191,7 @@ class Front:
     ):
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
         self.metrics, self.upstream = metrics, upstream
+        self.relay = Relay(upstream, metrics, self.first_event) if upstream is not None else None
 
     def authorize(self, request: Request) -> None:
         if self.config.api_key is None:
@@ -266,7 +259,7 @@ class Front:
         events = _Events(request)
         reply = Reply(chat, new_id("chatcmpl" if chat else "cmpl"), self.config.model_name, len(prompt.ids))
         if self.upstream is not None:
-            return await self.relay(request, body, spec, prompt, sampling, events, reply, arrived)
+            return await self.relay.answer(request, body, spec, prompt, sampling, events, reply, arrived)
         job = Job(
             as_prompt(prompt),
             spec,
@@ -408,99 +401,6 @@ class Front:
             raise as_api_error(first.error)
         return first
 
-    async def relay(
-        self,
-        request: Request,
-        body: ChatRequest | CompletionRequest,
-        spec: MethodSpec,
-        prompt: PromptIds,
-        sampling: Sampling,
-        events: _Events,
-        reply: Reply,
-        arrived: float,
-    ) -> Response:
-        """--upstream: select locally, send the kept token ids upstream, relay the answer."""
-        self.upstream.check_relayable(sampling)
-        local = [stage for stage in ("compress", "evict") if getattr(spec, stage) is not None]
-        if not spec.one_pass:
-            local.insert(0, "feed")
-        if local:
-            raise ApiError(
-                400,
-                f"With --upstream only the select stage (and its attention kernel) runs here; method '{spec.name}' "
-                f"also has {', '.join(local)}, which the upstream engine cannot run. Use gemfilter or full.",
-                param="kvsieve",
-                code="invalid_method",
-            )
-        job = Job(as_prompt(prompt), spec, sampling, events.emit, select_only=True)
-        selected = await self.first_event(job, events)
-        if selected is None:
-            return Response(status_code=CLIENT_CLOSED)
-        assert isinstance(selected, Selected)
-        info = {**selected.info, "upstream": self.upstream.url}
-        if not body.stream:
-            asked = asyncio.ensure_future(self.upstream.complete(selected.ids, sampling))
-            while not (await asyncio.wait({asked}, timeout=0.25))[0]:
-                if await request.is_disconnected():  # closing its connection cancels the upstream's work too
-                    asked.cancel()
-                    return Response(status_code=CLIENT_CLOSED)
-            answer = asked.result()
-            self.metrics.first_token(time.perf_counter() - arrived)
-            info["upstream_prompt_tokens"] = (answer.usage or {}).get("prompt_tokens")
-            completion_tokens = (answer.usage or {}).get("completion_tokens", 0)
-            use = usage(reply.prompt_tokens, completion_tokens)
-            reason = answer.finish_reason or "stop"
-            choices = [choice_object(reply.chat, 0, answer.text, reason)]
-            return JSONResponse(completion_object(reply.chat, reply.id, reply.model, choices, use, info))
-        pieces = self.upstream.stream(selected.ids, sampling)
-        first = await anext(pieces, None)  # upstream errors become this request's status, before streaming
-        return StreamingResponse(
-            self.relay_stream(request, first, pieces, reply, info, body.include_usage(), arrived),
-            media_type="text/event-stream",
-        )
-
-    async def relay_stream(
-        self,
-        request: Request,
-        first: UpstreamPiece | None,
-        pieces: AsyncGenerator[UpstreamPiece, None],
-        reply: Reply,
-        info: dict[str, Any],
-        include_usage: bool,
-        arrived: float,
-    ) -> AsyncIterator[bytes]:
-        """The upstream's pieces as this request's chunks (chat or completion)."""
-        status, completion_tokens, reason = CLIENT_CLOSED, 0, "stop"
-        try:
-            if reply.chat:
-                yield sse(reply.chunk(role=True))
-            piece, timed = first, False
-            while piece is not None:
-                if piece.text:
-                    if not timed:
-                        self.metrics.first_token(time.perf_counter() - arrived)
-                        timed = True
-                    yield sse(reply.chunk(text=piece.text))
-                reason = piece.finish_reason or reason
-                if piece.usage:
-                    info["upstream_prompt_tokens"] = piece.usage.get("prompt_tokens")
-                    completion_tokens = piece.usage.get("completion_tokens", 0)
-                try:
-                    piece = await anext(pieces, None)
-                except ApiError as error:
-                    status = error.status
-                    yield sse(error.body())
-                    yield sse("[DONE]")
-                    return
-            yield sse(reply.chunk(reason=reason, extra={"kvsieve": info}))
-            if include_usage:
-                yield sse(reply.chunk(use=usage(reply.prompt_tokens, completion_tokens)))
-            yield sse("[DONE]")
-            status = 200
-        finally:
-            await pieces.aclose()
-            request.state.outcome = status  # the status line said 200 before the stream's end
-
 
 @dataclass(frozen=True)
 class Echo:
@@ -508,16 +408,3 @@ class Echo:
 
     text: str
     logprobs: list[TokenLogprob]
-
-
-@dataclass(frozen=True)
-class Reply:
-    """One response's identity: chat or completion, id, model, prompt size; builds its chunks."""
-
-    chat: bool
-    id: str
-    model: str
-    prompt_tokens: int
-
-    def chunk(self, **fields: Any) -> dict[str, Any]:
-        return chunk_object(self.chat, self.id, self.model, **fields)

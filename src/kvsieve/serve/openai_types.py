@@ -17,6 +17,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -28,6 +29,9 @@ log = logging.getLogger("kvsieve.serve")
 
 MAX_STOP_STRINGS = 4  # as OpenAI documents for `stop`
 _TYPE_TAG = re.compile(r"str|int|float|bool|(list|dict)\[.*\]|[A-Z]\w*")  # union members in pydantic's error paths
+
+
+CLIENT_CLOSED = 499  # nginx's status for a request whose client went away
 
 
 class ApiError(Exception):
@@ -399,3 +403,16 @@ def chunk_object(
 def sse(data: dict[str, Any] | str) -> bytes:
     """One server-sent event line pair: `data: {...}` (or `data: [DONE]`)."""
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One response's identity: chat or completion, id, model, prompt size; builds its chunks."""
+
+    chat: bool
+    id: str
+    model: str
+    prompt_tokens: int
+
+    def chunk(self, **fields: Any) -> dict[str, Any]:
+        return chunk_object(self.chat, self.id, self.model, **fields)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
+from kvsieve.prompt import Prompt
 from kvsieve.serve.openai_types import ApiError, Message
 
 _MARK = "\x00KVSIEVE_MESSAGE\x00"
@@ -64,3 +66,8 @@ def completion_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[int
     if bad:
         raise ApiError(400, f"Token ids must be in [0, {vocab_size}); got {bad[:5]}.", param="prompt")
     return PromptIds(list(prompt))
+
+
+def as_prompt(prompt: PromptIds) -> Prompt:
+    """The library's prompt for a request's token ids: the last `tail` tokens are its question."""
+    return Prompt(torch.tensor([prompt.ids]), 0, len(prompt.ids) - prompt.tail)

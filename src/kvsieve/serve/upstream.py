@@ -3,7 +3,7 @@
 kvsieve runs the select stage (GemFilter) locally; the shortened prompt goes to the upstream's
 `/v1/completions` as a list of token ids, which vLLM, SGLang, TGI and kvsieve itself accept.
 The upstream must serve the same model (same tokenizer). Its answer, streamed or whole, is
-relayed in the client's format (chat or completion) by the front.
+relayed in the client's format (chat or completion) by `serve.relay`.
 """
 
 from __future__ import annotations
