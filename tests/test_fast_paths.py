@@ -15,13 +15,18 @@ from kvsieve.errors import KvsieveError
 from kvsieve.linear import fused_rows
 
 
-def test_the_environment_gives_the_defaults_and_a_bad_value_says_what_to_write():
+def test_the_environment_gives_the_defaults_and_a_bad_value_says_what_to_write(monkeypatch):
     assert fast_paths.FastPaths.from_environment({}) == fast_paths.FastPaths()
     read = fast_paths.FastPaths.from_environment({"KVSIEVE_COMPILED_STEPS": "on", "KVSIEVE_FUSED_PRODUCTS": "0"})
     assert read.compiled_steps and not read.fused_products and read.attention_kernel and read.cuda_graphs
     assert fast_paths.FastPaths.from_environment(read.environment()) == read  # what a worker process reads back
     with pytest.raises(KvsieveError, match="KVSIEVE_CUDA_GRAPHS='maybe': use 1 or 0"):
         fast_paths.FastPaths.from_environment({"KVSIEVE_CUDA_GRAPHS": "maybe"})
+    # read at first use, not at import: a command reports the bad value as its error, not as a traceback
+    monkeypatch.setattr(fast_paths, "_current", None)
+    monkeypatch.setenv("KVSIEVE_COMPILED_STEPS", "maybe")
+    with pytest.raises(KvsieveError, match="KVSIEVE_COMPILED_STEPS"):
+        fast_paths.current()
 
 
 def test_switches_change_the_paths_taken_in_process_without_writing_the_environment():

@@ -51,11 +51,14 @@ class FastPaths:
         return {f"KVSIEVE_{item.name.upper()}": "1" if getattr(self, item.name) else "0" for item in fields(self)}
 
 
-_current = FastPaths.from_environment()
+_current: FastPaths | None = None  # read from the environment at first use, where a bad value is reported
 
 
 def current() -> FastPaths:
     """The switches in force in this process."""
+    global _current
+    if _current is None:
+        _current = FastPaths.from_environment()
     return _current
 
 
@@ -67,7 +70,8 @@ def configure(**changes: bool) -> FastPaths:
     if unknown:
         names = ", ".join(item.name for item in fields(FastPaths))
         raise KvsieveError(f"Unknown fast path {sorted(unknown)}: the switches are {names}.")
-    before, _current = _current, replace(_current, **changes)
+    before = current()
+    _current = replace(before, **changes)
     return before
 
 
@@ -76,11 +80,11 @@ def using(**changes: bool) -> Iterator[FastPaths]:
     """The switches changed inside a `with` block, restored after it."""
     before = configure(**changes)
     try:
-        yield _current
+        yield current()
     finally:
         configure(**{item.name: getattr(before, item.name) for item in fields(FastPaths)})
 
 
 def environment() -> dict[str, str]:
     """The switches in force, as environment variables for a worker process."""
-    return _current.environment()
+    return current().environment()
