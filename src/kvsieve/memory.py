@@ -7,9 +7,10 @@ since the stretch began).
 
 What glibc's allocator keeps: tensors a prefill frees go back to its heaps, not to the system, and the heaps
 of a long-running process fragment, so its resident size climbs towards the sum of every peak it has seen
-(measured in the server's soak, docs/SERVING.md#memory). `release_freed()` (`malloc_trim(0)`) returns the free
-pages of every heap to the system. It is called where a large working set has just been freed (a prefill done,
-a request gone), not between the slices of one prefill, whose next slice would fault the same pages in again.
+(measured in the server's soak, docs/SERVING.md#memory-what-the-server-holds). `release_freed()`
+(`malloc_trim(0)`) returns the free pages of every heap to the system. It is called where a large working set
+has just been freed (a prefill done, a request gone), not between the slices of one prefill, whose next slice
+would fault the same pages in again.
 """
 
 from __future__ import annotations

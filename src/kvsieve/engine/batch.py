@@ -188,11 +188,11 @@ class DecodeBatch:
         if len(keep) == len(self.rows):
             return
         kept = keep_entries if isinstance(keep_entries, list) else [keep_entries] * len(rows)
+        emptied = {id(row) for row, k in zip(rows, kept, strict=True) if not k}
         self._settle()
         for i in set(range(len(self.rows))) - set(keep):
             cache = self.caches[i]
-            copied = next(k for row, k in zip(rows, kept, strict=True) if row is self.rows[i])
-            cache.layers = [layer.detached() for layer in cache.layers] if copied else []
+            cache.layers = [] if id(self.rows[i]) in emptied else [layer.detached() for layer in cache.layers]
             if self.rows[i].evict is not None:
                 self.rows[i].evict.tables = None
         self._rebuild(keep)

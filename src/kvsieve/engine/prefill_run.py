@@ -84,7 +84,7 @@ def prefill_with_reuse(
     return done, reuse
 
 
-def select_only(model: PreTrainedModel, prompt: Prompt, spec: MethodSpec) -> Selected:
+def select_stage_only(model: PreTrainedModel, prompt: Prompt, spec: MethodSpec) -> Selected:
     """Only the select stage (and its kernel): the kept token ids; without a select stage the whole prompt."""
     start, ids, details = time.perf_counter(), prompt.ids[0].tolist(), {}
     if spec.select is not None:

@@ -28,7 +28,7 @@ from kvsieve.compress.cache import wrap_cache
 from kvsieve.decode import Sampling, TextStream, TokenLogprob, adjust, next_token, prompt_logprobs, token_logprob
 from kvsieve.engine.batch import Row
 from kvsieve.engine.events import Event, Failed, Finished, GenerationResult, Selected, Started, Text, json_safe
-from kvsieve.engine.prefill_run import prefill_tokens, prefill_with_reuse, select_only
+from kvsieve.engine.prefill_run import prefill_tokens, prefill_with_reuse, select_stage_only
 from kvsieve.engine.prefix_cache import PrefixCache
 from kvsieve.engine.slices import PrefillSlices
 from kvsieve.pipeline import Prefill, StageRecord
@@ -107,7 +107,7 @@ class Request:
         return done
 
     def _select(self) -> Selected:
-        return select_only(self.model, self.prompt, self.spec)
+        return select_stage_only(self.model, self.prompt, self.spec)
 
     def prefill_done(self) -> None:
         """The prefill has returned: report it and pick the first token (the answer may end there)."""

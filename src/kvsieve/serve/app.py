@@ -190,8 +190,8 @@ class Front:
         upstream: Upstream | None,
     ):
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
-        self.metrics, self.upstream = metrics, upstream
-        self.relay = Relay(upstream, metrics, self.first_event) if upstream is not None else None
+        self.metrics = metrics
+        self.relay = Relay(upstream, metrics, self.first_event) if upstream is not None else None  # --upstream
 
     def authorize(self, request: Request) -> None:
         if self.config.api_key is None:
@@ -254,11 +254,11 @@ class Front:
             "messages" if chat else "prompt",
             self.config,
             self.tokenizer,
-            relayed=self.upstream is not None,
+            relayed=self.relay is not None,
         )
         events = _Events(request)
         reply = Reply(chat, new_id("chatcmpl" if chat else "cmpl"), self.config.model_name, len(prompt.ids))
-        if self.upstream is not None:
+        if self.relay is not None:
             return await self.relay.answer(request, body, spec, prompt, sampling, events, reply, arrived)
         job = Job(
             as_prompt(prompt),

@@ -6,11 +6,11 @@ decoding token for every running request plus at most `max_step_tokens` of prefi
 prompt delays running streams by one prefill slice per step, never by its whole prefill. A
 request whose client went away (the front sets `request.cancelled`) leaves at the next step.
 
-Memory (issue 48, docs/SERVING.md#memory): nothing here holds a request once it is answered (no reference
-cycle through its events, so its tensors go when the front drops it, without waiting for Python's garbage
-collector), and after a step in which a prefill or an answer ended the freed heap pages go back to the system
-(`kvsieve.memory.release_freed`): glibc would otherwise keep them, and the resident size would climb towards
-the sum of every peak the server has seen.
+Memory (issue 48, docs/SERVING.md#memory-what-the-server-holds): nothing here holds a request once it is
+answered (no reference cycle through its events, so its tensors go when the front drops it, without waiting for
+Python's garbage collector), and after a step in which a prefill or an answer ended the freed heap pages go
+back to the system (`kvsieve.memory.release_freed`): glibc would otherwise keep them, and the resident size
+would climb towards the sum of every peak the server has seen.
 """
 
 from __future__ import annotations
