@@ -16,14 +16,14 @@ Issue 26 asks for a step within 1.5x the weight-streaming limit. This script mea
     python benchmarks/decode_bound.py --shapes 64x64,192x576,576x576 --products-only   # and 4. (no model needed)
 
 4. with `--shapes OUTxIN,...`: one row times weights of each shape, F.linear against kvsieve's C++ product
-   (`kvsieve.linear.kernel_product`), the weights rotated through about 200 MB so that each comes from memory:
+   (`kvsieve.kernels.products.kernel_product`), the weights rotated through about 200 MB so that each comes from memory:
    whether small weights should keep PyTorch's product.
     python benchmarks/decode_bound.py --random-weights CONFIG_DIR --device cuda --dtype bfloat16   # a GPU
 
 5. with `--attention KEYS,...`: one decoding step's attention in every layer alone (the model's heads, float32
    caches of KEYS entries per layer, distinct tensors, for each of `--rows`): PyTorch's (`dense_attention` for one
    row, SDPA, and `grouped_attention` for several, the products), kvsieve's kernel
-   (`kvsieve.attention.decode_kernel`), and one `sum()` over the same keys and values (what reading them takes).
+   (`kvsieve.kernels.attention`), and one `sum()` over the same keys and values (what reading them takes).
     python benchmarks/decode_bound.py --attention 2048,8000 --rows 1,4 --products-only
 
 On CUDA the compiled step uses `mode="reduce-overhead"` (CUDA graphs).
@@ -43,8 +43,9 @@ from decode_steps import _sync, random_model, weight_stream_ms
 from transformers import StaticCache
 
 from kvsieve import fast_paths, load_model
-from kvsieve.attention import decode_kernel, dense_attention, grouped_attention
-from kvsieve.linear import kernel_product
+from kvsieve.attention import dense_attention, grouped_attention
+from kvsieve.kernels import attention as decode_kernel
+from kvsieve.kernels.products import kernel_product
 from kvsieve.quantize import QUANTIZE_CHOICES, Int8Linear, quantize
 
 

@@ -38,12 +38,12 @@ may carry settings, e.g. `h2o:evict.interval=8`:
 On CUDA the batch captures its steps as CUDA graphs (`kvsieve.engine.static_step`) where no row evicts;
 `--cuda-graphs both` times every method twice, captured (its name) and eager (`NAME/eager`), side by side,
 and reports the captures and the seconds they took (each capture includes one eager step).
-On a CPU a step's products of a few rows run through kvsieve's compiled kernel (`kvsieve.linear`);
+On a CPU a step's products of a few rows run through kvsieve's compiled kernel (`kvsieve.kernels.products`);
 `--fused-products both` also times every method with PyTorch's own products (`NAME/pytorch`).
 `--compiled-steps both` also times every method with the batch's whole step compiled on the CPU
 (`NAME/compiled`, `DecodeBatch(compiled=True)`; rows that evict take the ordinary step there); each
 timing records its batch's first step (`first_step_s`: there, the compile). A CPU step's attention runs
-through kvsieve's decoding attention kernel (`kvsieve.attention.decode_kernel`); `--attention-kernel both`
+through kvsieve's decoding attention kernel (`kvsieve.kernels.attention`); `--attention-kernel both`
 also times every method with PyTorch's attention (`NAME/torch-attention`).
 
 Pause other work on the machine while it runs (the timings are wall-clock).
@@ -245,8 +245,8 @@ def profiled(decoder: Decoder, steps: int, top: int = 12) -> dict:
 @dataclass(frozen=True)
 class Variant:
     """How a timed label decodes: its method, its batch's `static` (None: the default, CUDA graphs on CUDA),
-    whether the CPU's few-row products take the fused kernel (`kvsieve.linear`), whether the CPU's step is
-    compiled, whether the CPU's attention takes kvsieve's kernel (`kvsieve.attention.decode_kernel`)."""
+    whether the CPU's few-row products take the fused kernel (`kvsieve.kernels.products`), whether the CPU's step is
+    compiled, whether the CPU's attention takes kvsieve's kernel (`kvsieve.kernels.attention`)."""
 
     method: str
     static: bool | None
@@ -385,7 +385,7 @@ def main() -> None:
         parser,
         "--fused-products",
         "on",
-        "a CPU step's few-row products through kvsieve's compiled kernel (the default, `kvsieve.linear`)",
+        "a CPU step's few-row products through kvsieve's compiled kernel (the default, `kvsieve.kernels.products`)",
         "PyTorch's products",
         "pytorch",
     )
@@ -401,7 +401,7 @@ def main() -> None:
         parser,
         "--attention-kernel",
         "on",
-        "a CPU step's attention through kvsieve's kernel (the default, `kvsieve.attention.decode_kernel`)",
+        "a CPU step's attention through kvsieve's kernel (the default, `kvsieve.kernels.attention`)",
         "PyTorch's attention",
         "torch-attention",
     )

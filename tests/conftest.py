@@ -39,7 +39,7 @@ from transformers import (
 import kvsieve
 import kvsieve.data
 import kvsieve.models
-from kvsieve import native
+from kvsieve.kernels import native
 from kvsieve.prompt import Prompt
 
 

@@ -1,4 +1,4 @@
-"""The CPU's decoding attention kernel (kvsieve.attention.decode_kernel) against PyTorch's attention.
+"""The CPU's decoding attention kernel (kvsieve.kernels.attention) against PyTorch's attention.
 
 Inside a compiled graph (the CPU's compiled step) the operator is covered by test_compiled_step.py: the tiny
 models' float32 steps take it, and a run compiles one graph (a graph break would make more)."""
@@ -10,8 +10,7 @@ import torch
 
 from kvsieve import fast_paths
 from kvsieve.attention import dense_attention, grouped_attention
-from kvsieve.attention.decode_kernel import kernel_attention, kernel_attention_probs, supports
-from kvsieve.attention.dense import grouped_probs
+from kvsieve.kernels.attention import grouped_probs, kernel_attention, kernel_attention_probs, supports
 
 
 def cache_views(rows: int, kv_heads: int, keys: int, dim: int, spare: int = 9, seed: int = 0):
@@ -129,3 +128,46 @@ def test_bad_lengths_are_refused():
     for bad in (0, 11):
         with pytest.raises(RuntimeError, match="length must be in 1..10"):
             kernel_attention(query, key, value, None, torch.tensor([bad]))
+
+
+def test_the_dispatch_takes_the_kernel_where_it_serves_and_pytorch_elsewhere():
+    """`decode_attention` / `decode_attention_probs` are the one choice between the kernel and PyTorch: float32 on
+    a CPU gives exactly the kernel's output; with the kernel switched off, a soft-cap (which the kernel lacks) or
+    bfloat16 (which it does not serve), PyTorch's grouped product or SDPA answers, and every answer agrees with
+    PyTorch's attention."""
+    from kvsieve.kernels.attention import decode_attention, decode_attention_probs
+
+    key, value = cache_views(2, 2, 300, 64, seed=4)
+    query = torch.randn(2, 6, 1, 64, generator=torch.Generator().manual_seed(5))
+    lengths = torch.tensor([300, 170])
+    expected = grouped_attention(query, key, value, None, lengths)
+    served = kernel_attention(query, key, value, None, lengths)
+    assert served is not None and torch.equal(decode_attention(query, key, value, None, lengths), served)
+    assert torch.equal(decode_attention_probs(query, key, value, None, lengths)[0], served)
+    with fast_paths.using(attention_kernel=False):
+        out, probs = decode_attention_probs(query, key, value, None, lengths)
+        torch.testing.assert_close(decode_attention(query, key, value, None, lengths), expected)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(probs, grouped_probs(query, key, None, lengths)[:, :, 0])
+    capped = decode_attention(query, key, value, None, lengths, softcap=5.0)
+    torch.testing.assert_close(capped, grouped_attention(query, key, value, None, lengths, None, 5.0))
+    assert not torch.allclose(capped, expected, atol=1e-3)  # the cap was applied, not the kernel's plain attention
+    row = decode_attention(query[:1].bfloat16(), key[:1].bfloat16(), value[:1].bfloat16(), None)
+    torch.testing.assert_close(row.float(), dense_attention(query[:1], key[:1], value[:1], None), rtol=0.03, atol=0.03)
+
+
+def test_no_module_outside_the_kernels_package_calls_a_kernel():
+    """The fast paths' seam: only `kvsieve.kernels` calls kvsieve's C++ operators or loads their library, so each
+    operator's choice and fallback live in one place."""
+    from pathlib import Path
+
+    import kvsieve
+
+    package = Path(kvsieve.__file__).parent
+    calls = ("torch.ops.kvsieve", "native.load(", "kernels.native import load")
+    callers = [
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if path.parent.name != "kernels" and any(call in path.read_text() for call in calls)
+    ]
+    assert callers == []

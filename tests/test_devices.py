@@ -274,16 +274,16 @@ def test_the_static_step_as_a_gpu_records_it_reads_nothing_back_to_the_host(arch
     test captures it; this one keeps a host read from reaching it unnoticed on machines without a GPU. Rows: full
     attention, two H2O rows (scored together), A2SF, TOVA and StreamingLLM, all steady; on gemma3 the sliding
     layers' rings (prompts past their window) as well."""
-    from kvsieve import native
     from kvsieve.compress import stages
     from kvsieve.compress.cache import wrap_cache
     from kvsieve.engine import static_step
     from kvsieve.engine.batch import DecodeBatch, Row
+    from kvsieve.kernels import native
 
     monkeypatch.setattr(native, "load", lambda: False)  # products, attention and eviction in PyTorch's operators
     evictions = []
-    eviction = stages.steady_eviction
-    monkeypatch.setattr(stages, "steady_eviction", lambda *a: evictions.append(a[2]) or eviction(*a))
+    in_pytorch = stages.steady_eviction
+    monkeypatch.setattr(stages, "steady_eviction", lambda *a: evictions.append(a[2]) or in_pytorch(*a))
     model = model_in(torch.float32, arch=arch)
     cases = [("full", {}, 30), ("h2o", {"evict.budget": 24}, 61), ("h2o", {"evict.budget": 24}, 55)]
     cases += [("a2sf", {"evict.budget": 24}, 47), ("tova", {"evict.budget": 20}, 40)]

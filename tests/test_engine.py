@@ -253,17 +253,17 @@ def test_a_steady_static_step_reads_and_writes_the_same_memory_and_numbers(model
         for row, cache in zip(batch.rows, batch.caches, strict=True):
             seen += [(layer.length, layer.keys.data_ptr(), layer.keys.shape) for layer in cache.layers]
             if row.evict is not None:
-                evict = row.evict
-                seen += [evict.budget, evict.clock.data_ptr(), evict.stamps.data_ptr(), evict.stamps.shape]
+                evict, buffers = row.evict, row.evict.buffers
+                seen += [evict.budget, buffers.clock.data_ptr(), buffers.stamps.data_ptr(), buffers.stamps.shape]
                 seen += [(j, t.data_ptr(), t.shape) for j, t in sorted(evict.scores.items())]
         return seen
 
     batch.step()
-    first, clock = state(), int(batch.rows[1].evict.clock)
+    first, clock = state(), int(batch.rows[1].evict.buffers.clock)
     for _ in range(5):
         batch.step()
         assert state() == first
-    assert int(batch.rows[1].evict.clock) == clock + 5 and batch.entries(0) == 40 + 6
+    assert int(batch.rows[1].evict.buffers.clock) == clock + 5 and batch.entries(0) == 40 + 6
 
 
 def test_evicting_rows_score_from_the_steps_own_attention(model, monkeypatch):
@@ -271,8 +271,8 @@ def test_evicting_rows_score_from_the_steps_own_attention(model, monkeypatch):
     static, hand them the probabilities the step's attention computed (the CPU kernel's one pass over the keys,
     or `grouped_probs` without the kernel) and compute no second softmax; the three decode the same tokens' logits
     and leave the same running scores."""
-    import kvsieve.attention as attention
     import kvsieve.compress.policy as policy
+    import kvsieve.kernels.attention as attention
     from kvsieve.engine.batch import Row
     from kvsieve.pipeline import prefill
 

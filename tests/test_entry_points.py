@@ -116,17 +116,17 @@ def test_a_command_builds_the_kernels_before_the_prompt_is_timed(tiny_folder, tm
     """The CPU kernels' first build (about 11 s on a fresh machine) happens after loading, before the prompt, so
     it is never counted in a time to first token; it says so on stderr when it took over a second."""
     import kvsieve.engine.offline
-    import kvsieve.linear
+    import kvsieve.kernels.native
 
     order, generate = [], kvsieve.engine.offline.generate
-    monkeypatch.setattr(kvsieve.linear, "warm_up", lambda model: order.append("kernels") or 10.4)
+    monkeypatch.setattr(kvsieve.kernels.native, "warm_up", lambda model: order.append("kernels") or 10.4)
     monkeypatch.setattr(kvsieve.engine.offline, "generate", lambda *a, **k: order.append("prompt") or generate(*a, **k))
     context = tmp_path / "context.txt"
     context.write_text("the pass key is hello world")
     assert main(["generate", "--model", str(tiny_folder), "-c", str(context), "--max-new-tokens", "2"]) == 0
     assert order == ["kernels", "prompt"]
     assert "built the CPU's C++ decoding kernels in 10.4 s (once per machine)" in capsys.readouterr().err
-    monkeypatch.setattr(kvsieve.linear, "warm_up", lambda model: 0.01)  # built before: nothing said
+    monkeypatch.setattr(kvsieve.kernels.native, "warm_up", lambda model: 0.01)  # built before: nothing said
     assert main(["generate", "--model", str(tiny_folder), "-c", str(context), "--max-new-tokens", "2"]) == 0
     assert "kernels" not in capsys.readouterr().err
 

@@ -132,14 +132,15 @@ def test_steps_write_the_stamps_in_one_preallocated_table(make_model):
     done = prefill(model, make_prompt(40), MethodSpec("custom", evict=Evict(H2O(), 16, 4)), reserve=12)
     cache, state, position = done.prefilled.cache, done.state.evict, done.prefilled.next_position
     decoder = Decoder(model, cache, position, state)
-    table = state.stamp_table.data_ptr()
+    table = state.buffers.stamp_table.data_ptr()
     with torch.no_grad():
         for token in range(12):
             decoder.feed(token + 3)
-            assert state.stamps.data_ptr() == table
-            assert state.stamps.shape[0] == 2 and state.stamps.shape[2] == cache.get_seq_length()
-    assert state.clock == 16 + 12  # every step's entry got the next stamp
-    assert state.stamps.max() == 16 + 11 and len(set(state.stamps[0, 0].tolist())) == state.stamps.shape[2]
+            assert state.buffers.stamps.data_ptr() == table
+            assert state.buffers.stamps.shape[0] == 2 and state.buffers.stamps.shape[2] == cache.get_seq_length()
+    assert state.buffers.clock == 16 + 12  # every step's entry got the next stamp
+    stamps = state.buffers.stamps
+    assert stamps.max() == 16 + 11 and len(set(stamps[0, 0].tolist())) == stamps.shape[2]
 
 
 def test_in_place_eviction_refuses_layers_of_different_lengths(make_model):
@@ -187,15 +188,22 @@ def test_a_steady_eviction_in_pytorch_and_in_the_cpu_kernel_drop_the_same_entrie
     the rule picks (lowest score, oldest among ties, sinks and the recent tail protected; every entry protected:
     the oldest), moves the new entry's key and value (float32 or bfloat16) and stamp into its slot, leaves the
     other rows alone, writes the surviving scores into `carried` and advances the clock."""
-    from kvsieve import native
-    from kvsieve.compress.stages import steady_eviction
+    from unittest import mock
+
+    from kvsieve.kernels import native
+    from kvsieve.kernels.eviction import steady_eviction
 
     assert native.load()
+
+    def in_pytorch(*args):  # the dispatch's other branch, as on a GPU
+        with mock.patch.object(native, "load", return_value=False):
+            return steady_eviction(*args)
+
     sinks, recent = protected
     case = _steady_case(dtype, scored, seed=sum(protected) + scored)
     keys, values, row, scores, carried, stamps, clock, budget = case
     results = []
-    for evict in (steady_eviction, torch.ops.kvsieve.evict_lowest):
+    for evict in (in_pytorch, torch.ops.kvsieve.evict_lowest):
         args = [t.clone() for t in (keys, values)] + [row, [s.clone() for s in scores], [c.clone() for c in carried]]
         args += [stamps.clone(), clock.clone(), budget, sinks, recent]
         victims = evict(*args)
@@ -231,7 +239,7 @@ def test_a_steady_eviction_in_pytorch_and_in_the_cpu_kernel_drop_the_same_entrie
 def test_the_cpu_kernel_reads_scores_shared_by_the_kv_heads(single_thread):
     """TOVA scores every KV head with one row (`expand`: a stride of 0 between heads); the kernel reads such scores
     as they are and drops the entries it drops for the same scores laid out in full."""
-    from kvsieve import native
+    from kvsieve.kernels import native
 
     assert native.load()
     keys, values, row, _, _, stamps, clock, budget = _steady_case(torch.float32, False, seed=11)

@@ -9,10 +9,10 @@ import torch
 from conftest import build_model
 
 from kvsieve import fast_paths
-from kvsieve.attention.decode_kernel import supports
 from kvsieve.engine.batch import DecodeBatch
 from kvsieve.errors import KvsieveError
-from kvsieve.linear import fused_rows
+from kvsieve.kernels.attention import supports
+from kvsieve.kernels.products import fused_rows
 
 
 def test_the_environment_gives_the_defaults_and_a_bad_value_says_what_to_write(monkeypatch):

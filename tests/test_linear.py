@@ -1,4 +1,4 @@
-"""The CPU product of a decoding step's few rows (`kvsieve.linear`, given to every model by `prepare`).
+"""The CPU product of a decoding step's few rows (`kvsieve.kernels.products`, given to every model by `prepare`).
 
 It must compute what `F.linear` computes (up to the order of a float32 sum) for every row count, shape and
 dtype it takes, leave larger products, grad-enabled ones and other dtypes to PyTorch, keep the model's
@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 from conftest import build_model, tiny_config
 
-import kvsieve.linear as linear_module
-from kvsieve import fast_paths, native, prepare
-from kvsieve.linear import FusedLinear, fuse_linears, kernel_product
+import kvsieve.kernels.products as products
+from kvsieve import fast_paths, prepare
+from kvsieve.kernels import native
+from kvsieve.kernels.products import FusedLinear, fuse_linears, kernel_product
 from kvsieve.quantize import Int8Linear
 
 
@@ -27,7 +28,7 @@ def counted(monkeypatch) -> list[int]:
         calls.append(x.reshape(-1, x.shape[-1]).shape[0])
         return kernel_product(x, weight, scale)
 
-    monkeypatch.setattr(linear_module, "kernel_product", counting)
+    monkeypatch.setattr(products, "kernel_product", counting)
     return calls
 
 
@@ -170,7 +171,7 @@ def test_warm_up_builds_the_kernels_a_decoding_step_calls(monkeypatch):
     loads: list[bool] = []
     monkeypatch.setattr(native, "load", lambda: loads.append(True) or True)
     with fast_paths.using(fused_products=False, attention_kernel=False):
-        assert linear_module.warm_up(model) == 0.0 and loads == []
+        assert native.warm_up(model) == 0.0 and loads == []
     with fast_paths.using(fused_products=False):  # either kernel on: the library is loaded
-        linear_module.warm_up(model)
+        native.warm_up(model)
     assert loads == [True]

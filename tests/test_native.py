@@ -1,4 +1,4 @@
-"""The C++ kernels' library (`kvsieve.native`): built once per machine and reused, and where it cannot be built
+"""The C++ kernels' library (`kvsieve.kernels.native`): built once per machine and reused, and where it cannot be built
 (no compiler, a compiler that fails) one warning, then PyTorch's attention and products answer instead."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvsieve import native
 from kvsieve.attention import dense_attention, grouped_attention
-from kvsieve.attention.decode_kernel import kernel_attention
-from kvsieve.linear import fuse_linears
+from kvsieve.kernels import native
+from kvsieve.kernels.attention import kernel_attention
+from kvsieve.kernels.products import fuse_linears
 from kvsieve.quantize import Int8Linear
 
 
@@ -32,7 +32,7 @@ def test_a_built_library_is_reused(monkeypatch):
 @pytest.mark.parametrize(
     ("compiler", "said"),
     [
-        ("false", "compiling decode_kernel.cpp, decode_products.cpp, evict_kernel.cpp failed"),
+        ("false", "compiling attention.cpp, products.cpp, eviction.cpp failed"),
         ("/no/such/c++", "no C++ compiler '/no/such/c++'"),
     ],
 )
@@ -46,7 +46,7 @@ def test_without_a_compiler_pytorch_answers_after_one_warning(compiler, said, mo
     layer = fuse_linears(torch.nn.Linear(16, 8))
     int8 = Int8Linear(torch.nn.Linear(16, 8))
     x = torch.randn(1, 16, generator=generator)
-    with caplog.at_level(logging.WARNING, logger="kvsieve.native"), torch.no_grad():
+    with caplog.at_level(logging.WARNING, logger="kvsieve.kernels"), torch.no_grad():
         assert kernel_attention(query, key, value, None) is None
         out = dense_attention(query, key, value, None)
         product = layer(x)
@@ -63,7 +63,7 @@ def test_every_source_and_header_is_shipped_in_the_package():
     """A wheel holds what pyproject's package data names: a kernel file it missed would leave an installed
     kvsieve without its kernels (one warning, then PyTorch's slower operators)."""
     tomllib = pytest.importorskip("tomllib", reason="Python 3.11's TOML reader (the project's CI runs 3.11)")
-    root = Path(native.__file__).parent
+    root = Path(native.__file__).parents[1]  # the package's folder, which package data is relative to
     patterns = tomllib.loads((root.parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     shipped = {path for pattern in patterns["kvsieve"] for path in root.glob(pattern)}
     assert {*native.SOURCES, *native.HEADERS} <= shipped

@@ -16,11 +16,11 @@ import pytest
 import torch
 from conftest import FakeTokenizer, build_model, make_prompt
 
-import kvsieve.quantize as quantize_module
+import kvsieve.kernels.products as products
 from kvsieve import KvsieveError, Sampling, method, run
-from kvsieve.linear import kernel_product
+from kvsieve.kernels.products import int8_linear, kernel_product
 from kvsieve.pipeline import prefill
-from kvsieve.quantize import Int8Linear, int8_linear, quantize
+from kvsieve.quantize import Int8Linear, quantize
 
 
 def dequantized_twin(model: torch.nn.Module, quantized: torch.nn.Module) -> torch.nn.Module:
@@ -49,7 +49,7 @@ def test_an_int8_model_computes_what_its_dequantized_weights_compute(arch, singl
     torch.testing.assert_close(ours, prefill(twin, prompt, method=spec).prefilled.last_logits, rtol=1e-5, atol=1e-5)
     # decoding: one row per step, the C++ kernel
     calls = []
-    monkeypatch.setattr(quantize_module, "kernel_product", lambda *args: calls.append(args) or kernel_product(*args))
+    monkeypatch.setattr(products, "kernel_product", lambda *args: calls.append(args) or kernel_product(*args))
     answer = run(quantized, FakeTokenizer(), prompt, method=spec, sampling=sampling)
     assert calls and all(scale is not None for _, _, scale in calls)
     assert answer.tokens == run(twin, FakeTokenizer(), prompt, method=spec, sampling=sampling).tokens

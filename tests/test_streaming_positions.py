@@ -58,7 +58,7 @@ def _stream(model, ids: torch.Tensor, prompt: int, evict: Evict):
 def _in_time_order(cache, state, layer: int = 0) -> torch.Tensor:
     """Layer `layer`'s keys (kv_heads, n, d), entries sorted by age (the buffer is not in time order)."""
     keys = cache.layers[layer].keys[0]
-    order = state.stamps[layer].argsort(dim=1)
+    order = state.buffers.stamps[layer].argsort(dim=1)
     return keys.gather(1, order[:, :, None].expand(-1, -1, keys.shape[-1]))
 
 
@@ -89,7 +89,7 @@ def test_reencoded_cache_equals_a_fresh_run_on_sinks_and_window(single_thread, a
     assert BUDGET <= length < BUDGET + interval
     assert isinstance(cache.layers[0], DecodeBuffer)
     # Every entry sits at its rank in time order.
-    assert torch.equal(state.positions[0], state.stamps[0].argsort(1).argsort(1))
+    assert torch.equal(state.reencoding.positions[0], state.buffers.stamps[0].argsort(1).argsort(1))
     tokens = _cached_tokens(ids, fed, length)
     keys, logits = _fresh(model, torch.cat([tokens, ids[:, fed : fed + 1]], 1), torch.arange(length + 1))
     torch.testing.assert_close(_in_time_order(cache, state), keys[:, :length], atol=2e-5, rtol=1e-4)
@@ -108,7 +108,7 @@ def test_reencoded_layer_zero_of_a_deeper_model(make_model):
     keys, _ = _fresh(model, tokens, torch.arange(BUDGET))
     torch.testing.assert_close(_in_time_order(cache, state), keys, atol=2e-5, rtol=1e-4)
     for layer in range(3):  # the same places in every layer
-        assert torch.equal(state.positions[layer], state.positions[0])
+        assert torch.equal(state.reencoding.positions[layer], state.reencoding.positions[0])
 
 
 def test_kept_positions_are_unchanged(single_thread):
@@ -118,7 +118,7 @@ def test_kept_positions_are_unchanged(single_thread):
     evict = Evict(StreamingLLM(SINKS), BUDGET)
     assert not evict.reencodes
     _, cache, state, fed = _stream(model, ids, 40, evict)
-    assert state.positions == {} and state.arch is None
+    assert state.reencoding is None
     assert state.position(cache.get_seq_length(), fed) == fed
     tokens = _cached_tokens(ids, fed, BUDGET)
     positions = torch.cat([torch.arange(SINKS), torch.arange(fed - (BUDGET - SINKS), fed)])
@@ -161,7 +161,7 @@ def test_plain_cache_path_reencodes_like_the_buffers(make_model, interval):
             tokens.append(int(logits.argmax()))
     assert not isinstance(cache.layers[0], DecodeBuffer)
     assert tokens == buffered.tokens
-    assert torch.equal(state.positions[0], torch.arange(cache.get_seq_length()).expand(2, -1))
+    assert torch.equal(state.reencoding.positions[0], torch.arange(cache.get_seq_length()).expand(2, -1))
 
 
 def test_reencode_after_a_compress_stage_places_each_heads_kept_tokens(single_thread):
@@ -200,7 +200,7 @@ def test_a_reencoded_stream_outlasts_the_models_positions(single_thread):
     evict = Evict(StreamingLLM(SINKS, reencode=True), BUDGET)
     result = run(model, FakeTokenizer(), prompt, evict=evict, sampling=Sampling(100))
     assert len(result.tokens) == 100 and result.kv_cache_length == BUDGET
-    assert int(result.state.evict.positions[0].max()) == BUDGET - 1
+    assert int(result.state.evict.reencoding.positions[0].max()) == BUDGET - 1
     ids = torch.randint(3, VOCAB, (1, 120), generator=torch.Generator().manual_seed(6))
     decoder, cache, state, fed = _stream(model, ids, 8, evict)  # 4x the model's positions, token by token
     with torch.no_grad():

@@ -208,7 +208,7 @@ def _load(args: argparse.Namespace, warm_steps: bool = False):
     (`kvsieve.engine.batch.warm_up`); a one-shot command's step compiles at its first token instead."""
     from kvsieve import fast_paths
     from kvsieve.engine.batch import warm_up
-    from kvsieve.linear import warm_up as warm_up_kernels
+    from kvsieve.kernels.native import warm_up as warm_up_kernels
     from kvsieve.models import load_model
 
     if args.compile_steps:

@@ -1,7 +1,7 @@
 """Which fast paths the decoding steps take: one set of switches, read once from the environment.
 
-    attention_kernel  KVSIEVE_ATTENTION_KERNEL  on   the CPU's C++ decoding attention (`attention.decode_kernel`)
-    fused_products    KVSIEVE_FUSED_PRODUCTS    on   the CPU's C++ few-row products (`linear`)
+    attention_kernel  KVSIEVE_ATTENTION_KERNEL  on   the CPU's C++ decoding attention (`kernels.attention`)
+    fused_products    KVSIEVE_FUSED_PRODUCTS    on   the CPU's C++ few-row products (`kernels.products`)
     compiled_steps    KVSIEVE_COMPILED_STEPS    off  decoding steps compiled by torch.compile (`engine.static_step`)
     cuda_graphs       KVSIEVE_CUDA_GRAPHS       on   on CUDA, the static decoding step captured as a CUDA graph
 

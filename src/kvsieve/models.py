@@ -34,7 +34,7 @@ from transformers.utils import logging as hf_logging
 
 from kvsieve.attention import ATTENTION_NAME
 from kvsieve.errors import KvsieveError
-from kvsieve.linear import fuse_linears
+from kvsieve.kernels.products import fuse_linears
 from kvsieve.paths import cache_dir
 from kvsieve.quantize import QUANTIZE_CHOICES
 from kvsieve.quantize import quantize as quantize_weights
@@ -222,7 +222,7 @@ def _cache_keyword(forward: Callable) -> str:
 
 def prepare(model: PreTrainedModel) -> PreTrainedModel:
     """Check that kvsieve supports `model`, route its attention through kvsieve's function and give its linear
-    layers the fused CPU product for decoding steps (`kvsieve.linear.fuse_linears`).
+    layers the fused CPU product for decoding steps (`kvsieve.kernels.products.fuse_linears`).
 
     The function is registered with transformers' public AttentionInterface; no model class is
     patched. Without hooks active it computes plain causal SDPA attention.

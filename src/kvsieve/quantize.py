@@ -1,18 +1,18 @@
 """Weight-only int8: every linear layer's weights as int8 with one float32 scale per output row.
 
 A decoding step reads every weight once per token, so on a CPU a small model's step is bound by
-moving its weights (docs/STUDIES.md, issue 26): int8 weights are a quarter of float32's bytes.
+moving its weights (docs/PERFORMANCE.md): int8 weights are a quarter of float32's bytes.
 Activations stay in the model's dtype; only the stored weights change, rounded to the nearest of
 255 levels per output row (absmax scaling, symmetric: w ~= scale[o] * q[o, i], |q| <= 127).
 
-How a product runs (`int8_linear`):
-- a few rows (decoding steps, up to `KERNEL_ROWS`) on the CPU: the C++ kernel of `kvsieve.linear`
+How a product runs (`kvsieve.kernels.products.int8_linear`):
+- a few rows (decoding steps, up to `KERNEL_ROWS`) on the CPU: the C++ kernel of `kvsieve.kernels.products`
   with a scale, which reads each int8 weight once, widens it in the registers and multiplies-and-sums,
   so no float copy of the weights is ever written (SmolLM2's 211 products, one row: 6.0 ms, against
   12.3 for the inductor-compiled kernel it replaced; 8 rows 18.0 against 39.7), also called from
   inside a compiled graph, except for one row, whose product is traced into the graph (as in
-  `kvsieve.linear`). Where the library cannot be built, the dequantized product
-  runs instead (`kvsieve.native` warns once);
+  `kvsieve.kernels.products`). Where the library cannot be built, the dequantized product
+  runs instead (`kvsieve.kernels.native` warns once);
 - anything else (a prefill, a GPU): the weights dequantized to the activations' dtype, then
   `F.linear`. On a GPU this saves memory and costs time (an H200's captured step: 3.8 -> 5.8 ms; no
   fused int8 GPU kernel is shipped).
@@ -26,30 +26,14 @@ from __future__ import annotations
 import gc
 
 import torch
-import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from kvsieve.errors import KvsieveError
-from kvsieve.linear import KERNEL_ROWS, TRACED_ROWS, fused_rows, kernel_product, traced_product
+from kvsieve.kernels.products import int8_linear
 from kvsieve.memory import release_freed
 
 QUANTIZE_CHOICES = ("none", "int8")
 QUANTIZE_ROWS = 4096  # output rows quantized at a time (a 49152-row LM head would need 3 float copies at once)
-
-
-def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (..., in) times int8 `weight` (out, in) with per-row `scale` (out,), plus `bias`; in x's dtype."""
-    out = None
-    if fused_rows(x, KERNEL_ROWS):
-        if torch.compiler.is_compiling() and fused_rows(x, TRACED_ROWS):  # one row in a compiled graph: traced
-            flat = x.reshape(-1, x.shape[-1]).float()
-            out = (traced_product(flat, weight) * scale).view(*x.shape[:-1], weight.shape[0])
-        else:
-            out = kernel_product(x, weight, scale)  # (..., out)
-        out = out.to(x.dtype) if out is not None and out.dtype != x.dtype else out
-    if out is None:
-        out = F.linear(x, (weight.float() * scale[:, None]).to(x.dtype))
-    return out if bias is None else out + bias
 
 
 class Int8Linear(torch.nn.Module):

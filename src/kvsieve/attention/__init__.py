@@ -35,17 +35,9 @@ import torch
 from transformers import AttentionInterface
 
 from kvsieve.attention.accumulate import AccumulatedScores, AttentionRows, accumulating_attention
-from kvsieve.attention.decode_kernel import kernel_attention, kernel_attention_probs
-from kvsieve.attention.dense import (
-    attend_values,
-    bottom_right_causal_mask,
-    dense_attention,
-    grouped_attention,
-    grouped_probs,
-    local_attention,
-    repeat_kv,
-)
+from kvsieve.attention.dense import bottom_right_causal_mask, dense_attention, local_attention, repeat_kv
 from kvsieve.errors import KvsieveError
+from kvsieve.kernels.attention import decode_attention, decode_attention_probs, grouped_attention
 
 ATTENTION_NAME = "kvsieve"
 
@@ -157,8 +149,9 @@ def _hooked(
     scaling: float | None,
     lengths: torch.Tensor | None,
 ) -> torch.Tensor:
-    """`kvsieve_attention` on a global layer without a soft-cap: dense, the prefill kernel, a padded batch's step, with
-    the hooks' observers served from the attention's own pass where they can be: (b, h, q, d)."""
+    """`kvsieve_attention` on a global layer without a soft-cap: a decoding step (`kvsieve.kernels.attention`, which
+    chooses the CPU's kernel or PyTorch's), a dense prefill or the prefill kernel, with the hooks' observers served
+    from the attention's own pass where they can be: (b, h, q, d)."""
     kernel = hooks.kernel if query.shape[2] > 1 else None
     observers = hooks.active_observers()
     rows = [o for o in observers if isinstance(o, AttentionRows)]
@@ -170,18 +163,12 @@ def _hooked(
     for observer in observers:
         if not any(observer is f for f in fused) and not isinstance(observer, AttentionRows):
             observer(layer, query, key)
-    if rows:  # a decoding step and its probabilities, from one pass where the CPU's kernel serves it
-        attended = kernel_attention_probs(query, key, value, scaling, lengths)
-        if attended is None:
-            probs = grouped_probs(query, key, scaling, lengths)
-            attended = attend_values(probs, value), probs[:, :, 0]
-        out, probs = attended
+    if rows:  # a decoding step and its probabilities
+        out, probs = decode_attention_probs(query, key, value, scaling, lengths)
         for observer in rows:
             observer.receive(layer, probs, key.shape[1])
-    elif lengths is not None:  # a padded batch's decoding step: the CPU's kernel where it serves it
-        out = kernel_attention(query, key, value, scaling, lengths)
-        if out is None:
-            out = grouped_attention(query, key, value, scaling, lengths)
+    elif lengths is not None:  # a padded batch's decoding step
+        out = decode_attention(query, key, value, scaling, lengths)
     elif fused:
         out, scores = accumulating_attention(query, key, value, scaling, [f.alpha for f in fused])
         for observer, layer_scores in zip(fused, scores, strict=True):
@@ -218,16 +205,18 @@ def _windowed_or_capped(
     for observer in observers:
         if not isinstance(observer, AttentionRows):
             observer(layer, query, key)
-    if rows:
-        probs = grouped_probs(query, key, scaling, lengths, window, softcap)
+    if rows:  # a soft-capped global layer's decoding step (a sliding layer has no observers)
+        out, probs = decode_attention_probs(query, key, value, scaling, lengths, softcap)
         for observer in rows:
-            observer.receive(layer, probs[:, :, 0], key.shape[1])
-        return attend_values(probs, value)
-    if lengths is None:
+            observer.receive(layer, probs, key.shape[1])
+        return out
+    if lengths is None and query.shape[2] > 1:
         return local_attention(query, key, value, scaling, window, softcap)
-    # A padded batch's step: its sliding layers are rings of at most W entries (`WindowBuffer`), all in the window.
-    out = kernel_attention(query, key, value, scaling, lengths) if softcap is None else None
-    return out if out is not None else grouped_attention(query, key, value, scaling, lengths, None, softcap)
+    # A decoding step: one row's last W columns, or a padded batch's sliding layers, rings of at most W entries
+    # (`WindowBuffer`), all in the window.
+    if lengths is None and window is not None:
+        key, value = key[:, :, -window:], value[:, :, -window:]
+    return decode_attention(query, key, value, scaling, lengths, softcap)
 
 
 AttentionInterface.register(ATTENTION_NAME, kvsieve_attention)

@@ -244,6 +244,57 @@ class WindowBuffer(DecodeBuffer):
         return WindowBuffer(*self.in_order(), self.window)
 
 
+class EntryTables:
+    """What a row's in-place eviction works on (`EvictRun.in_place`): the key and value `tables` of every layer it
+    evicts at once ((layers, 1, kv_heads, capacity, d), the row's slices of the engine's batch tables, which the
+    batch hands over anew when it rebuilds them, `EvictRun.retable`), the entries' ages in a stamp table as wide
+    (`stamps` is its first n columns, one per live entry), and `clock`, the stamp the next new entry gets (a 0-d
+    tensor: a captured step reads and advances it). After an eviction the entries are no longer in time order in
+    the buffers; their stamps still tell their age (sinks, recent entries, the oldest among equal scores)."""
+
+    def __init__(self, tables: tuple[torch.Tensor, torch.Tensor], heads: int, length: int, capacity: int):
+        self.tables: tuple[torch.Tensor, torch.Tensor] | None = tables
+        layers, device = tables[0].shape[0], tables[0].device
+        self.stamp_table = torch.empty(layers, heads, capacity, dtype=torch.long, device=device)
+        self.stamp_table[:, :, :length] = torch.arange(length, device=device)
+        self.stamps = self.stamp_table[:, :, :length]
+        self.clock = torch.tensor(length, device=device)
+
+    def stamp(self, length: int) -> None:
+        """Give the entries a step appended (the buffers now hold `length`) the next stamps, in place."""
+        old = self.stamps.shape[2]
+        if length == old:
+            return
+        self.room(length)
+        table = self.stamp_table
+        table[:, :, old:length] = self.clock + torch.arange(length - old, device=table.device)
+        self.stamps = table[:, :, :length]
+        self.clock.add_(length - old)
+
+    def room(self, length: int) -> None:
+        """A stamp table at least `length` wide: a new one, twice as long, only if the buffers outgrew it."""
+        table, old = self.stamp_table, self.stamps.shape[2]
+        if length > table.shape[2]:
+            table = table.new_empty(*table.shape[:2], max(length, 2 * table.shape[2]))
+            table[:, :, :old] = self.stamps
+            self.stamp_table, self.stamps = table, table[:, :, :old]
+
+    def compact(self, sources: torch.Tensor, targets: torch.Tensor, length: int) -> None:
+        """Move entries sources -> targets ((layers x kv_heads, m) each, `compaction`'s) in the key and value tables
+        and the stamps, keeping the first `length`."""
+        for table in self.tables:
+            move_entries(table, sources, targets)
+        self.stamps = moved(self.stamps, sources, targets, length)
+
+
+def moved(table: torch.Tensor, sources: torch.Tensor, targets: torch.Tensor, length: int) -> torch.Tensor:
+    """A (layers, kv_heads, n) table (or a view) with entry sources[r, i] of row r (layer x KV head) copied to
+    targets[r, i] in place, as `move_entries` moves the buffers' entries; its first `length` columns."""
+    flat = table.view(-1, table.shape[-1])
+    flat.scatter_(1, targets, flat.gather(1, sources))
+    return table[:, :, :length]
+
+
 def move_entries(buffer: torch.Tensor, sources: torch.Tensor, targets: torch.Tensor) -> None:
     """In a (..., capacity, d) buffer whose leading dimensions flatten to the R rows of `sources` and
     `targets` (R, m), copy entry sources[r, i] of row r to targets[r, i]; every entry is read first.

@@ -30,26 +30,24 @@ from typing import Any
 import torch
 from transformers import Cache
 
-from kvsieve import native
 from kvsieve.attention import AccumulatedScores, AttentionRows, Finisher, Observer
 from kvsieve.compress.cache import (
-    DecodeBuffer,
+    EntryTables,
     budgeted_layers,
     compaction,
     is_windowed,
     kv_entries,
-    move_entries,
+    moved,
     prune_layer,
-    rerotate_keys,
     resolve_budget,
-    rotation,
 )
 from kvsieve.compress.policies.a2sf import A2SF
 from kvsieve.compress.policies.snapkv import SnapKV
 from kvsieve.compress.policy import Policy
+from kvsieve.compress.reencoding import Reencoding
 from kvsieve.compress.scorers import accumulated_attention, keep_indices, newest_first
 from kvsieve.errors import KvsieveError
-from kvsieve.models import Architecture, architecture
+from kvsieve.kernels.eviction import evictable_scores, lowest_oldest, steady_eviction
 from kvsieve.spec import component, option
 
 BUDGET_HELP = "KV entries kept per layer and KV head: a count (1024) or a fraction of the prompt (0.25)"
@@ -289,7 +287,7 @@ class Evict:
 
     def begin(self) -> EvictRun:
         """A fresh per-run state for one request."""
-        return EvictRun(self)
+        return EvictRun(self, reencoding=Reencoding() if self.reencodes else None)
 
 
 @dataclass
@@ -297,14 +295,12 @@ class EvictRun:
     """One request's eviction: running scores per layer, the resolved budget, steps since start.
 
     On a cache in preallocated `DecodeBuffer` layers (the engine's decoding batch, which calls
-    `in_place`) steps write and evict in place, and `stamps` ((layers, kv_heads, n), a view of a
-    preallocated table that a step writes one column of) keep each entry's age since the entries are
-    no longer in time order. On any other cache eviction gathers the kept entries into new tensors,
-    in time order.
+    `in_place`) steps write and evict in place, in `buffers` (`EntryTables`: the row's key and value tables and
+    each entry's age, since the entries are no longer in time order). On any other cache eviction gathers the
+    kept entries into new tensors, in time order.
 
-    With a re-encoding policy, `positions` (per layer, (kv_heads, n)) hold each entry's RoPE
-    position, which is always its rank in time order among the live entries: after an eviction
-    the kept keys are rotated by (new rank - old position) with the model's rotary embedding.
+    With a re-encoding policy, `reencoding` (`Reencoding`) holds each entry's RoPE position, which is always its
+    rank in time order among the live entries, and rotates the kept keys after each eviction.
     """
 
     config: Evict
@@ -312,13 +308,8 @@ class EvictRun:
     budget: int = 0
     total: int = 0  # entries per layer when the budget was resolved (0: not yet)
     steps: int = 0
-    stamps: torch.Tensor | None = None  # (layers, kv_heads, n) ages in buffers (`in_place`), else None
-    stamp_table: torch.Tensor | None = None  # (layers, kv_heads, capacity): `stamps` is its first n columns
-    clock: torch.Tensor | None = None  # the stamp the next new entry gets, a 0-d tensor (`in_place`)
-    positions: dict[int, torch.Tensor] = field(default_factory=dict)  # re-encoding only
-    arch: Architecture | None = None  # the model's layers and their rotary embeddings, once re-encoding has started
-    turn: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's rotation, shared by the layers of one RoPE
-    tables: tuple[torch.Tensor, torch.Tensor] | None = None  # every evicted layer's buffers as one block (`in_place`)
+    buffers: EntryTables | None = None  # the tables and ages it evicts in (`in_place`), else None
+    reencoding: Reencoding | None = None  # StreamingLLM's positions by place in the cache, else None
     layers: list[int] = field(default_factory=list)  # the layers it evicts: all but a hybrid model's windowed ones
 
     def observers(self, prior: PrefixSums | None = None) -> list[Observer]:
@@ -338,11 +329,16 @@ class EvictRun:
                 return
             keys = cache.layers[layer].keys
             self._resolve(keys.shape[2])
-            if self.config.reencodes:  # a one-pass prefill's keys sit at positions 0 .. n-1
-                self.positions[layer] = torch.arange(keys.shape[2], device=keys.device).expand(keys.shape[1], -1)
+            if self.reencoding is not None:  # a one-pass prefill's keys sit at positions 0 .. n-1
+                self.reencoding.place(layer, keys)
             self._prune_layer(cache, layer)
 
         return finish
+
+    @property
+    def reads_attention(self) -> bool:
+        """Whether its per-step rule reads nothing but the step's attention row (`Policy.step_reads_attention`)."""
+        return self.config.policy.step_reads_attention
 
     def step_observers(self) -> list[Observer | AttentionRows]:
         """Observers for one request's decoding steps. A policy whose step rule reads only the new query's
@@ -385,22 +381,19 @@ class EvictRun:
         self.layers = budgeted_layers(cache)
         self._resolve(max(kv_entries(cache), 1))
         self.steps = 0
-        if self.config.reencodes:
+        if self.reencoding is not None:
             if model is None:
                 raise KvsieveError(
                     f"{self.config.name} with reencode rotates the cached keys with the model's rotary embedding; "
                     "pass the model to EvictRun.start (kvsieve.prefill and kvsieve.run do)."
                 )
-            for layer in self.layers:
-                entry = cache.layers[layer]
-                if layer not in self.positions:  # the finisher's layers have theirs
-                    heads, n = entry.keys.shape[1], entry.keys.shape[2]
-                    everything = torch.arange(n, device=entry.keys.device).expand(heads, n)
-                    self.positions[layer] = everything if kept_positions is None else kept_positions[layer]
+            for layer in self.layers:  # the finisher's layers have theirs
+                kept = None if kept_positions is None else kept_positions[layer]
+                self.reencoding.place(layer, cache.layers[layer].keys, kept)
         for layer in self.layers:
             self._prune_layer(cache, layer)
-        if self.config.reencodes:
-            self.arch = architecture(model)
+        if self.reencoding is not None:
+            self.reencoding.start(model)
             for layer in self.layers:
                 self._reencode(cache, layer)
         _, note = resolve_budget(self.config.budget, self.total)
@@ -422,12 +415,29 @@ class EvictRun:
         if not self.layers:
             return
         first = cache.layers[self.layers[0]]
-        (_, heads, length, _), device = first.keys.shape, first.keys.device
-        self.tables = tables
-        self.stamp_table = torch.empty(len(self.layers), heads, first.capacity, dtype=torch.long, device=device)
-        self.stamp_table[:, :, :length] = torch.arange(length, device=device)
-        self.stamps = self.stamp_table[:, :, :length]
-        self.clock = torch.tensor(length, device=device)  # a tensor: a captured step reads and advances it
+        self.buffers = EntryTables(tables, first.keys.shape[1], first.keys.shape[2], first.capacity)
+
+    def retable(self, tables: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """The batch moved the row's entries into new `tables` (as `in_place`'s), or None: the row left it."""
+        if self.buffers is not None:
+            self.buffers.tables = tables
+
+    def steady(self, cache: Cache) -> bool:
+        """Whether the row can take static steps (`kvsieve.engine.static_step`): it evicts in buffers, one entry per
+        KV head every step, without re-encoding, and `cache` is at the budget in every layer it evicts from (a hybrid
+        model's global layers)."""
+        return (
+            self.config.interval == 1
+            and not self.config.reencodes
+            and self.buffers is not None
+            and all(cache.layers[j].length == self.budget for j in self.layers)
+        )
+
+    def carried_scores(self) -> list[torch.Tensor]:
+        """The running scores, per evicted layer in order, moved into tensors of their own: a static step's observers
+        read them and its eviction (`steady_step`) writes the survivors back into them every step."""
+        self.scores = {j: scores.clone() for j, scores in self.scores.items()}
+        return [self.scores[j] for j in sorted(self.scores)]
 
     def position(self, length: int, logical: int) -> int:
         """The position of the next token fed on a cache of `length` entries: that length when
@@ -436,20 +446,17 @@ class EvictRun:
 
     def after_step(self, cache: Cache) -> None:
         self.steps += 1
-        self.turn = None
-        for layer, placed in self.positions.items():  # the new entries sit at the old length, ...
-            n = cache.layers[layer].keys.shape[2]
-            new = torch.arange(placed.shape[1], n, device=placed.device)
-            self.positions[layer] = torch.cat([placed, new.expand(placed.shape[0], -1)], 1)
+        if self.reencoding is not None:
+            self.reencoding.grow(cache)
         if self._one_over(cache):  # in buffers, one new entry over the budget, evicted now: the steady eviction
             for layer in self.layers:
                 cache.layers[layer].truncate(self.budget)  # its new entry stays at column `budget`, for the eviction
-            self._evict_newest(*self.tables, 0, None)
+            self._evict_newest(*self.buffers.tables, 0, None)
             return
-        if self.stamps is not None:
-            self._stamp(kv_entries(cache))
+        if self.buffers is not None:
+            self.buffers.stamp(kv_entries(cache))
         if self.steps % self.config.interval == 0:
-            if self.stamps is not None:
+            if self.buffers is not None:
                 self._evict_in_buffers(cache)
             else:
                 for layer in self.layers:
@@ -459,7 +466,7 @@ class EvictRun:
         """A static step's eviction of this steady row (`engine.static_step`): every layer's new entry sits at
         column `budget` of the batch tables `keys`/`values` (layers, rows, kv_heads, capacity, d), in row `row`, and
         the step's observers left its running scores in `scores` (per layer (kv_heads, budget + 1)). One entry per
-        KV head goes, in place (`steady_eviction`; on a CPU the same in one pass, `torch.ops.kvsieve.evict_lowest`),
+        KV head goes, in place (`kvsieve.kernels.eviction.steady_eviction`: a CPU's kernel or PyTorch's operators),
         and the surviving scores go into `carried` (per layer (kv_heads, budget), the tensors the step read them
         from), where `scores` then points."""
         self.steps += 1
@@ -469,9 +476,11 @@ class EvictRun:
         """Whether this step's eviction is a steady one (`steady_step`): the cache in buffers, one entry per KV head
         over the budget in every layer (the step's own, without stamp yet), to be evicted now, no re-encoding, and
         every layer's running scores taken over the new entry too."""
-        if self.stamps is None or self.positions or self.steps % self.config.interval != 0:
+        if self.buffers is None or self.reencoding is not None or self.steps % self.config.interval != 0:
             return False
-        if self.stamps.shape[2] != self.budget or any(cache.layers[j].length != self.budget + 1 for j in self.layers):
+        if self.buffers.stamps.shape[2] != self.budget:
+            return False
+        if any(cache.layers[j].length != self.budget + 1 for j in self.layers):
             return False
         return self.config.policy.position_only or (
             len(self.scores) == len(self.layers)
@@ -482,41 +491,18 @@ class EvictRun:
         self, keys: torch.Tensor, values: torch.Tensor, row: int, carried: list[torch.Tensor] | None
     ) -> None:
         """`steady_step`'s eviction (the step already counted); `carried` None: new tensors."""
-        self._room(self.budget + 1)
+        buffers = self.buffers
+        buffers.room(self.budget + 1)
         scores = [] if self.config.policy.position_only else [self.scores[j] for j in self.layers]
         scores = [s if s.stride(-1) == 1 else s.contiguous() for s in scores]  # TOVA's rows of heads: stride 0, kept
         if carried is None:
             carried = [s.new_empty(s.shape[0], self.budget) for s in scores]
         sinks, recent = self.config.policy.protected(self.budget)
-        arguments = (keys, values, row, scores, carried, self.stamp_table, self.clock, self.budget, sinks, recent)
-        on_cpu = keys.device.type == "cpu" and all(s.dtype == torch.float32 for s in scores)
-        if on_cpu and native.load():
-            torch.ops.kvsieve.evict_lowest(*arguments)
-        else:
-            steady_eviction(*arguments)
-        self.stamps = self.stamp_table[:, :, : self.budget]
+        table, clock = buffers.stamp_table, buffers.clock
+        steady_eviction(keys, values, row, scores, carried, table, clock, self.budget, sinks, recent)
+        buffers.stamps = buffers.stamp_table[:, :, : self.budget]
         if scores:
             self.scores = dict(zip(self.layers, carried, strict=True))
-
-    def _stamp(self, length: int) -> None:
-        """Give the entries a step appended (the buffers now hold `length`) the next stamps, in place
-        in the stamp table."""
-        old = self.stamps.shape[2]
-        if length == old:
-            return
-        self._room(length)
-        table = self.stamp_table
-        table[:, :, old:length] = self.clock + torch.arange(length - old, device=table.device)
-        self.stamps = table[:, :, :length]
-        self.clock.add_(length - old)
-
-    def _room(self, length: int) -> None:
-        """A stamp table at least `length` wide: a new one, twice as long, only if the buffers outgrew it."""
-        table, old = self.stamp_table, self.stamps.shape[2]
-        if length > table.shape[2]:
-            table = table.new_empty(*table.shape[:2], max(length, 2 * table.shape[2]))
-            table[:, :, :old] = self.stamps
-            self.stamp_table, self.stamps = table, table[:, :, :old]
 
     def _resolve(self, total: int) -> None:
         if not self.total:
@@ -532,11 +518,12 @@ class EvictRun:
         sinks, recent = self.config.policy.protected(self.budget)
         indices = keep_indices(scores, self.budget, sinks, recent)
         prune_layer(cache, layer, indices)
-        for tracked in (self.scores, self.positions):
-            if layer in tracked:
-                tracked[layer] = tracked[layer].gather(1, indices)
-        if self.arch is not None:
-            self._reencode(cache, layer)
+        if layer in self.scores:
+            self.scores[layer] = self.scores[layer].gather(1, indices)
+        if self.reencoding is not None:
+            self.reencoding.gather(layer, indices)
+            if self.reencoding.rotating:
+                self._reencode(cache, layer)
 
     def _evict_in_buffers(self, cache: Cache) -> None:
         """Drop, in every layer's buffer at once, the n - budget lowest-scored unprotected entries per KV
@@ -550,121 +537,33 @@ class EvictRun:
         n = cache.layers[layers[0]].keys.shape[2]
         if n <= self.budget:
             return
-        drop, policy = n - self.budget, self.config.policy
-        stamps = self.stamps  # (layers, kv_heads, n), a view of the stamp table
+        drop, policy, buffers = n - self.budget, self.config.policy, self.buffers
+        stamps = buffers.stamps  # (layers, kv_heads, n), a view of the stamp table
         scores = torch.stack([observed_scores(self.scores, j, cache.layers[j].keys, policy) for j in layers])
         rows = stamps.shape[0] * stamps.shape[1]
         sinks, recent = policy.protected(self.budget)
-        evictable = evictable_scores(scores, stamps, self.clock, sinks, recent).view(rows, n)
+        evictable = evictable_scores(scores, stamps, buffers.clock, sinks, recent).view(rows, n)
         age = stamps.view(rows, n)
         if drop == 1:  # the lowest score, the oldest among equals: no ranking needed
-            victims = lowest_oldest(evictable, age, self.clock)
+            victims = lowest_oldest(evictable, age, buffers.clock)
         else:
             victims = torch.topk(newest_first(-evictable, -age, drop), drop, dim=1).indices
         sources, targets = compaction(victims, n)  # (rows, drop) each
-        for table in self.tables:
-            move_entries(table, sources, targets)
+        buffers.compact(sources, targets, self.budget)
         for layer in layers:
             cache.layers[layer].truncate(self.budget)
-
-        def survivors(table: torch.Tensor) -> torch.Tensor:
-            """The entries of a (layers, kv_heads, n) table (or view) moved in place as the buffers' were."""
-            flat = table.view(rows, n)
-            flat.scatter_(1, targets, flat.gather(1, sources))
-            return table[:, :, : self.budget]
-
-        self.stamps = survivors(stamps)
         if not policy.position_only:
-            self.scores = dict(zip(layers, survivors(scores), strict=True))
-        if self.positions:
-            self.positions = dict(zip(layers, survivors(torch.stack([self.positions[j] for j in layers])), strict=True))
-        if self.arch is not None:
-            for layer in layers:
-                self._reencode(cache, layer)
+            self.scores = dict(zip(layers, moved(scores, sources, targets, self.budget), strict=True))
+        if self.reencoding is not None:
+            self.reencoding.move(layers, sources, targets, self.budget)
+            if self.reencoding.rotating:
+                for layer in layers:
+                    self._reencode(cache, layer)
 
     def _reencode(self, cache: Cache, layer: int) -> None:
-        """Rotate `layer`'s keys to their places in time order, 0 .. n-1 per KV head (StreamingLLM's positions).
-
-        In a buffer the time order is the order of the entries' stamps; elsewhere the entries are in it.
-        """
-        entry = cache.layers[layer]
-        heads, n = entry.keys.shape[1], entry.keys.shape[2]
-        if isinstance(entry, DecodeBuffer):
-            places = self.stamps[self.layers.index(layer)].argsort(dim=1).argsort(dim=1)
-        else:
-            places = torch.arange(n, device=entry.keys.device).expand(heads, n)
-        delta = places - self.positions[layer]
-        # In buffers a position-only policy's layers hold the same stamps and positions (both start
-        # as 0 .. n-1 and every layer evicts the same entries), so they move by the same deltas:
-        # one rotation per step serves every layer (of one rotary embedding: a hybrid model's evicted layers are its
-        # global ones, which share theirs).
-        rotary = self.arch.rotary(layer)
-        shared = isinstance(entry, DecodeBuffer) and self.config.policy.position_only
-        if not shared or self.turn is None:
-            self.turn = rotation(delta, rotary)
-        rotated = rerotate_keys(entry.keys, delta, rotary, self.turn)
-        if isinstance(entry, DecodeBuffer):
-            entry.keys.copy_(rotated)  # a view of the buffer
-        else:
-            entry.keys = rotated  # a new tensor: one that others may share is never changed
-        self.positions[layer] = places
-
-
-def evictable_scores(
-    scores: torch.Tensor, stamps: torch.Tensor, clock: torch.Tensor, sinks: int, recent: int
-) -> torch.Tensor:
-    """`scores` (..., n) in float32, +inf where an entry is protected: among the first `sinks` entries ever
-    cached or the last `recent` (by their `stamps`, the stamp the next entry gets being `clock`)."""
-    evictable = scores.float()
-    if sinks or recent:
-        evictable = evictable.masked_fill((stamps < sinks) | (stamps >= clock - recent), float("inf"))
-    return evictable
-
-
-def lowest_oldest(evictable: torch.Tensor, age: torch.Tensor, clock: torch.Tensor) -> torch.Tensor:
-    """Per row of (rows, n) `evictable` scores, the column of the lowest score, the oldest (smallest `age`, every
-    age below `clock`) among equal ones: (rows, 1). One entry per KV head dropped: no ranking needed."""
-    lowest = evictable == evictable.amin(1, keepdim=True)
-    return torch.where(lowest, age, clock).argmin(1, keepdim=True)
-
-
-def steady_eviction(
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    row: int,
-    scores: list[torch.Tensor],
-    carried: list[torch.Tensor],
-    stamp_table: torch.Tensor,
-    clock: torch.Tensor,
-    budget: int,
-    sinks: int,
-    recent: int,
-) -> torch.Tensor:
-    """One step's eviction of a row at its `budget` (`EvictRun.steady_step`), in tensors and in place: the new
-    entry of every layer (at column `budget` of the tables' row `row`) gets the stamp `clock`, each KV head's
-    lowest-scored unprotected entry (the oldest among equals; `scores` empty: the oldest) is the victim, and the
-    new entry moves into its slot in the key and value tables, the stamp table and the scores, whose first `budget`
-    columns go into `carried`. The same choice and moves as `EvictRun.after_step` on the row's buffers (exactly
-    `keep_indices`' complement), on every layer at once: on CUDA it is captured in the step's graph; a CPU runs
-    the same in one pass (`torch.ops.kvsieve.evict_lowest`, `compress/evict_kernel.cpp`). Returns the victims
-    (layers, kv_heads)."""
-    layers, heads = stamp_table.shape[:2]
-    # the entries' stamps, the new one's (`clock`) last; the table itself is written only where the new entry goes
-    ages = torch.cat([stamp_table[:, :, :budget], clock.view(1, 1, 1).expand(layers, heads, 1)], dim=2)
-    clock.add_(1)
-    stacked = torch.stack(scores) if scores else torch.zeros(ages.shape, device=ages.device)
-    evictable = evictable_scores(stacked, ages, clock, sinks, recent).view(layers * heads, budget + 1)
-    victims = lowest_oldest(evictable, ages.view(layers * heads, budget + 1), clock).view(layers, heads)
-    layer_ids = torch.arange(layers, device=victims.device).view(-1, 1)
-    head_ids = torch.arange(heads, device=victims.device).view(1, -1)
-    for table in (keys, values):
-        table[layer_ids, row, head_ids, victims] = table[layer_ids, row, head_ids, budget]
-    stamp_table[layer_ids, head_ids, victims] = ages[:, :, budget]
-    if scores:
-        stacked[layer_ids, head_ids, victims] = stacked[layer_ids, head_ids, budget]  # (indexing copies)
-        for j, tensor in enumerate(carried):
-            tensor.copy_(stacked[j, :, :budget])
-    return victims
+        """Rotate `layer`'s keys to their places in time order (`Reencoding.rotate`)."""
+        stamps = None if self.buffers is None else self.buffers.stamps[self.layers.index(layer)]
+        self.reencoding.rotate(cache, layer, stamps, shared=self.config.policy.position_only)
 
 
 def observe_rows(runs: Sequence[EvictRun], layer: int, query: torch.Tensor, key: torch.Tensor) -> None:

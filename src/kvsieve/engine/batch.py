@@ -47,7 +47,7 @@ from kvsieve.compress.cache import DecodeBuffer, WindowBuffer
 from kvsieve.compress.stages import EvictRun
 from kvsieve.engine.static_step import StaticStep, steady
 from kvsieve.errors import KvsieveError
-from kvsieve.linear import warm_up as warm_up_products
+from kvsieve.kernels.native import warm_up as warm_up_products
 from kvsieve.models import architecture, with_cache
 
 SPARE = 128  # columns of room for new tokens when the tables are (re)allocated
@@ -96,7 +96,7 @@ def compiled_steps_enabled(model: PreTrainedModel) -> bool:
 
 def warm_up(model: PreTrainedModel) -> float:
     """Build now what `model`'s CPU decoding steps will run, so that no request waits for it; seconds spent:
-    the C++ kernels (`kvsieve.linear.warm_up`) and, with compiled steps on, the step's two graphs (one row,
+    the C++ kernels (`kvsieve.kernels.native.warm_up`) and, with compiled steps on, the step's two graphs (one row,
     and several: a short prompt's steps through a batch of one row, then of two)."""
     start = time.perf_counter()
     warm_up_products(model)
@@ -194,7 +194,7 @@ class DecodeBatch:
             cache = self.caches[i]
             cache.layers = [] if id(self.rows[i]) in emptied else [layer.detached() for layer in cache.layers]
             if self.rows[i].evict is not None:
-                self.rows[i].evict.tables = None
+                self.rows[i].evict.retable(None)
         self._rebuild(keep)
         self.rows = [self.rows[i] for i in keep]
 
@@ -224,9 +224,9 @@ class DecodeBatch:
             observers, key_lengths = (evicting[0].step_observers() if evicting else []), None
         else:
             observers = []
-            if any(not run.config.policy.step_reads_attention for run in evicting):
+            if any(not run.reads_attention for run in evicting):
                 observers.append(self._observe)
-            if any(run.config.policy.step_reads_attention for run in evicting):
+            if any(run.reads_attention for run in evicting):
                 observers.append(AttentionRows(self._observe_attention))
             key_lengths = self._key_lengths()
         with torch.no_grad(), attention_hooks(observers=observers):
@@ -332,14 +332,14 @@ class DecodeBatch:
         """Each row's eviction observes its own query and its own (unpadded) keys (policies that score the step
         themselves)."""
         for i, (row, cache) in enumerate(zip(self.rows, self.caches, strict=True)):
-            if row.evict is not None and not row.evict.config.policy.step_reads_attention:
+            if row.evict is not None and not row.evict.reads_attention:
                 row.evict.observe(layer, query[i : i + 1], key[i : i + 1, :, : cache.layers[layer].length])
 
     def _observe_attention(self, layer: int, probs: torch.Tensor, kv_heads: int) -> None:
         """Each row's eviction whose policy `step_reads_attention` takes its row of the step's attention over its
         own keys."""
         for i, (row, cache) in enumerate(zip(self.rows, self.caches, strict=True)):
-            if row.evict is not None and row.evict.config.policy.step_reads_attention:
+            if row.evict is not None and row.evict.reads_attention:
                 row.evict.observe_attention(layer, probs[i, :, : cache.layers[layer].length], kv_heads)
 
     def _tables_of(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -377,7 +377,7 @@ class DecodeBatch:
         self.cache.layers = [_BatchLayer(self, j) for j in range(len(self.windows))]
         for b, row in enumerate(self.rows[i] for i in keep):
             if row.evict is not None:
-                row.evict.tables = self._tables_of(b)
+                row.evict.retable(self._tables_of(b))
 
     def _buffer(self, j: int, layer: DynamicLayer, storage: tuple[torch.Tensor, torch.Tensor]):
         """Layer `j`'s entries copied into `storage` (its slices of the tables): a `WindowBuffer` for a sliding

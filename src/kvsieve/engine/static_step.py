@@ -21,7 +21,7 @@ KV head every step (`evict.interval` 1, no re-encoding). Its new entry goes at c
 eviction moves the newest entry into the victim's slot, and the row is back at `budget` entries: its
 global layers' `columns` stay where they are, and every Python number its eviction reads (lengths, budget) is the
 same at every step. The rest of its state is tensors that the step updates in place: the entries' ages
-(`EvictRun.stamps`, a view of its stamp table), the clock, and its running scores, which the observers
+(`EvictRun.buffers`, `EntryTables`), the clock, and its running scores, which the observers
 make anew each step and the eviction writes back into the tensors the step read them from. That eviction
 (`EvictRun.steady_step`: every layer's victims at once, in `steady_eviction`'s tensor operators, which a GPU
 records with the step, or in one pass of a CPU kernel) drops exactly the entries `EvictRun.after_step` would.
@@ -140,17 +140,9 @@ class _ScatterLayer(DynamicLayer):
 
 
 def steady(evict: EvictRun | None, cache: Cache) -> bool:
-    """Whether a row with this eviction (None: none) can take static steps: it evicts nothing, or its cache
-    is at the budget in every layer it evicts from (a hybrid model's global layers) and evicts one entry per KV head
-    every step, without re-encoding."""
-    if evict is None:
-        return True
-    return (
-        evict.config.interval == 1
-        and not evict.config.reencodes
-        and evict.stamps is not None
-        and all(cache.layers[j].length == evict.budget for j in evict.layers)
-    )
+    """Whether a row with this eviction (None: none) can take static steps: it evicts nothing, or it is `steady`
+    (`EvictRun.steady`: at its budget, evicting one entry per KV head every step, in place)."""
+    return evict is None or evict.steady(cache)
 
 
 class StaticStep:
@@ -191,9 +183,7 @@ class StaticStep:
         self.limits = torch.tensor([[window or unlimited] for window in windows], device=device)
         self.steady = []  # per evicting row: its row in the tables, its eviction and the tensors its scores go to
         for i, evict, _ in self.evicting:  # scores in tensors of their own, which its eviction refills every step
-            evict.scores = {j: scores.clone() for j, scores in evict.scores.items()}
-            carried = [evict.scores[j] for j in sorted(evict.scores)]
-            self.steady.append((i, evict, carried))
+            self.steady.append((i, evict, evict.carried_scores()))
         groups: dict[tuple, list[tuple[int, EvictRun]]] = {}  # rows of one policy and budget score together
         for i, evict, _ in self.evicting:
             groups.setdefault((evict.config.policy, evict.budget), []).append((i, evict))
@@ -202,8 +192,8 @@ class StaticStep:
             for (_, budget), members in groups.items()
         ]
         # a policy whose step rule reads only the new query's attention takes it from the attention's own pass
-        self.attention_groups = [g for g in scored if g[1][0].config.policy.step_reads_attention]
-        self.groups = [g for g in scored if not g[1][0].config.policy.step_reads_attention]
+        self.attention_groups = [g for g in scored if g[1][0].reads_attention]
+        self.groups = [g for g in scored if not g[1][0].reads_attention]
         self.ids = torch.zeros(count, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(count, 1, dtype=torch.long, device=device)
         self.lengths = torch.zeros(len(layers), count, dtype=torch.long, device=device)  # entries before the step

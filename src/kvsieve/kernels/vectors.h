@@ -1,6 +1,6 @@
 // The vectors kvsieve's CPU kernels compute with: 16 float32 lanes (one AVX-512 register; GCC's generic vectors,
 // which the compiler maps onto the machine's vector instructions, two registers of AVX2 where that is all there is).
-// Included by the kernels' sources (kvsieve/native.py builds them as one translation unit).
+// Included by the kernels' sources (kvsieve/kernels/native.py builds them as one translation unit).
 
 #pragma once
 

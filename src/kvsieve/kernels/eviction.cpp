@@ -1,7 +1,7 @@
 // kvsieve::evict_lowest: a steady evicting row's eviction on a CPU, one entry per KV head, in one pass.
 //
-// Built and loaded with kvsieve's other CPU kernels by kvsieve/native.py; called by kvsieve/compress/stages.py
-// (`EvictRun.steady_step`), whose `steady_eviction` is the same eviction in PyTorch's operators (a GPU's, and where
+// Built and loaded with kvsieve's other CPU kernels by kvsieve/kernels/native.py; called by kvsieve/kernels/eviction.py
+// (`steady_eviction`, whose other branch is the same eviction in PyTorch's operators: a GPU's, and where
 // this kernel does not serve). A row at its budget whose policy evicts every step (H2O, A2SF, TOVA, StreamingLLM in
 // the engine's static and ordinary steps) has, after the step, budget + 1 entries in every layer and KV head, the new one at
 // column `budget`. Per (layer, KV head), independently and in parallel:

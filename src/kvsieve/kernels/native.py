@@ -1,12 +1,13 @@
 """kvsieve's C++ kernels for a CPU's decoding steps: one library, built for this machine at its first use.
 
-Three kinds of operators, each in a C++ file of its own, each called by one Python module:
-- `torch.ops.kvsieve.decode_attention` (`attention/decode_kernel.cpp`): a decoding step's attention in one pass
-  over the cache (`kvsieve.attention.decode_kernel`);
-- `torch.ops.kvsieve.decode_product` (`decode_products.cpp`): a step's few rows times a float32, bfloat16 or
-  int8 weight, each weight read once (`kvsieve.linear`, `kvsieve.quantize`);
-- `torch.ops.kvsieve.evict_lowest` (`compress/evict_kernel.cpp`): a steady evicting row's eviction of one entry
-  per KV head after a decoding step (`kvsieve.compress.stages.EvictRun.steady_step`).
+Three kinds of operators, each in a C++ file of its own beside this one, each called by the dispatch of the same
+name (`kvsieve.kernels`):
+- `torch.ops.kvsieve.decode_attention` (`attention.cpp`): a decoding step's attention in one pass over the cache
+  (`kvsieve.kernels.attention`);
+- `torch.ops.kvsieve.decode_product` (`products.cpp`): a step's few rows times a float32, bfloat16 or int8 weight,
+  each weight read once (`kvsieve.kernels.products`);
+- `torch.ops.kvsieve.evict_lowest` (`eviction.cpp`): a steady evicting row's eviction of one entry per KV head
+  after a decoding step (`kvsieve.kernels.eviction`).
 
 The library is compiled from those files by the machine's C++ compiler (`$CXX`, else `c++`) against the installed
 torch's headers, as one translation unit (`unity_source`): most of a file's compile is parsing those headers, which
@@ -35,16 +36,13 @@ from pathlib import Path
 
 import torch
 
+from kvsieve import fast_paths
 from kvsieve.paths import cache_dir
 
-log = logging.getLogger("kvsieve.native")
+log = logging.getLogger("kvsieve.kernels")
 
-SOURCES = (
-    Path(__file__).parent / "attention" / "decode_kernel.cpp",
-    Path(__file__).with_name("decode_products.cpp"),
-    Path(__file__).parent / "compress" / "evict_kernel.cpp",
-)
-HEADERS = (Path(__file__).with_name("native_vectors.h"),)  # what the sources share (the vectors they compute with)
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("attention.cpp", "products.cpp", "eviction.cpp"))
+HEADERS = (Path(__file__).with_name("vectors.h"),)  # what the sources share (the vectors they compute with)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-std=c++17")
 
 _lock = threading.Lock()
@@ -162,3 +160,16 @@ def load() -> bool:
                 _loaded = False
                 log.warning("CPU kernels unavailable (%s); using PyTorch's attention and products", error)
     return _loaded
+
+
+def warm_up(model: torch.nn.Module) -> float:
+    """Build and load now the C++ kernels that `model`'s decoding steps on a CPU call; seconds spent. A server calls
+    it before serving, so that no request waits for the compiler (about 8 s on a machine that has not built them,
+    nothing after). Nothing is built where they are not used (a GPU, both kernels off)."""
+    device = next(model.parameters()).device
+    switches = fast_paths.current()
+    if device.type != "cpu" or not (switches.fused_products or switches.attention_kernel):
+        return 0.0
+    start = time.perf_counter()
+    load()
+    return time.perf_counter() - start

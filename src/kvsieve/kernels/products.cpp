@@ -1,7 +1,7 @@
 // kvsieve::decode_product: a decoding step's few rows times a weight matrix on a CPU, each weight read once.
 //
-// Built and loaded with the decoding attention kernel by kvsieve/native.py; called by kvsieve/linear.py (float
-// weights) and kvsieve/quantize.py (int8 weights with a scale per output row). A decoding step multiplies one row
+// Built and loaded with kvsieve's other CPU kernels by kvsieve/kernels/native.py; called by kvsieve/kernels/products.py
+// (float weights, and int8 weights with a scale per output row for kvsieve/quantize.py). A decoding step multiplies one row
 // per request by every weight matrix, so its floor is reading the weights. PyTorch's CPU product for a few rows
 // (MKL's matrix-vector kernel) reads them at a third to a half of the memory's speed on the machine we measure on,
 // and inductor's reduction over a weight row (one chain of additions per output, no fused multiply-add) at about
@@ -24,7 +24,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include "native_vectors.h"
+#include "vectors.h"
 
 #include <cstdint>
 #include <cstring>

@@ -1,9 +1,10 @@
-"""How the model's linear layers multiply a decoding step's few rows on a CPU: kvsieve's C++ product.
+"""The linear layers' products: kvsieve's C++ product for a decoding step's few rows on a CPU, PyTorch's otherwise;
+the one place that chooses between them.
 
 A decoding step multiplies one row per request by every weight matrix, so it is bound by reading the
-weights (docs/STUDIES.md, issue 26). PyTorch's CPU product for a few rows is MKL's matrix-vector
+weights (docs/PERFORMANCE.md). PyTorch's CPU product for a few rows is MKL's matrix-vector
 kernel, which on the AMD EPYC host we measure on reads the weights at a third to a half of the
-memory's speed. `torch.ops.kvsieve.decode_product` (`decode_products.cpp`, built by `kvsieve.native`)
+memory's speed. `torch.ops.kvsieve.decode_product` (`products.cpp`, built by `kvsieve.kernels.native`)
 reads each weight once, front to back, each weight row multiplied by every input row while it is in
 the registers, with fused multiply-adds in independent chains (SmolLM2-135M's 211 products, float32,
 2-core AMD EPYC, ms: one row 16.6-17.5 against MKL's 42.8-43.4, against 16.6-18.1 for reading the same
@@ -17,26 +18,25 @@ otherwise (a prefill, a GPU, float16); inside a caller's own `torch.compile` (th
 is called from the graph, except for one row, whose product is traced into it (`traced_product`: inductor
 fuses it with the operators around it, which measured faster than the call). `kvsieve.prepare` gives a
 model's linear layers this forward (`fuse_linears`). int8 weights (`kvsieve.quantize`) use the same
-kernel with a scale. Where the library cannot be built, PyTorch's product runs (`kvsieve.native` warns
+kernel with a scale. Where the library cannot be built, PyTorch's product runs (`kvsieve.kernels.native` warns
 once). The switch `fused_products` (`kvsieve.fast_paths`) turns the kernel off: every product is then
 PyTorch's own.
 """
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 
-from kvsieve import fast_paths, native
+from kvsieve import fast_paths
+from kvsieve.kernels import native
 
 # Rows up to which a CPU product takes the kernel (the kernel's limit; a decoding batch's rows). Per weight dtype,
 # SmolLM2's 211 products (ms, kernel vs PyTorch's): float32 1 row 16.6 vs 42.8, 2 rows 16.3 vs 73.5, 4 rows
 # 18.9 vs 66.2, 8 rows 32.0 vs 69.9; bfloat16 1 row 10.0 vs 21.5, 2 rows 11.0 vs 22.4, 4 rows 15.1 vs 23.7,
 # 8 rows 23.2 vs 26.1. Small weights too: SmolLM2's 60 k and v products (192 x 576), one row, 0.64-0.75 ms vs
 # 1.95-2.39. Other dtypes keep PyTorch's product.
-KERNEL_ROWS = 8  # the most rows the kernel takes at once (decode_products.cpp's MAX_ROWS)
+KERNEL_ROWS = 8  # the most rows the kernel takes at once (products.cpp's MAX_ROWS)
 FUSED_ROWS = {torch.float32: KERNEL_ROWS, torch.bfloat16: KERNEL_ROWS}
 
 
@@ -105,14 +105,18 @@ def fuse_linears(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def warm_up(model: torch.nn.Module) -> float:
-    """Build and load now the C++ kernels that `model`'s decoding steps on a CPU call (`kvsieve.native`); seconds
-    spent. A server calls it before serving, so that no request waits for the compiler (about 8 s on a machine
-    that has not built them, nothing after). Nothing is built where they are not used (a GPU, both kernels off)."""
-    device = next(model.parameters()).device
-    switches = fast_paths.current()
-    if device.type != "cpu" or not (switches.fused_products or switches.attention_kernel):
-        return 0.0
-    start = time.perf_counter()
-    native.load()
-    return time.perf_counter() - start
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., in) times int8 `weight` (out, in) with per-row `scale` (out,), plus `bias`; in x's dtype
+    (`kvsieve.quantize`'s layers). The kernel for up to `KERNEL_ROWS` rows on a CPU (one row in a compiled graph:
+    traced), else the weights dequantized to x's dtype and `F.linear`."""
+    out = None
+    if fused_rows(x, KERNEL_ROWS):
+        if torch.compiler.is_compiling() and fused_rows(x, TRACED_ROWS):  # one row in a compiled graph: traced
+            flat = x.reshape(-1, x.shape[-1]).float()
+            out = (traced_product(flat, weight) * scale).view(*x.shape[:-1], weight.shape[0])
+        else:
+            out = kernel_product(x, weight, scale)  # (..., out)
+        out = out.to(x.dtype) if out is not None and out.dtype != x.dtype else out
+    if out is None:
+        out = F.linear(x, (weight.float() * scale[:, None]).to(x.dtype))
+    return out if bias is None else out + bias

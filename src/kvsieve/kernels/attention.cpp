@@ -1,6 +1,6 @@
 // kvsieve::decode_attention: a decoding step's attention on a CPU (one query per row) in one pass over the cache.
 //
-// Built and loaded with kvsieve's other CPU kernels by kvsieve/native.py; called by kvsieve/attention/decode_kernel.py.
+// Built and loaded with kvsieve's other CPU kernels by kvsieve/kernels/native.py; called by kvsieve/kernels/attention.py.
 // A decoding step's attention reads every cached key and value once and does little arithmetic on them, so its
 // floor is the memory's speed. PyTorch's products for it (a (rows x d) by (d x keys) product per KV head, then
 // probabilities by values) are matrix kernels that repack their operands, and read the cache at a third to a half
@@ -25,7 +25,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include "../native_vectors.h"
+#include "vectors.h"
 
 #include <algorithm>
 #include <cmath>
