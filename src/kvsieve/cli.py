@@ -228,7 +228,7 @@ def _load_off_main_thread(args: argparse.Namespace):
     workers; a pool left in the main thread by loading beside the engine thread's own oversubscribes the cores,
     and libgomp then stops spinning and puts workers to sleep after every parallel region. Measured on the
     2-core VM: one int8 decoding step in the engine thread took 53.8 ms after loading in the main thread and
-    27.2 ms after loading in a thread that ended (docs/STUDIES.md, issue 26). The CPU kernels are built and, with
+    27.2 ms after loading in a thread that ended (docs/STUDIES.md, decoding). The CPU kernels are built and, with
     --compile-steps, the decoding step (`kvsieve.engine.batch.warm_up`) compiled there too, before the
     server answers anything."""
     loaded: dict[str, object] = {}

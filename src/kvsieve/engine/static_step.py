@@ -2,7 +2,7 @@
 
 On a GPU a small model's decoding step is bound by the host, not by memory: SmolLM2-135M's step
 launches hundreds of small kernels, and the H200 spent 19-24 ms per step launching them against
-0.08 ms of weight reading (docs/STUDIES.md, issue 26). A CUDA graph records the kernels once and
+0.08 ms of weight reading (docs/STUDIES.md, decoding). A CUDA graph records the kernels once and
 replays them with one launch. It replays the same kernels on the same memory, so nothing a step
 does may depend on a Python number that changes between steps. The batch's step (`engine.batch`)
 differs from one step to the next only in such numbers: each row's token, position and cache

@@ -4,7 +4,7 @@
 // A decoding step's attention reads every cached key and value once and does little arithmetic on them, so its
 // floor is the memory's speed. PyTorch's products for it (a (rows x d) by (d x keys) product per KV head, then
 // probabilities by values) are matrix kernels that repack their operands, and read the cache at a third to a half
-// of that speed (docs/STUDIES.md, issue 26). Here:
+// of that speed (docs/STUDIES.md, decoding). Here:
 //
 // - the keys of a KV head are split into chunks (`chunk_size`: as few and as long as keep PyTorch's threads evenly
 //   busy, at most MAX_CHUNK keys); the chunks of every row and KV head are shared out among the threads

@@ -15,7 +15,7 @@
 //
 // PyTorch's operators for the same (`EvictRun.after_step`: about 35 of them on (layers x KV heads, budget + 1)
 // tensors, int64 stamps among them, views and a copy per layer) took 1.4 ms of a 20-25 ms step for SmolLM2 at a
-// 1024-entry budget; inductor's fused kernel for them 0.6 ms and its guards 0.2 ms more (docs/STUDIES.md, issue 26).
+// 1024-entry budget; inductor's fused kernel for them 0.6 ms and its guards 0.2 ms more (docs/STUDIES.md, decoding).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

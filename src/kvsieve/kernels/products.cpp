@@ -5,7 +5,7 @@
 // per request by every weight matrix, so its floor is reading the weights. PyTorch's CPU product for a few rows
 // (MKL's matrix-vector kernel) reads them at a third to a half of the memory's speed on the machine we measure on,
 // and inductor's reduction over a weight row (one chain of additions per output, no fused multiply-add) at about
-// two thirds (docs/STUDIES.md, issue 26). Here:
+// two thirds (docs/STUDIES.md, decoding). Here:
 //
 // - the weight's output rows are shared out among PyTorch's threads in contiguous ranges (at::parallel_for), so
 //   each thread streams its part of the weight once, front to back;
