@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from kvsieve import figures
 from kvsieve.errors import KvsieveError
 from kvsieve.eval import records
 from kvsieve.spec import MethodSpec
@@ -187,10 +188,7 @@ def summarize(rows: list[dict], baseline: str = "full") -> list[dict]:
 
 def plot_scaling(summary: list[dict], path: Path, title: str = "") -> Path:
     """Log-log cost against prompt length per method: TTFT, decode tokens/s, peak memory (median, min-max bars)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = figures.pyplot()
 
     if not summary:
         raise KvsieveError("No benchmark rows to plot yet.")
@@ -210,11 +208,7 @@ def plot_scaling(summary: list[dict], path: Path, title: str = "") -> Path:
             ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle(title or "cost against prompt length (median, bars: min-max over repeats)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return figures.save(fig, path, dpi=100)
 
 
 if __name__ == "__main__":  # worker entry point: one configuration, one JSON line on stdout

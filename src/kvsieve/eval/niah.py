@@ -15,6 +15,7 @@ from typing import Any
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from kvsieve import figures
 from kvsieve.data import PROBES, prompt_case
 from kvsieve.errors import KvsieveError
 from kvsieve.eval import records
@@ -128,10 +129,7 @@ def _grid(rows: list[dict], method: str) -> tuple[list[int], list[float], list[l
 
 def plot_heatmaps(document: dict[str, Any], folder: Path, prefix: str = "niah") -> list[Path]:
     """One heatmap PNG per method plus `{prefix}_all.png` with every method side by side."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = figures.pyplot()
 
     rows = document["rows"]
     if not rows:
@@ -162,10 +160,7 @@ def plot_heatmaps(document: dict[str, Any], folder: Path, prefix: str = "niah") 
         image = draw(ax, method)
         fig.colorbar(image, ax=ax, label="ROUGE-1 recall")
         fig.suptitle(f"{probe}: {specs[method].describe()}", fontsize=8)
-        fig.tight_layout()
-        path = folder / f"{prefix}_{method}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        path = figures.save(fig, folder / f"{prefix}_{method}.png", dpi=110)
         paths.append(path)
     columns = min(len(methods), 5)
     grid_rows = -(-len(methods) // columns)
@@ -175,8 +170,5 @@ def plot_heatmaps(document: dict[str, Any], folder: Path, prefix: str = "niah") 
     for ax in list(axes.flat)[len(methods) :]:
         ax.axis("off")
     fig.suptitle(f"{probe} retrieval (ROUGE-1 recall of greedy answers)")
-    fig.tight_layout()
-    path = folder / f"{prefix}_all.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    path = figures.save(fig, folder / f"{prefix}_all.png", dpi=100)
     return [*paths, path]

@@ -16,6 +16,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
+from kvsieve import figures
 from kvsieve.errors import KvsieveError
 from kvsieve.eval import niah, records, ruler
 from kvsieve.eval.bench import plot_scaling, summarize
@@ -481,10 +482,7 @@ def plot_pareto(points: list[dict[str, Any]], path: Path, baseline: str = "full"
     """Quality (`quality` names it: RULER's average, else the probes' hits) against time-to-first-token speedup
     (left) and against peak memory (right), one point per method, both against `baseline` at the bench's longest
     length; marker area is the KV cache kept."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = figures.pyplot()
 
     length = points[0]["length"]
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.2), sharey=True)
@@ -508,11 +506,7 @@ def plot_pareto(points: list[dict[str, Any]], path: Path, baseline: str = "full"
     axes[0].set_xscale("log")
     axes[0].set_ylabel(quality or "needle + passkey hits (share of cases)")
     fig.suptitle(f"What each preset trades (marker area: KV entries kept after prefill, vs {baseline}'s)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return figures.save(fig, path, dpi=110)
 
 
 def kvpress_section(document: dict[str, Any], link: str) -> list[str]:

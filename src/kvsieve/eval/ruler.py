@@ -44,6 +44,7 @@ from typing import Any
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from kvsieve import figures
 from kvsieve.errors import KvsieveError
 from kvsieve.eval import records
 from kvsieve.eval.methods import check_lengths
@@ -431,10 +432,7 @@ def curves(summary: Mapping[tuple, dict[str, Any]], mode: str) -> dict[str, list
 def plot_curves(document: dict[str, Any], path: Path) -> Path:
     """RULER average against the share of the prompt's KV cache kept, one line per method, one panel per mode,
     full attention as the dashed ceiling."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = figures.pyplot()
 
     summary = summarize(document["rows"])
     modes = [m for m in MODES if any(key[2] == m for key in summary)]
@@ -461,8 +459,4 @@ def plot_curves(document: dict[str, Any], path: Path) -> Path:
     axes[0][0].set_ylabel("RULER average (0-100)")
     tasks = len({r["task"] for r in document["rows"]})
     fig.suptitle(f"RULER at {', '.join(str(n) for n in lengths)} tokens ({tasks} tasks)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return figures.save(fig, path, dpi=110)

@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from kvsieve import figures
 from kvsieve.attention import attention_hooks
 from kvsieve.data import PROBES, Case
 from kvsieve.errors import KvsieveError
@@ -126,10 +127,7 @@ def calibrate(
 
 def plot_recall(result: Calibration, path: Path, title: str) -> None:
     """Write the per-layer recall curve as a PNG, the recommended layer marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = figures.pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.plot(range(len(result.recall)), result.recall, marker="o")
@@ -139,6 +137,4 @@ def plot_recall(result: Calibration, path: Path, title: str) -> None:
     ax.set_ylim(0, 1.05)
     ax.set_title(title)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    figures.save(fig, path, dpi=120)
