@@ -27,7 +27,7 @@ from kvsieve import Prompt, Sampling, load_model, method, run
 from kvsieve.attention import attention_hooks
 from kvsieve.compress.stages import Compress
 from kvsieve.decode import TextStream, extend
-from kvsieve.engine import request as request_module
+from kvsieve.engine import output as output_module
 from kvsieve.engine.prefix_cache import BLOCK, reuse_tail
 from kvsieve.serve import ServerThread, create_server
 
@@ -351,7 +351,7 @@ def test_answered_failed_and_cancelled_requests_free_their_tensors_at_once(tiny,
         evicting = {**body, "kvsieve": {"method": "a2sf", "set": {"evict.budget": 40}}}
         httpx.post(f"{server.url}/v1/completions", json=evicting, timeout=30).raise_for_status()
         with monkeypatch.context() as patched:
-            patched.setattr(request_module, "next_token", lambda *args, **kwargs: 1 / 0)
+            patched.setattr(output_module, "next_token", lambda *args, **kwargs: 1 / 0)
             # pytest's log capture keeps the record, whose traceback holds the request: a server's log does not
             patched.setattr(logging.getLogger("kvsieve.engine"), "disabled", True)
             assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).status_code == 500
@@ -665,7 +665,7 @@ def test_a_bug_in_one_step_answers_500_and_the_engine_goes_on(server, tiny, monk
     def broken(*args, **kwargs):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(request_module, "next_token", broken)
+    monkeypatch.setattr(output_module, "next_token", broken)
     failed = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
     assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
     monkeypatch.undo()

@@ -149,7 +149,7 @@ class Scheduler:
         if request.select_only:
             return
         for answer in [request, *request.forks]:
-            if answer.answer.finish is not None:  # the first token ended it
+            if answer.complete:  # the first token ended it
                 answer.finish(kv_entries(answer.decode_cache))
                 continue
             self.batch.add(answer.row, answer.decode_cache)
