@@ -1,0 +1,147 @@
+"""The result documents `kvsieve report` is made from: merged by kind, and what its sections look up in them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvsieve.errors import KvsieveError
+from kvsieve.eval import ruler
+from kvsieve.eval.bench import summarize
+from kvsieve.eval.methods import specs_from_settings
+from kvsieve.registry import REGISTRY
+
+GLANCE_BUDGET = 0.25  # the RULER budget the glance table and the pareto figure read: the presets' 1024 entries at 4K
+
+
+def ordered(methods: Sequence[str]) -> list[str]:
+    """Methods in the library's order (full first), unknown names last."""
+    known = [m for m in REGISTRY if m in methods]
+    return known + sorted(set(methods) - set(known))
+
+
+def merge(documents: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """One document from several result files of one kind: each method's rows (and spec) come from the
+    first file that has the method, so a later run can add methods next to an earlier one."""
+    if not documents:
+        return None
+    first = documents[0]
+    merged = {**first, "settings": {**first["settings"], "methods": {}}, "rows": []}
+    for doc in documents:
+        new = [m for m in dict.fromkeys(r["method"] for r in doc["rows"]) if m not in merged["settings"]["methods"]]
+        merged["settings"]["methods"].update({m: doc["settings"]["methods"][m] for m in new})
+        merged["rows"] += [r for r in doc["rows"] if r["method"] in new]
+    return merged
+
+
+def _bench_summary(documents: Sequence[dict[str, Any]], baseline: str) -> list[dict]:
+    """Cost summaries with ratios taken within each bench run (each run has its own baseline rows);
+    a method measured in several runs is reported from the first."""
+    summary, seen = [], set()
+    for doc in documents:
+        mine = [s for s in summarize(doc["rows"], baseline) if s["method"] not in seen]
+        seen |= {s["method"] for s in mine}
+        summary += mine
+    return summary
+
+
+class Results:
+    """The result documents a report is made from, merged, and what the sections look up in them (`report_sections`
+    renders them)."""
+
+    def __init__(
+        self,
+        niah_docs: Sequence[dict[str, Any]],
+        ppl_docs: Sequence[dict[str, Any]] = (),
+        bench_docs: Sequence[dict[str, Any]] = (),
+        baseline: str = "full",
+        ruler_docs: Sequence[dict[str, Any]] = (),
+    ) -> None:
+        if not niah_docs and not ppl_docs and not bench_docs and not ruler_docs:
+            raise KvsieveError("Nothing to report: give at least one of --niah, --ppl, --bench, --ruler.")
+        probes = dict.fromkeys(d["settings"]["probe"] for d in niah_docs)
+        self.niah_docs = [merge([d for d in niah_docs if d["settings"]["probe"] == p]) for p in probes]
+        self.ppl, self.bench, self.baseline = merge(ppl_docs), merge(bench_docs), baseline
+        self.bench_docs = list(bench_docs)
+        self.ruler = merge(ruler_docs)
+        self.ruler_summary = ruler.summarize(self.ruler["rows"]) if self.ruler else {}
+        self.documents = [*niah_docs, *ppl_docs, *bench_docs, *ruler_docs]
+        rows = [r for d in self.documents for r in d["rows"]]
+        if not rows:
+            raise KvsieveError("The result files have no rows yet; run the evaluations first.")
+        self.methods = ordered({r["method"] for r in rows})
+        self.bench_summary = _bench_summary(bench_docs, baseline)
+        lengths = {r.get("requested_length", r.get("length")) for r in rows}
+        self.lengths = sorted(lengths)
+
+    def descriptions(self) -> tuple[dict[str, str], bool]:
+        """Each method's configuration as recorded in the result files it is reported from (the first file of
+        each kind that has it, `merge`), and whether those disagree."""
+        seen: dict[str, set[str]] = {}
+        for doc in [*self.niah_docs, *(d for d in (self.ppl, self.bench, self.ruler) if d is not None)]:
+            for name, spec in specs_from_settings(doc["settings"]["methods"]).items():
+                seen.setdefault(name, set()).add(spec.describe())
+        return {name: " / ".join(sorted(d)) for name, d in seen.items()}, any(len(d) > 1 for d in seen.values())
+
+    def niah_cell(self, doc: dict[str, Any], method: str, length: int) -> str:
+        mine = [r for r in doc["rows"] if r["method"] == method and r["length"] == length]
+        if not mine:
+            return "-"
+        mean = sum(r["rouge1"] for r in mine) / len(mine)
+        return f"{mean:.2f} ({sum(r['hit'] for r in mine)}/{len(mine)})"
+
+    def perplexity(self, method: str, length: int) -> tuple[float, float | None] | None:
+        if self.ppl is None:
+            return None
+        rows = {(r["method"], r["length"]): r["ppl"] for r in self.ppl["rows"]}
+        if (method, length) not in rows:
+            return None
+        base = rows.get((self.baseline, length))
+        return rows[(method, length)], (rows[(method, length)] / base if base else None)
+
+    def cost(self, method: str, length: int) -> dict[str, Any] | None:
+        return next((s for s in self.bench_summary if s["method"] == method and s["length"] == length), None)
+
+    def decode_ratio(self, method: str, length: int) -> float | None:
+        """Median decode tokens/s against the baseline's, paired within one run's repeats."""
+        mine = self.cost(method, length)
+        return mine["decode_ratio"][1] if mine and mine.get("decode_ratio") else None
+
+    def ruler_average(self, method: str, mode: str = "question") -> float | None:
+        """The method's RULER average (0-100) at the glance budget (`GLANCE_BUDGET` of the prompt; a method without a
+        KV budget as registered), None where it was not run so."""
+        for budget in (GLANCE_BUDGET, None):
+            if (method, budget, mode) in self.ruler_summary:
+                return self.ruler_summary[(method, budget, mode)]["average"]
+        return None
+
+    def points(self) -> list[dict[str, Any]]:
+        """One point per method run on both a quality run and the bench: its quality (RULER's average at the glance
+        budget where RULER ran, else its hits over every probe case), and its time to first token, peak memory and KV
+        entries against the baseline's at the longest bench length."""
+        if not self.bench_summary or not (self.niah_docs or self.ruler):
+            return []
+        length = max(s["length"] for s in self.bench_summary)
+        kv = {r["method"]: r["prefill_kv_length"] for r in self.bench["rows"] if r["requested_length"] == length}
+        points = []
+        for method in self.methods:
+            rows = [r for d in self.niah_docs for r in d["rows"] if r["method"] == method]
+            average = self.ruler_average(method) if self.ruler else None
+            cost = self.cost(method, length)
+            if (not rows and average is None) or cost is None or not cost["speedup"] or method not in kv:
+                continue
+            if not kv.get(self.baseline):
+                continue
+            points.append(
+                {
+                    "method": method,
+                    "length": length,
+                    "quality": average / 100 if self.ruler else sum(r["hit"] for r in rows) / len(rows),
+                    "hits": sum(r["hit"] for r in rows),
+                    "cases": len(rows),
+                    "speedup": cost["speedup"][1],
+                    "memory_ratio": cost["memory_ratio"][1],
+                    "kv_ratio": kv[method] / kv[self.baseline],
+                }
+            )
+        return points
