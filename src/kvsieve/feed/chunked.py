@@ -232,162 +232,9 @@ class ChunkedPrefill:
         """
         if ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] < 1:
             raise KvsieveError(f"Chunked prefill takes ids of shape (1, L) with L >= 1, got {tuple(ids.shape)}.")
-        arch = architecture(model)
-        layers = arch.num_layers
-        length = ids.shape[1]
-        sizes, targets = self.plan(length, layers)
-        device = model.device
-        ids = ids.to(device)
-        cache = DynamicCache(config=model.config)
-        windowed = set(range(layers)) - set(arch.global_layers)  # bounded by their window: never pruned, no memory
-        scores: dict[int, torch.Tensor] = {}  # the pruner's scores of each layer's keys in this chunk's pass
+        return ChunkedRun(self, model, ids.to(model.device), chunk_logits, question).run()
 
-        memory = [0] * layers  # memory entries per layer, sinks excluded
-        origin = [torch.empty(arch.num_kv_heads, 0, dtype=torch.long, device=device) for _ in range(layers)]
-        sinks, start = 0, 0  # sink entries in the cache; prompt index of the chunk's first token
-        history: list[dict[str, Any]] = []
-        final_kept: list[torch.Tensor] = []
-        step_memory: list[list[int]] = []
-        attention_kv: list[int] = []
-        logits, next_position, max_position = None, length, 0
-        guided = self.question_guided and not self.pruner.position_only and 0 < question < length
-        asked = ids[:, length - question :] if guided else None
-        observers = score_observers(self.pruner, scores)
-        with torch.no_grad():
-            for step, size in enumerate(sizes):
-                last = step == len(sizes) - 1
-                position = sinks + max(memory)  # P: the chunk starts right after the longest memory
-                chunk_ids = ids[:, start : start + size]
-                chunk_positions = torch.arange(position, position + size, device=device)
-                scores.clear()
-                # The chunk's own queries score its pruning unless the question does (`_ask`); stages that
-                # score only the feed's final cache (compress, evict) skip earlier passes.
-                ask = asked is not None and not last
-                with attention_hooks(observers=() if ask else observers, intermediate=not last):
-                    if last or chunk_logits is not None:
-                        out = model(
-                            input_ids=chunk_ids,
-                            position_ids=chunk_positions[None],
-                            **with_cache(model, cache),
-                            use_cache=True,
-                            logits_to_keep=0 if chunk_logits is not None else 1,
-                        )
-                        if chunk_logits is not None:
-                            chunk_logits(out.logits[0], start)
-                        logits = out.logits[0, -1]
-                    else:  # no LM head at all before the last chunk
-                        model.model(
-                            input_ids=chunk_ids,
-                            position_ids=chunk_positions[None],
-                            **with_cache(model.model, cache),
-                            use_cache=True,
-                        )
-                if ask:
-                    self._ask(model, cache, asked, position + size, observers, scores)
-                # Layer j's keys are now [sinks | memory_j | chunk], at these positions and prompt indices; a windowed
-                # layer's are its last entries in time order, ending with the chunk's.
-                key_positions = [
-                    _window_span(cache, j, position + size, device)[0]
-                    if j in windowed
-                    else torch.cat([_frame(sinks, memory[j], position, device), chunk_positions])
-                    for j in range(layers)
-                ]
-                chunk_origin = torch.arange(start, start + size, device=device)
-                key_origin = [
-                    _window_span(cache, j, start + size, device)
-                    if j in windowed
-                    else torch.cat([o, chunk_origin.expand(o.shape[0], -1)], 1)
-                    for j, o in enumerate(origin)
-                ]
-                attention_kv.append(max(sinks + m + size for m in memory))
-                max_position = max(max_position, position + size - 1)
-                start += size
-                new_sinks = min(self.sinks, start)
-                budgets = self._budgets(cache, step, targets[step], scores, sinks, memory, new_sinks)
-                kept = self._prune(cache, scores, budgets, new_sinks)
-                new_memory = [0 if j in windowed else k.shape[1] - new_sinks for j, k in enumerate(kept)]
-                next_chunk = new_sinks + max(new_memory)
-                for j in range(layers):
-                    origin[j] = key_origin[j].gather(1, kept[j])
-                    if last:  # the final cache stays in the last step's frame
-                        continue
-                    # Rotating by a zero delta is exact, so every layer is rotated without asking the device. A windowed
-                    # layer's entries move as one block, to end right before the next chunk (their distances kept).
-                    if j in windowed:
-                        target = torch.arange(next_chunk - kept[j].shape[1], next_chunk, device=device)
-                    else:
-                        target = _frame(new_sinks, new_memory[j], next_chunk, device)
-                    delta = target[None] - key_positions[j][kept[j]]
-                    cache.layers[j].keys = rerotate_keys(cache.layers[j].keys, delta, arch.rotary(j))
-                step_memory.append(budgets)
-                record: dict[str, Any] = {
-                    "step": step,
-                    "start": start - size,
-                    "chunk": size,
-                    "position": position,
-                    "memory": budgets,
-                    "keys": [sinks + m + size for m in memory],
-                    "cache_lengths": [cache.layers[j].keys.shape[2] for j in range(layers)],
-                }
-                if self.trace:
-                    record.update(tokens=key_origin, positions=key_positions, kept=kept)
-                history.append(record)
-                if last:
-                    final_kept = kept
-                    next_position = position + size
-                sinks, memory = new_sinks, new_memory
-        details: dict[str, Any] = {
-            "schedule": self.schedule,
-            "pruner": self.pruner.name,
-            "steps": len(sizes),
-            "chunk_sizes": sizes,
-            "memory_sizes": [max(step) for step in step_memory],
-            "attention_kv": attention_kv,
-            "max_position": max_position,
-            "kv_cache": max(sinks + m for m in memory),
-            "question_tokens": asked.shape[1] if asked is not None else 0,  # 0: pruned by the chunks alone
-        }
-        if any(min(step) != max(step) for step in step_memory):
-            details["layer_memory_sizes"] = step_memory
-        return Prefilled(
-            cache=cache,
-            last_logits=logits,
-            next_position=next_position,
-            details=details,
-            kept_positions=final_kept,
-            token_indices=origin,
-            history=history,
-        )
-
-    def _ask(
-        self,
-        model: PreTrainedModel,
-        cache: Cache,
-        question: torch.Tensor,
-        position: int,
-        observers: list[Observer],
-        scores: dict[int, torch.Tensor],
-    ) -> None:
-        """Run the question after the chunk (at `position` onwards), let the pruner's `observers` score the keys
-        before it into `scores` from the question's queries alone, and drop the question's KV entries again.
-
-        The question's votes alone, not added to the chunk's (whose pass therefore scores nothing): the chunk's own
-        votes outnumber the question's and rank what the chunk attends to (SnapKV pruner, IMDC passkeys at 16K:
-        added at equal weight 1 of 3 found, alone 3 of 3; docs/STUDIES.md)."""
-        positions = torch.arange(position, position + question.shape[1], device=question.device)[None]
-        windows = {j: (layer.keys, layer.values, layer.cumulative_length) for j, layer in enumerate(cache.layers)
-                   if is_windowed(layer)}  # fmt: skip
-        with attention_hooks(observers=observers, intermediate=True):
-            model.model(input_ids=question, position_ids=positions, **with_cache(model.model, cache), use_cache=True)
-        for j, layer in enumerate(cache.layers):
-            if j in windows:  # a windowed layer dropped its oldest entries for the question's: it gets them back
-                layer.keys, layer.values, layer.cumulative_length = windows[j]
-                continue
-            keys = layer.keys.shape[2] - question.shape[1]
-            layer.keys, layer.values = layer.keys[:, :, :keys], layer.values[:, :, :keys]
-            scores[j] = scores[j][:, :keys]
-
-    def _budgets(
+    def step_budgets(
         self,
         cache: Cache,
         step: int,
@@ -421,7 +268,7 @@ class ChunkedPrefill:
         recency (`_rank_ties`)."""
         return _rank_ties(observed_scores(scores, layer, cache.layers[layer].keys, self.pruner).float())
 
-    def _prune(
+    def prune(
         self, cache: Cache, scores: dict[int, torch.Tensor], budgets: list[int], sinks: int
     ) -> list[torch.Tensor]:
         """Keep per layer and KV head the sinks and the best `budgets[j]` memory entries; return the kept positions."""
@@ -437,6 +284,187 @@ class ChunkedPrefill:
             prune_layer(cache, j, indices)
             kept.append(indices)
         return kept
+
+
+def ask_question(
+    model: PreTrainedModel,
+    cache: Cache,
+    question: torch.Tensor,
+    position: int,
+    observers: list[Observer],
+    scores: dict[int, torch.Tensor],
+) -> None:
+    """Run the question after the chunk (at `position` onwards), let the pruner's `observers` score the keys
+    before it into `scores` from the question's queries alone, and drop the question's KV entries again.
+
+    The question's votes alone, not added to the chunk's (whose pass therefore scores nothing): the chunk's own
+    votes outnumber the question's and rank what the chunk attends to (SnapKV pruner, IMDC passkeys at 16K:
+    added at equal weight 1 of 3 found, alone 3 of 3; docs/STUDIES.md)."""
+    positions = torch.arange(position, position + question.shape[1], device=question.device)[None]
+    windows = {j: (layer.keys, layer.values, layer.cumulative_length) for j, layer in enumerate(cache.layers)
+               if is_windowed(layer)}  # fmt: skip
+    with attention_hooks(observers=observers, intermediate=True):
+        model.model(input_ids=question, position_ids=positions, **with_cache(model.model, cache), use_cache=True)
+    for j, layer in enumerate(cache.layers):
+        if j in windows:  # a windowed layer dropped its oldest entries for the question's: it gets them back
+            layer.keys, layer.values, layer.cumulative_length = windows[j]
+            continue
+        keys = layer.keys.shape[2] - question.shape[1]
+        layer.keys, layer.values = layer.keys[:, :, :keys], layer.values[:, :, :keys]
+        scores[j] = scores[j][:, :keys]
+
+
+class ChunkedRun:
+    """One prompt through a `ChunkedPrefill` (its `prefill`): the cache, and what the steps carry from one to the
+    next (each layer's memory size and its entries' prompt indices, the sinks, the history)."""
+
+    def __init__(
+        self,
+        feed: ChunkedPrefill,
+        model: PreTrainedModel,
+        ids: torch.Tensor,
+        chunk_logits: ChunkLogits | None,
+        question: int,
+    ):
+        self.feed, self.model, self.ids, self.chunk_logits = feed, model, ids, chunk_logits
+        self.arch = architecture(model)
+        layers, self.length, self.device = self.arch.num_layers, ids.shape[1], model.device
+        self.sizes, self.targets = feed.plan(self.length, layers)
+        self.cache = DynamicCache(config=model.config)
+        self.windowed = set(range(layers)) - set(self.arch.global_layers)  # bounded by their window: never pruned
+        self.scores: dict[int, torch.Tensor] = {}  # the pruner's scores of each layer's keys in this chunk's pass
+        self.memory = [0] * layers  # memory entries per layer, sinks excluded
+        heads = self.arch.num_kv_heads
+        self.origin = [torch.empty(heads, 0, dtype=torch.long, device=self.device) for _ in range(layers)]
+        self.sinks, self.start = 0, 0  # sink entries in the cache; prompt index of the chunk's first token
+        self.history: list[dict[str, Any]] = []
+        self.final_kept: list[torch.Tensor] = []
+        self.step_memory: list[list[int]] = []
+        self.attention_kv: list[int] = []
+        self.logits, self.next_position, self.max_position = None, self.length, 0
+        guided = feed.question_guided and not feed.pruner.position_only and 0 < question < self.length
+        self.asked = ids[:, self.length - question :] if guided else None
+        self.observers = score_observers(feed.pruner, self.scores)
+
+    def run(self) -> Prefilled:
+        with torch.no_grad():
+            for step, size in enumerate(self.sizes):
+                self._step(step, size, last=step == len(self.sizes) - 1)
+        return self._result()
+
+    def _forward(self, chunk_ids: torch.Tensor, chunk_positions: torch.Tensor, end: int, last: bool) -> None:
+        """The chunk's forward pass over [sinks | memory], scored by the pruner's observers unless the question
+        scores this step (`ask_question`); stages that score only the feed's final cache (compress, evict) skip
+        earlier passes. Only the last chunk goes through the LM head (all chunks with `chunk_logits`). `end`: the
+        position after the chunk's last."""
+        model, cache = self.model, self.cache
+        ask = self.asked is not None and not last
+        self.scores.clear()
+        with attention_hooks(observers=() if ask else self.observers, intermediate=not last):
+            if last or self.chunk_logits is not None:
+                out = model(
+                    input_ids=chunk_ids,
+                    position_ids=chunk_positions[None],
+                    **with_cache(model, cache),
+                    use_cache=True,
+                    logits_to_keep=0 if self.chunk_logits is not None else 1,
+                )
+                if self.chunk_logits is not None:
+                    self.chunk_logits(out.logits[0], self.start)
+                self.logits = out.logits[0, -1]
+            else:  # no LM head at all before the last chunk
+                model.model(
+                    input_ids=chunk_ids,
+                    position_ids=chunk_positions[None],
+                    **with_cache(model.model, cache),
+                    use_cache=True,
+                )
+        if ask:
+            ask_question(model, cache, self.asked, end, self.observers, self.scores)
+
+    def _step(self, step: int, size: int, last: bool) -> None:
+        feed, cache, device, windowed = self.feed, self.cache, self.device, self.windowed
+        memory, sinks, start = self.memory, self.sinks, self.start
+        position = sinks + max(memory)  # P: the chunk starts right after the longest memory
+        chunk_positions = torch.arange(position, position + size, device=device)
+        self._forward(self.ids[:, start : start + size], chunk_positions, position + size, last)
+        # Layer j's keys are now [sinks | memory_j | chunk], at these positions and prompt indices; a windowed
+        # layer's are its last entries in time order, ending with the chunk's.
+        key_positions = [
+            _window_span(cache, j, position + size, device)[0]
+            if j in windowed
+            else torch.cat([_frame(sinks, memory[j], position, device), chunk_positions])
+            for j in range(len(memory))
+        ]
+        chunk_origin = torch.arange(start, start + size, device=device)
+        key_origin = [
+            _window_span(cache, j, start + size, device)
+            if j in windowed
+            else torch.cat([o, chunk_origin.expand(o.shape[0], -1)], 1)
+            for j, o in enumerate(self.origin)
+        ]
+        self.attention_kv.append(max(sinks + m + size for m in memory))
+        self.max_position = max(self.max_position, position + size - 1)
+        self.start = start = start + size
+        new_sinks = min(feed.sinks, start)
+        budgets = feed.step_budgets(cache, step, self.targets[step], self.scores, sinks, memory, new_sinks)
+        kept = feed.prune(cache, self.scores, budgets, new_sinks)
+        new_memory = [0 if j in windowed else k.shape[1] - new_sinks for j, k in enumerate(kept)]
+        next_chunk = new_sinks + max(new_memory)
+        for j in range(len(memory)):
+            self.origin[j] = key_origin[j].gather(1, kept[j])
+            if last:  # the final cache stays in the last step's frame
+                continue
+            # Rotating by a zero delta is exact, so every layer is rotated without asking the device. A windowed
+            # layer's entries move as one block, to end right before the next chunk (their distances kept).
+            if j in windowed:
+                target = torch.arange(next_chunk - kept[j].shape[1], next_chunk, device=device)
+            else:
+                target = _frame(new_sinks, new_memory[j], next_chunk, device)
+            delta = target[None] - key_positions[j][kept[j]]
+            cache.layers[j].keys = rerotate_keys(cache.layers[j].keys, delta, self.arch.rotary(j))
+        self.step_memory.append(budgets)
+        record: dict[str, Any] = {
+            "step": step,
+            "start": start - size,
+            "chunk": size,
+            "position": position,
+            "memory": budgets,
+            "keys": [sinks + m + size for m in memory],
+            "cache_lengths": [cache.layers[j].keys.shape[2] for j in range(len(memory))],
+        }
+        if feed.trace:
+            record.update(tokens=key_origin, positions=key_positions, kept=kept)
+        self.history.append(record)
+        if last:
+            self.final_kept = kept
+            self.next_position = position + size
+        self.sinks, self.memory = new_sinks, new_memory
+
+    def _result(self) -> Prefilled:
+        feed, step_memory = self.feed, self.step_memory
+        details: dict[str, Any] = {
+            "schedule": feed.schedule,
+            "pruner": feed.pruner.name,
+            "steps": len(self.sizes),
+            "chunk_sizes": self.sizes,
+            "memory_sizes": [max(step) for step in step_memory],
+            "attention_kv": self.attention_kv,
+            "max_position": self.max_position,
+            "kv_cache": max(self.sinks + m for m in self.memory),
+            "question_tokens": self.asked.shape[1] if self.asked is not None else 0,  # 0: pruned by the chunks alone
+        }
+        if any(min(step) != max(step) for step in step_memory):
+            details["layer_memory_sizes"] = step_memory
+        return Prefilled(
+            cache=self.cache,
+            last_logits=self.logits,
+            next_position=self.next_position,
+            details=details,
+            kept_positions=self.final_kept,
+            token_indices=self.origin,
+            history=self.history,
+        )
 
 
 __all__ = ["SCHEDULES", "ChunkedPrefill", "rerotate_keys", "rotate_half"]
