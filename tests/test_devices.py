@@ -274,7 +274,7 @@ def test_the_static_step_as_a_gpu_records_it_reads_nothing_back_to_the_host(arch
     test captures it; this one keeps a host read from reaching it unnoticed on machines without a GPU. Rows: full
     attention, two H2O rows (scored together), A2SF, TOVA and StreamingLLM, all steady; on gemma3 the sliding
     layers' rings (prompts past their window) as well."""
-    from kvsieve.compress import stages
+    from kvsieve.compress import cache as buffers
     from kvsieve.compress.cache import wrap_cache
     from kvsieve.engine import static_step
     from kvsieve.engine.batch import DecodeBatch, Row
@@ -282,8 +282,8 @@ def test_the_static_step_as_a_gpu_records_it_reads_nothing_back_to_the_host(arch
 
     monkeypatch.setattr(native, "load", lambda: False)  # products, attention and eviction in PyTorch's operators
     evictions = []
-    in_pytorch = stages.steady_eviction
-    monkeypatch.setattr(stages, "steady_eviction", lambda *a: evictions.append(a[2]) or in_pytorch(*a))
+    in_pytorch = buffers.steady_eviction
+    monkeypatch.setattr(buffers, "steady_eviction", lambda *a: evictions.append(a[2]) or in_pytorch(*a))
     model = model_in(torch.float32, arch=arch)
     cases = [("full", {}, 30), ("h2o", {"evict.budget": 24}, 61), ("h2o", {"evict.budget": 24}, 55)]
     cases += [("a2sf", {"evict.budget": 24}, 47), ("tova", {"evict.budget": 20}, 40)]

@@ -9,7 +9,9 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from kvsieve.compress.scorers import newest_first
 from kvsieve.errors import KvsieveError
+from kvsieve.kernels.eviction import evictable_scores, lowest_oldest, steady_eviction
 
 # rotary(x, position_ids) -> (cos, sin), with an `attention_scaling` attribute: a model's module or `models.Rotary`
 RotaryEmbedding = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -279,12 +281,45 @@ class EntryTables:
             table[:, :, :old] = self.stamps
             self.stamp_table, self.stamps = table, table[:, :, :old]
 
-    def compact(self, sources: torch.Tensor, targets: torch.Tensor, length: int) -> None:
-        """Move entries sources -> targets ((layers x kv_heads, m) each, `compaction`'s) in the key and value tables
-        and the stamps, keeping the first `length`."""
+    def evict_lowest(
+        self, scores: torch.Tensor, budget: int, sinks: int, recent: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drop, in every layer's buffer at once, the n - budget lowest `scores` ((layers, kv_heads, n), the live
+        entries') per KV head among the unprotected entries, the oldest among equal scores (exactly `keep_indices`'
+        complement), and move the survivors into the holes below `budget` in the tables and the stamps. Returns the
+        moves (sources, targets), each (layers x kv_heads, n - budget), for the caller's own per-entry tensors
+        (`moved`). The caller truncates its buffers to `budget`."""
+        stamps = self.stamps
+        n = stamps.shape[2]
+        drop, rows = n - budget, stamps.shape[0] * stamps.shape[1]
+        evictable = evictable_scores(scores, stamps, self.clock, sinks, recent).view(rows, n)
+        age = stamps.view(rows, n)
+        if drop == 1:  # the lowest score, the oldest among equals: no ranking needed
+            victims = lowest_oldest(evictable, age, self.clock)
+        else:
+            victims = torch.topk(newest_first(-evictable, -age, drop), drop, dim=1).indices
+        sources, targets = compaction(victims, n)  # (rows, drop) each
         for table in self.tables:
             move_entries(table, sources, targets)
-        self.stamps = moved(self.stamps, sources, targets, length)
+        self.stamps = moved(stamps, sources, targets, budget)
+        return sources, targets
+
+    def evict_newest(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        row: int,
+        scores: list[torch.Tensor],
+        carried: list[torch.Tensor],
+        budget: int,
+        sinks: int,
+        recent: int,
+    ) -> None:
+        """A steady row's eviction (`kvsieve.kernels.eviction.steady_eviction`, its arguments): the new entry at
+        column `budget` of every layer replaces each KV head's victim, in the tables and the stamps."""
+        self.room(budget + 1)
+        steady_eviction(keys, values, row, scores, carried, self.stamp_table, self.clock, budget, sinks, recent)
+        self.stamps = self.stamp_table[:, :, :budget]
 
 
 def moved(table: torch.Tensor, sources: torch.Tensor, targets: torch.Tensor, length: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ from typing import ClassVar
 import torch
 
 from kvsieve.compress.scorers import accumulated_attention, attention_probs, per_kv_head
+from kvsieve.errors import KvsieveError
 
 
 class Policy:
@@ -120,3 +121,15 @@ class Policy:
     def protected(self, budget: int) -> tuple[int, int]:
         """(sinks, recent): the first and last positions kept regardless of score, within `budget`."""
         return 0, 0
+
+
+def observed_scores(scores: dict[int, torch.Tensor], layer: int, keys: torch.Tensor, policy: Policy) -> torch.Tensor:
+    """The observed scores of `layer`, or zeros (recency decides) for a position-only policy."""
+    if layer in scores:
+        return scores[layer]
+    if not policy.position_only:
+        raise KvsieveError(
+            f"The {policy.name} policy saw no attention at layer {layer}; run the model through kvsieve "
+            "(kvsieve.load_model, or kvsieve.prepare(model) for a model you loaded yourself)."
+        )
+    return torch.zeros(keys.shape[1], keys.shape[2], device=keys.device)

@@ -17,8 +17,9 @@ attention, so the pipeline hands each run a `finisher` that prunes layer j as so
 attention is done (as kvpress's forward hooks do). The uncompressed cache of all layers then
 never exists at once, and the prefill's peak falls by the bytes the pruning removes.
 
-While decoding, `EvictRun` keeps the cache in preallocated buffers (`DecodeBuffer`): new
-entries are written in place and an eviction moves at most `interval` entries per KV head.
+While decoding in the engine's batch, `EvictRun` keeps the cache in preallocated buffers (`DecodeBuffer`; its
+in-buffer half is `compress.in_place`): new entries are written in place and an eviction moves at most `interval`
+entries per KV head. StreamingLLM's re-encoded positions are `compress.reencoding`.
 """
 
 from __future__ import annotations
@@ -34,20 +35,18 @@ from kvsieve.attention import AccumulatedScores, AttentionRows, Finisher, Observ
 from kvsieve.compress.cache import (
     EntryTables,
     budgeted_layers,
-    compaction,
     is_windowed,
     kv_entries,
-    moved,
     prune_layer,
     resolve_budget,
 )
+from kvsieve.compress.in_place import InPlaceEviction
 from kvsieve.compress.policies.a2sf import A2SF
 from kvsieve.compress.policies.snapkv import SnapKV
-from kvsieve.compress.policy import Policy
+from kvsieve.compress.policy import Policy, observed_scores
 from kvsieve.compress.reencoding import Reencoding
-from kvsieve.compress.scorers import accumulated_attention, keep_indices, newest_first
+from kvsieve.compress.scorers import accumulated_attention, keep_indices
 from kvsieve.errors import KvsieveError
-from kvsieve.kernels.eviction import evictable_scores, lowest_oldest, steady_eviction
 from kvsieve.spec import component, option
 
 BUDGET_HELP = "KV entries kept per layer and KV head: a count (1024) or a fraction of the prompt (0.25)"
@@ -79,18 +78,6 @@ def _align(scores: dict[int, torch.Tensor], kept: list[torch.Tensor] | None) -> 
     if kept is None:
         return scores
     return {layer: s.gather(1, kept[layer]) for layer, s in scores.items()}
-
-
-def observed_scores(scores: dict[int, torch.Tensor], layer: int, keys: torch.Tensor, policy: Policy) -> torch.Tensor:
-    """The observed scores of `layer`, or zeros (recency decides) for a position-only policy."""
-    if layer in scores:
-        return scores[layer]
-    if not policy.position_only:
-        raise KvsieveError(
-            f"The {policy.name} policy saw no attention at layer {layer}; run the model through kvsieve "
-            "(kvsieve.load_model, or kvsieve.prepare(model) for a model you loaded yourself)."
-        )
-    return torch.zeros(keys.shape[1], keys.shape[2], device=keys.device)
 
 
 @dataclass(frozen=True)
@@ -291,7 +278,7 @@ class Evict:
 
 
 @dataclass
-class EvictRun:
+class EvictRun(InPlaceEviction):
     """One request's eviction: running scores per layer, the resolved budget, steps since start.
 
     On a cache in preallocated `DecodeBuffer` layers (the engine's decoding batch, which calls
@@ -405,40 +392,6 @@ class EvictRun:
         }
         return {**details, **({"note": note} if note else {})}
 
-    def in_place(self, cache: Cache, tables: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """`cache`'s layers are now `DecodeBuffer`s holding its entries in time order (the engine's decoding batch
-        put them there): give the entries their stamps (0 .. n - 1) in a table as wide as the buffers, so that
-        evictions compact the buffers in place. `tables` are the (layers, 1, kv_heads, capacity, d) key and value
-        tables whose slices the evicted layers' buffers are (`self.layers`, in that order): an eviction moves every
-        layer's entries at once. A model whose layers are all windowed evicts nothing.
-        """
-        if not self.layers:
-            return
-        first = cache.layers[self.layers[0]]
-        self.buffers = EntryTables(tables, first.keys.shape[1], first.keys.shape[2], first.capacity)
-
-    def retable(self, tables: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """The batch moved the row's entries into new `tables` (as `in_place`'s), or None: the row left it."""
-        if self.buffers is not None:
-            self.buffers.tables = tables
-
-    def steady(self, cache: Cache) -> bool:
-        """Whether the row can take static steps (`kvsieve.engine.static_step`): it evicts in buffers, one entry per
-        KV head every step, without re-encoding, and `cache` is at the budget in every layer it evicts from (a hybrid
-        model's global layers)."""
-        return (
-            self.config.interval == 1
-            and not self.config.reencodes
-            and self.buffers is not None
-            and all(cache.layers[j].length == self.budget for j in self.layers)
-        )
-
-    def carried_scores(self) -> list[torch.Tensor]:
-        """The running scores, per evicted layer in order, moved into tensors of their own: a static step's observers
-        read them and its eviction (`steady_step`) writes the survivors back into them every step."""
-        self.scores = {j: scores.clone() for j, scores in self.scores.items()}
-        return [self.scores[j] for j in sorted(self.scores)]
-
     def position(self, length: int, logical: int) -> int:
         """The position of the next token fed on a cache of `length` entries: that length when
         re-encoding, else `logical`."""
@@ -462,48 +415,6 @@ class EvictRun:
                 for layer in self.layers:
                     self._prune_layer(cache, layer)
 
-    def steady_step(self, keys: torch.Tensor, values: torch.Tensor, row: int, carried: list[torch.Tensor]) -> None:
-        """A static step's eviction of this steady row (`engine.static_step`): every layer's new entry sits at
-        column `budget` of the batch tables `keys`/`values` (layers, rows, kv_heads, capacity, d), in row `row`, and
-        the step's observers left its running scores in `scores` (per layer (kv_heads, budget + 1)). One entry per
-        KV head goes, in place (`kvsieve.kernels.eviction.steady_eviction`: a CPU's kernel or PyTorch's operators),
-        and the surviving scores go into `carried` (per layer (kv_heads, budget), the tensors the step read them
-        from), where `scores` then points."""
-        self.steps += 1
-        self._evict_newest(keys, values, row, carried)
-
-    def _one_over(self, cache: Cache) -> bool:
-        """Whether this step's eviction is a steady one (`steady_step`): the cache in buffers, one entry per KV head
-        over the budget in every layer (the step's own, without stamp yet), to be evicted now, no re-encoding, and
-        every layer's running scores taken over the new entry too."""
-        if self.buffers is None or self.reencoding is not None or self.steps % self.config.interval != 0:
-            return False
-        if self.buffers.stamps.shape[2] != self.budget:
-            return False
-        if any(cache.layers[j].length != self.budget + 1 for j in self.layers):
-            return False
-        return self.config.policy.position_only or (
-            len(self.scores) == len(self.layers)
-            and all(scores.shape[-1] == self.budget + 1 for scores in self.scores.values())
-        )
-
-    def _evict_newest(
-        self, keys: torch.Tensor, values: torch.Tensor, row: int, carried: list[torch.Tensor] | None
-    ) -> None:
-        """`steady_step`'s eviction (the step already counted); `carried` None: new tensors."""
-        buffers = self.buffers
-        buffers.room(self.budget + 1)
-        scores = [] if self.config.policy.position_only else [self.scores[j] for j in self.layers]
-        scores = [s if s.stride(-1) == 1 else s.contiguous() for s in scores]  # TOVA's rows of heads: stride 0, kept
-        if carried is None:
-            carried = [s.new_empty(s.shape[0], self.budget) for s in scores]
-        sinks, recent = self.config.policy.protected(self.budget)
-        table, clock = buffers.stamp_table, buffers.clock
-        steady_eviction(keys, values, row, scores, carried, table, clock, self.budget, sinks, recent)
-        buffers.stamps = buffers.stamp_table[:, :, : self.budget]
-        if scores:
-            self.scores = dict(zip(self.layers, carried, strict=True))
-
     def _resolve(self, total: int) -> None:
         if not self.total:
             self.total = total
@@ -524,41 +435,6 @@ class EvictRun:
             self.reencoding.gather(layer, indices)
             if self.reencoding.rotating:
                 self._reencode(cache, layer)
-
-    def _evict_in_buffers(self, cache: Cache) -> None:
-        """Drop, in every layer's buffer at once, the n - budget lowest-scored unprotected entries per KV
-        head, the oldest among equal scores (exactly keep_indices' complement).
-
-        All layers of a buffered run hold the same number of entries, so the scores and stamps of
-        the layers are stacked and the victims chosen in one pass over (layers x KV heads) rows. The
-        keys and values (at most n - budget entries per row) move in the tables at once.
-        """
-        layers = self.layers
-        n = cache.layers[layers[0]].keys.shape[2]
-        if n <= self.budget:
-            return
-        drop, policy, buffers = n - self.budget, self.config.policy, self.buffers
-        stamps = buffers.stamps  # (layers, kv_heads, n), a view of the stamp table
-        scores = torch.stack([observed_scores(self.scores, j, cache.layers[j].keys, policy) for j in layers])
-        rows = stamps.shape[0] * stamps.shape[1]
-        sinks, recent = policy.protected(self.budget)
-        evictable = evictable_scores(scores, stamps, buffers.clock, sinks, recent).view(rows, n)
-        age = stamps.view(rows, n)
-        if drop == 1:  # the lowest score, the oldest among equals: no ranking needed
-            victims = lowest_oldest(evictable, age, buffers.clock)
-        else:
-            victims = torch.topk(newest_first(-evictable, -age, drop), drop, dim=1).indices
-        sources, targets = compaction(victims, n)  # (rows, drop) each
-        buffers.compact(sources, targets, self.budget)
-        for layer in layers:
-            cache.layers[layer].truncate(self.budget)
-        if not policy.position_only:
-            self.scores = dict(zip(layers, moved(scores, sources, targets, self.budget), strict=True))
-        if self.reencoding is not None:
-            self.reencoding.move(layers, sources, targets, self.budget)
-            if self.reencoding.rotating:
-                for layer in layers:
-                    self._reencode(cache, layer)
 
     def _reencode(self, cache: Cache, layer: int) -> None:
         """Rotate `layer`'s keys to their places in time order (`Reencoding.rotate`)."""

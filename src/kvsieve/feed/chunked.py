@@ -52,9 +52,9 @@ from transformers import Cache, DynamicCache, PreTrainedModel
 from kvsieve.attention import Observer, attention_hooks
 from kvsieve.compress.cache import budgeted_layers, is_windowed, prune_layer, rerotate_keys, rotate_half
 from kvsieve.compress.policies.collie import Collie
-from kvsieve.compress.policy import Policy
+from kvsieve.compress.policy import Policy, observed_scores
 from kvsieve.compress.scorers import keep_indices
-from kvsieve.compress.stages import observed_scores, score_observers
+from kvsieve.compress.stages import score_observers
 from kvsieve.errors import KvsieveError
 from kvsieve.feed import Prefilled
 from kvsieve.feed.schedules import (
