@@ -71,7 +71,7 @@ from kvsieve.compress.cache import wrap_cache
 from kvsieve.data import prompt_case
 from kvsieve.engine.batch import DecodeBatch, Row
 from kvsieve.eval.bench import spread as bench_spread
-from kvsieve.pipeline import Prefill, prefill
+from kvsieve.pipeline import PrefillResult, prefill
 from kvsieve.prompt import Prompt
 from kvsieve.quantize import quantize
 from kvsieve.registry import method
@@ -134,7 +134,7 @@ class Decoder:
     """A method's prefilled prompt, copied into `rows` rows of the engine's decoding batch and decoded
     greedily (EOS ignored) in timed stretches of steps. The prefill itself is left as it was."""
 
-    def __init__(self, model, done: Prefill, rows: int, variant: Variant):
+    def __init__(self, model, done: PrefillResult, rows: int, variant: Variant):
         self.model = model
         self.variant = variant
         cache, first = done.prefilled.cache, int(torch.argmax(done.prefilled.last_logits))

@@ -2,7 +2,7 @@
 
 For a passkey (or needle) case, runs the chunked feed alone (no decoding), guided by the prompt's question
 (or by only its last `--question-tokens`) and not, and reports for every layer which share of the needle's
-tokens are in the final memory (`Prefilled.token_indices`: the prompt index of every cache entry), the feed's
+tokens are in the final memory (`FeedOutput.token_indices`: the prompt index of every cache entry), the feed's
 time and the process's peak resident memory during it (weights included; Linux), so the runs compare side by
 side. Answers are what `kvsieve niah` measures; this is the step before them: whether the memory still holds
 what the question asks.

@@ -156,7 +156,7 @@ def test_a_forward_given_no_hooks_reads_none_of_the_contexts():
 
     query, key, value = _qkv(4)
     module = SimpleNamespace(layer_idx=0)
-    with attention_hooks(observers=[lambda *args: seen.append("observer")], kernel=kernel):
+    with attention_hooks(observers=[lambda *args: seen.append("observer")], prefill=kernel):
         out, _ = kvsieve_attention(module, query, key, value, None, kvsieve_hooks=NO_HOOKS)
         assert seen == []
         torch.testing.assert_close(out, reference_attention(query, key, value).transpose(1, 2))
@@ -180,14 +180,14 @@ def test_nested_hooks_keep_outer_observers_and_kernel():
         return lambda layer, q, k: seen.append((name, layer, q.shape[2], k.shape[2]))
 
     query, key, value = _qkv(4)
-    with attention_hooks(observers=[observer("outer")], kernel=outer_kernel):
+    with attention_hooks(observers=[observer("outer")], prefill=outer_kernel):
         with attention_hooks(observers=[observer("inner")]):
             out, _ = _call(query, key, value, layer_idx=1)
             assert torch.all(out == 1.0)  # outer kernel kept
         assert seen == [("outer", 1, 4, 6), ("inner", 1, 4, 6)]
         assert kernel_calls == [("outer", 1)]
 
-        with attention_hooks(kernel=inner_kernel):
+        with attention_hooks(prefill=inner_kernel):
             out, _ = _call(query, key, value, layer_idx=2)
             assert torch.all(out == 2.0)  # inner kernel replaces the outer one inside
         assert kernel_calls[-1] == ("inner", 2)
@@ -234,6 +234,6 @@ def test_kernel_is_used_inside_a_real_model(make_model):
 
     with torch.no_grad():
         plain = model(ids).logits
-        with attention_hooks(kernel=zero_kernel):
+        with attention_hooks(prefill=zero_kernel):
             zeroed = model(ids).logits
     assert not torch.allclose(plain, zeroed, atol=1e-3)

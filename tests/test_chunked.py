@@ -268,7 +268,7 @@ def test_rerotate_composes_rotations(single_thread):
         torch.testing.assert_close(moved[:, head], direct[:, head], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("pruner", [SnapKV(window=2, kernel=1), A2SF(alpha=1.0)])
+@pytest.mark.parametrize("pruner", [SnapKV(window=2, pool_size=1), A2SF(alpha=1.0)])
 def test_gqa_query_head_h_votes_for_kv_head_h_div_n_rep(pruner):
     """4 query heads, 2 KV heads (n_rep 2): heads 0-1 look at token 2, heads 2-3 at token 5.
     KV head 0 must prefer token 2 and KV head 1 token 5 (h // n_rep; h % kv_heads would mix them)."""
@@ -401,7 +401,7 @@ def test_critiprefill_inside_chunks_with_covering_sizes_reproduces_full_prefill(
     model = build_model(arch)
     ids = make_prompt(90).ids
     full = FullPrefill().prefill(model, ids)
-    with attention_hooks(kernel=CritiPrefill(segment=8, block=4, budget=128).begin()):
+    with attention_hooks(prefill=CritiPrefill(segment=8, block=4, budget=128).begin()):
         chunked = ChunkedPrefill(chunk=24, memory=200).prefill(model, ids)
     torch.testing.assert_close(chunked.last_logits, full.last_logits, atol=1e-4, rtol=1e-4)
 

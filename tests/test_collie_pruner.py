@@ -60,7 +60,7 @@ def qk():
 @pytest.mark.parametrize(("kernel", "sinks"), [(5, 4), (5, 0), (3, 2), (1, 4), (7, 19), (5, 30)])
 def test_scores_equal_the_dense_reference(qk, kernel, sinks):
     query, key = qk
-    got = Collie(kernel=kernel, sinks=sinks).prompt_scores(query, key, 0.35)
+    got = Collie(pool_size=kernel, sinks=sinks).prompt_scores(query, key, 0.35)
     assert got.dtype == torch.float32 and got.shape == (3, 20)
     torch.testing.assert_close(got.double(), naive_collie(query, key, 0.35, kernel, sinks), atol=1e-6, rtol=1e-5)
 
@@ -83,7 +83,7 @@ def test_each_key_is_averaged_over_the_queries_that_see_it(qk):
     assert visible_counts(4, 10).tolist() == [4, 4, 4, 4, 4, 4, 4, 3, 2, 1]
     assert visible_counts(3, 3).tolist() == [3, 2, 1]
     probs = dense_probs(query, key, 0.35)  # (6, 9, 20): the 9 queries sit at positions 11..19
-    got = Collie(kernel=1, sinks=0).prompt_scores(query, key, 0.35).double()
+    got = Collie(pool_size=1, sinks=0).prompt_scores(query, key, 0.35).double()
     for g in range(3):
         heads = probs[2 * g : 2 * g + 2]
         for k in (0, 5, 11, 14, 19):
@@ -106,14 +106,14 @@ def test_pooling_never_mixes_sink_scores():
     query[..., 0] = 4.0  # every query looks at the sinks
     sums = accumulated_attention(query, key, 1.0, alpha=1.0)  # (2, n)
     counts = visible_counts(q_len, n)
-    got = Collie(kernel=5, sinks=sinks).prompt_scores(query, key, 1.0)
+    got = Collie(pool_size=5, sinks=sinks).prompt_scores(query, key, 1.0)
     torch.testing.assert_close(got[:, :sinks], sums[:, :sinks] / counts[:sinks])
     torch.testing.assert_close(got[:, 4], (sums[:, 4] + sums[:, 5] + sums[:, 6]) / 5 / counts[4])
     torch.testing.assert_close(got[:, 5], sums[:, 4:8].sum(1) / 5 / counts[5])
     across = (sums[:, 2:7].sum(1) / 5) / counts[4]  # what pooling across the boundary would give
     assert bool((across > 10 * got[:, 4]).all())
     # Pooling every position (sinks=0) lets the sink mass leak into key 4.
-    leaky = Collie(kernel=5, sinks=0).prompt_scores(query, key, 1.0)
+    leaky = Collie(pool_size=5, sinks=0).prompt_scores(query, key, 1.0)
     torch.testing.assert_close(leaky[:, 4], across)
 
 
@@ -126,7 +126,7 @@ def test_gqa_query_head_h_votes_for_kv_head_h_div_n_rep():
     query = torch.zeros(1, 4, 3, dim)
     query[0, 0:2, :, 0] = 50.0
     query[0, 2:4, :, 1] = 50.0
-    scores = Collie(kernel=1, sinks=0).prompt_scores(query[0], key[0], dim**-0.5)
+    scores = Collie(pool_size=1, sinks=0).prompt_scores(query[0], key[0], dim**-0.5)
     assert scores.shape == (2, n)
     assert int(scores[0].argmax()) == 2 and int(scores[1].argmax()) == 5
 
@@ -143,9 +143,9 @@ def test_protects_nothing_and_has_no_step_rule():
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"kernel": 4}, "odd whole number"),
-        ({"kernel": 0}, "odd whole number"),
-        ({"kernel": True}, "odd whole number"),
+        ({"pool_size": 4}, "odd whole number"),
+        ({"pool_size": 0}, "odd whole number"),
+        ({"pool_size": True}, "odd whole number"),
         ({"sinks": -1}, r"sinks .* must be a whole number >= 0, got -1; use the feed's sink count"),
         ({"sinks": 2.5}, "must be a whole number >= 0"),
     ],
@@ -157,12 +157,12 @@ def test_clear_errors(fields, message):
 
 def test_registered_as_a_policy_and_a_pruner():
     assert method("imdc", {"feed.pruner": "collie"}).feed.pruner == Collie()
-    assert method("fm", {"feed.pruner": "collie", "feed.pruner.kernel": 3}).feed.pruner == Collie(kernel=3)
+    assert method("fm", {"feed.pruner": "collie", "feed.pruner.pool_size": 3}).feed.pruner == Collie(pool_size=3)
     assert method("snapkv", {"compress.policy": "collie", "compress.policy.sinks": 0}).compress.policy == Collie(
         sinks=0
     )
     with pytest.raises(KvsieveError, match="odd whole number"):
-        method("imdc", {"feed.pruner": "collie", "feed.pruner.kernel": 4})
+        method("imdc", {"feed.pruner": "collie", "feed.pruner.pool_size": 4})
 
 
 def test_compress_keeps_the_reference_top_k(make_model):
@@ -272,7 +272,7 @@ def test_chunked_feed_takes_the_column_sums_from_its_attention_pass(monkeypatch,
     monkeypatch.setattr(Collie, "accumulated_scores", lambda *args: calls.append(1) or second_pass(*args))
     fused = feed.prefill(model, ids)
     assert calls == []
-    with attention_hooks(kernel=lambda layer, q, k, v, scaling: dense_attention(q, k, v, scaling)):
+    with attention_hooks(prefill=lambda layer, q, k, v, scaling: dense_attention(q, k, v, scaling)):
         separate = feed.prefill(model, ids)
     assert len(calls) == 3 * len(separate.history)
     for a, b in zip(fused.history, separate.history, strict=True):

@@ -22,7 +22,7 @@ from kvsieve.compress.cache import wrap_cache
 from kvsieve.engine import static_step as static_step_module
 from kvsieve.engine.batch import SPARE, DecodeBatch, Row, warm_up
 from kvsieve.models import architecture
-from kvsieve.pipeline import Prefill, prefill
+from kvsieve.pipeline import PrefillResult, prefill
 from kvsieve.quantize import quantize
 
 # The float32 model's step is compiled once per worker process (about 10 s with an empty inductor cache): the
@@ -41,18 +41,18 @@ def model(single_thread):
     return build_model("llama", num_layers=2, max_positions=512)
 
 
-def prefilled(model, cases, reserve: int) -> list[Prefill]:
+def prefilled(model, cases, reserve: int) -> list[PrefillResult]:
     return [prefill(model, make_prompt(n, seed=n), method=method(name, s), reserve=reserve) for name, s, n in cases]
 
 
 def decode(
-    model, done: list[Prefill], tokens: list[int], compiled: bool | None = None, join_at: int = 3
+    model, done: list[PrefillResult], tokens: list[int], compiled: bool | None = None, join_at: int = 3
 ) -> tuple[list, int]:
     """Teacher-forced steps: the first prefill alone, the others joining at step `join_at` and leaving five steps
     later; each step's logits and how many steps were static. `compiled` None: the batch's default."""
     batch, logits, rows, static = DecodeBatch(model, static=compiled, compiled=compiled), [], [], 0
 
-    def join(d: Prefill) -> None:
+    def join(d: PrefillResult) -> None:
         layers = [(layer.keys.clone(), layer.values.clone()) for layer in d.prefilled.cache.layers]
         rows.append(Row(0, d.prefilled.next_position, copy.deepcopy(d.state.evict)))
         batch.add(rows[-1], wrap_cache(model, layers))

@@ -258,13 +258,13 @@ def test_budget_fractions_and_errors():
     with pytest.raises(KvsieveError, match="alpha"):
         A2SF(alpha=1.5)
     with pytest.raises(KvsieveError, match="odd"):
-        A2SF(kernel=4)
+        A2SF(pool_size=4)
     with pytest.raises(KvsieveError, match="window 32 exceeds the budget 16"):
         SnapKV().protected(16)
     with pytest.raises(KvsieveError, match="odd"):
-        SnapKV(kernel=4)
+        SnapKV(pool_size=4)
     with pytest.raises(KvsieveError, match="odd"):
-        SnapKV(kernel=0)
+        SnapKV(pool_size=0)
     with pytest.raises(KvsieveError, match="sink"):
         StreamingLLM(sinks=8).protected(4)
     with pytest.raises(KvsieveError, match="per-step"):

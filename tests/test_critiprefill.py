@@ -94,7 +94,7 @@ def test_budget_covering_the_prompt_reproduces_dense_logits(make_model, arch):
     config = CritiPrefill(segment=16, block=4, budget=72, dense_layers=0)
     with torch.no_grad():
         dense = model(prompt.ids).logits
-        with attention_hooks(kernel=config.begin()):
+        with attention_hooks(prefill=config.begin()):
             ours = model(prompt.ids).logits
     torch.testing.assert_close(ours, dense, atol=1e-5, rtol=1e-5)
     sampling = Sampling(max_new_tokens=4)
@@ -124,7 +124,7 @@ def test_sparse_kernel_in_a_model_is_causal_and_changes_logits(make_model):
     changed[0, 96:] = (changed[0, 96:] + 7) % 250 + 3  # from the start of segment 6 on
     with torch.no_grad():
         dense = model(ids).logits
-        with attention_hooks(kernel=kernel):
+        with attention_hooks(prefill=kernel):
             sparse = model(ids).logits
             sparse_changed = model(changed).logits
     assert torch.isfinite(sparse).all()
@@ -156,7 +156,7 @@ def test_chunk_after_cache_with_full_budget_matches_and_small_budget_runs(make_m
         full = model(ids).logits
         for budget, exact in [(160, True), (8, False)]:
             first = model(ids[:, :37], use_cache=True)
-            with attention_hooks(kernel=CritiPrefill(segment=16, block=4, budget=budget).begin()):
+            with attention_hooks(prefill=CritiPrefill(segment=16, block=4, budget=budget).begin()):
                 chunk = model(
                     ids[:, 37:], position_ids=torch.arange(37, 150)[None], **with_cache(model, first.past_key_values)
                 )

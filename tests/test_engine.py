@@ -153,8 +153,8 @@ def test_rows_of_different_lengths_ignore_whatever_their_padding_holds(model):
     batch = DecodeBatch(model)
     for d in done:
         batch.add(Row(7, d.prefilled.next_position), d.prefilled.cache)
-    batch.keys[:, 0, :, 30:] = 1e4  # row 0 holds 30 entries, row 1 holds 50
-    batch.values[:, 0, :, 30:] = 1e4
+    batch.tables.keys[:, 0, :, 30:] = 1e4  # row 0 holds 30 entries, row 1 holds 50
+    batch.tables.values[:, 0, :, 30:] = 1e4
     logits = batch.step()
     assert [batch.entries(i) for i in range(2)] == [31, 51]
     for row, expected in zip(logits, alone, strict=True):

@@ -92,7 +92,7 @@ def test_block_memory_is_bounded(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "policy", [H2O(), A2SF(alpha=0.5), A2SF(alpha=0.5, kernel=5)], ids=["h2o", "a2sf", "a2sf-pooled"]
+    "policy", [H2O(), A2SF(alpha=0.5), A2SF(alpha=0.5, pool_size=5)], ids=["h2o", "a2sf", "a2sf-pooled"]
 )
 @pytest.mark.parametrize("stage", ["compress", "evict"])
 def test_prefill_takes_scores_from_its_own_attention(make_model, monkeypatch, policy, stage):
@@ -115,8 +115,8 @@ def test_prefill_takes_scores_from_its_own_attention(make_model, monkeypatch, po
     scores = getattr(done.state, stage).scores
     for layer, (query, key) in seen.items():
         expected = real(query, key, query.shape[-1] ** -0.5, policy.step_alpha)
-        if getattr(policy, "kernel", 1) > 1:
-            expected = F.avg_pool1d(expected[:, None], policy.kernel, stride=1, padding=policy.kernel // 2)[:, 0]
+        if getattr(policy, "pool_size", 1) > 1:
+            expected = F.avg_pool1d(expected[:, None], policy.pool_size, stride=1, padding=policy.pool_size // 2)[:, 0]
         torch.testing.assert_close(scores[layer], expected, atol=1e-5, rtol=1e-5)
 
 
@@ -127,7 +127,7 @@ def test_decoding_rows_come_from_the_step_attention(make_model, monkeypatch, ker
     applies to the prompt scores only, never to a step's row."""
     model = make_model("llama", num_layers=2)
     prompt = make_prompt(40)
-    policy = A2SF(alpha=0.5, kernel=kernel)
+    policy = A2SF(alpha=0.5, pool_size=kernel)
     fused = run(model, FakeTokenizer(), prompt, evict=Evict(policy, 24), sampling=Sampling(8))
     monkeypatch.setattr(
         "kvsieve.compress.stages.EvictRun.step_observers", lambda self: [self.observe]

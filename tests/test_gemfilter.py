@@ -211,7 +211,7 @@ def test_gemfilter_scores_are_fp32_for_half_inputs_and_unscaled():
     query_last = torch.ones(2, 4, dtype=torch.bfloat16)
     keys = torch.zeros(1, 9, 4, dtype=torch.bfloat16)
     keys[0, 4] = 1.0  # token 4 scores 2 heads * 4 dims = 8 raw, no 1/sqrt(d)
-    scores = gemfilter_scores(query_last, keys, kernel=5)
+    scores = gemfilter_scores(query_last, keys, pool_size=5)
     assert scores.dtype == torch.float32
     # avg pool, zero padding, kernel 5: tokens 2..6 see 8 / 5; the rest 0.
     expected = torch.tensor([0, 0, 1.6, 1.6, 1.6, 1.6, 1.6, 0, 0])
@@ -221,7 +221,7 @@ def test_gemfilter_scores_are_fp32_for_half_inputs_and_unscaled():
 def test_gemfilter_scores_zero_padding_at_the_edges():
     query_last = torch.ones(1, 1)
     keys = torch.ones(1, 4, 1)  # raw scores all 1
-    torch.testing.assert_close(gemfilter_scores(query_last, keys, kernel=5), torch.tensor([0.6, 0.8, 0.8, 0.6]))
+    torch.testing.assert_close(gemfilter_scores(query_last, keys, pool_size=5), torch.tensor([0.6, 0.8, 0.8, 0.6]))
 
 
 # --- (e) the captured query/key are the layer's post-RoPE projections ---------------------------
@@ -276,7 +276,7 @@ def test_filter_layer_out_of_range_raises_naming_the_range(make_model):
 @pytest.mark.parametrize("kernel", [4, 0, -1])
 def test_bad_kernel_raises(kernel, make_model):
     with pytest.raises(KvsieveError, match="odd"):
-        GemFilter(k=8, layer=0, kernel=kernel)
+        GemFilter(k=8, layer=0, pool_size=kernel)
 
 
 def test_k_not_above_tail_raises(make_model):

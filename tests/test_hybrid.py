@@ -38,7 +38,7 @@ SHRINK = {  # every preset at budgets that drop tokens from a PROMPT-token promp
     "attention.dense_prefix": 0,
     "compress.budget": 16,
     "compress.policy.window": 4,
-    "compress.policy.kernel": 3,
+    "compress.policy.pool_size": 3,
     "evict.budget": 16,
 }
 
@@ -122,8 +122,9 @@ def test_decoding_keeps_each_sliding_layer_in_a_ring_of_its_window():
     layers = decoder.batch.caches[0].layers
     assert all(isinstance(layers[j], WindowBuffer) and layers[j].length == WINDOW for j in (0, 1))
     assert layers[2].length == PROMPT + 2 * WINDOW + 1  # the global layer holds everything
-    assert decoder.batch.keys.shape[0] == 1 and decoder.batch.rings[0].shape[0] == 2  # tables: 1 global, 2 rings
-    assert decoder.batch.rings[0].shape[3] == WINDOW  # a ring's memory is its window, however long the answer
+    tables = decoder.batch.tables
+    assert tables.keys.shape[0] == 1 and tables.rings[0].shape[0] == 2  # tables: 1 global, 2 rings
+    assert tables.rings[0].shape[3] == WINDOW  # a ring's memory is its window, however long the answer
 
 
 def test_a_window_buffer_gives_its_entries_back_in_time_order():

@@ -202,7 +202,7 @@ def test_a_peak_watch_sees_what_a_step_allocates_and_the_batch_counts_its_tables
     done = prefill(model, Prompt(torch.tensor([[5, 6, 7, 8]]), 0, 4))
     row = Row(token=9, position=done.prefilled.next_position)
     batch.add(row, done.prefilled.cache)
-    assert batch.nbytes == 2 * batch.keys.numel() * batch.keys.element_size() > 0
+    assert batch.nbytes == 2 * batch.tables.keys.numel() * batch.tables.keys.element_size() > 0
     batch.remove([row], keep_entries=False)  # a finished answer: its entries are not copied out of the tables
     assert done.prefilled.cache.layers == [] and batch.nbytes == 0
 
@@ -330,7 +330,7 @@ def test_answered_failed_and_cancelled_requests_free_their_tensors_at_once(tiny,
     import gc
 
     from kvsieve.engine.request import Request
-    from kvsieve.serve import engine as engine_module
+    from kvsieve.serve import engine_thread as engine_module
 
     def live_tensors() -> dict[int, int]:
         objects = gc.get_objects()  # type(), not isinstance: a deprecated torch proxy warns on __class__
@@ -852,7 +852,7 @@ SHRINK = {  # every preset at budgets that drop tokens from a 150-token prompt (
     "attention.dense_prefix": 0,
     "compress.budget": 40,
     "compress.policy.window": 8,
-    "compress.policy.kernel": 7,
+    "compress.policy.pool_size": 7,
     "evict.budget": 40,
 }
 

@@ -30,15 +30,15 @@ def test_registry_holds_the_presets_with_their_stages_and_provenance():
     assert method("fm").feed.schedule == "fixed" and not method("fm").feed.decremental
     for name in ("fm", "im", "imdc"):  # tuned: the question's SnapKV votes prune; -paper: the authors' Collie
         tuned, paper = method(name).feed, method(f"{name}-paper").feed
-        assert tuned.pruner == SnapKV(kernel=63) and tuned.question_guided
+        assert tuned.pruner == SnapKV(pool_size=63) and tuned.question_guided
         assert paper.pruner == Collie() and not paper.question_guided
         assert replace(tuned, pruner=Collie(), question_guided=False) == paper
-    assert method("snapkv").compress.policy == SnapKV(kernel=63) and method("snapkv").evict is None
-    assert method("a2sf").evict.policy == A2SF(alpha=0.9, kernel=63)  # the study's best at the preset budget
+    assert method("snapkv").compress.policy == SnapKV(pool_size=63) and method("snapkv").evict is None
+    assert method("a2sf").evict.policy == A2SF(alpha=0.9, pool_size=63)  # the study's best at the preset budget
     assert method("a2sf-paper").evict.policy == A2SF() and method("snapkv-paper").compress.policy == SnapKV()
     assert method("gemfilter-paper").select == GemFilter()
     assert all(spec.summary.endswith("]") for spec in REGISTRY.values() if spec.name != "full")  # provenance
-    assert (SnapKV().kernel, A2SF().alpha, A2SF().kernel) == (5, 0.2, 1)  # the classes keep the papers' values
+    assert (SnapKV().pool_size, A2SF().alpha, A2SF().pool_size) == (5, 0.2, 1)  # the classes keep the papers' values
     assert method("h2o").evict.policy.name == "h2o" and method("h2o").compress is None
     assert method("tova").evict.policy == TOVA()
     both = method("gemfilter-critiprefill")  # combinations build on the tuned presets' stages
@@ -132,9 +132,9 @@ def test_fields_describe_every_path_with_default_and_help():
     infos = {f.path: f for f in method("imdc-paper").fields()}
     assert infos["feed.chunk"].default == 1024 and "chunk size" in infos["feed.chunk"].help
     assert infos["feed.pruner"].default == "collie" and "tova" in infos["feed.pruner"].type
-    assert infos["feed.pruner.kernel"].default == 5 and infos["feed.pruner.sinks"].default == 4
+    assert infos["feed.pruner.pool_size"].default == 5 and infos["feed.pruner.sinks"].default == 4
     assert "feed.pruner.window" in {f.path for f in method("imdc-paper", {"feed.pruner": "snapkv"}).fields()}
-    assert {f.path: f for f in method("imdc").fields()}["feed.pruner.kernel"].default == 63
+    assert {f.path: f for f in method("imdc").fields()}["feed.pruner.pool_size"].default == 63
     assert method("snapkv").has("compress.policy.window") and not method("h2o").has("compress.budget")
     assert not method("snapkv").has("compress.policy.alpha") and method("h2o").has("attention")
 
@@ -169,3 +169,63 @@ def test_a_new_component_is_usable_everywhere_once_registered():
 
         spec_module._COMPONENTS.pop("test-oldest", None)
     assert "test-oldest" not in components("policy")
+
+
+RENAMED = "'kernel' is now called 'pool_size'"
+
+
+def test_a_renamed_field_keeps_its_old_name_for_one_release_with_a_warning():
+    """`kernel` became `pool_size` (CHANGELOG.md). A `--set` path, a spec's dict form (what a server request or an
+    older result file holds), a constructor keyword and an attribute read under the old name still work, each
+    warning with the new name; `has` answers for it; giving both names is refused."""
+    with pytest.warns(FutureWarning, match=RENAMED):
+        assert method("snapkv", {"compress.policy.kernel": 31}).compress.policy.pool_size == 31
+    data = method("a2sf").to_dict()
+    data["evict"]["policy"]["kernel"] = data["evict"]["policy"].pop("pool_size")
+    with pytest.warns(FutureWarning, match=RENAMED):
+        assert MethodSpec.from_dict(data) == method("a2sf")
+    with pytest.warns(FutureWarning, match=RENAMED):
+        assert SnapKV(kernel=7) == SnapKV(pool_size=7) and Collie(kernel=3).pool_size == 3
+    with pytest.warns(FutureWarning, match=RENAMED):
+        assert GemFilter().kernel == 5
+    assert method("gemfilter").has("select.kernel") and method("gemfilter").has("select.pool_size")
+    with pytest.raises(TypeError, match="both"):
+        SnapKV(kernel=7, pool_size=7)
+    assert "kernel" not in json.dumps(method("a2sf").to_dict())  # what is written is the new name
+
+
+def test_renamed_names_of_the_python_api_warn_and_still_work():
+    """`attention_hooks(kernel=...)` (now `prefill=`), `RunState.kernel` (now `attention`) and the classes
+    `pipeline.Prefill` (`PrefillResult`) and `feed.Prefilled` (`FeedOutput`) answer under their old names too."""
+    import kvsieve.feed as feed
+    import kvsieve.pipeline as pipeline
+    from kvsieve.attention import Hooks, _active, attention_hooks
+
+    def attend(layer, query, key, value, scaling):
+        return query
+
+    with pytest.warns(FutureWarning, match="'kernel' is now called 'prefill'"), attention_hooks(kernel=attend):
+        assert (_active.get() or Hooks()).prefill is attend
+    with pytest.warns(FutureWarning, match="'kernel' is now called 'attention'"):
+        assert pipeline.RunState(attention="critiprefill's run").kernel == "critiprefill's run"
+    with pytest.warns(FutureWarning, match="PrefillResult"):
+        assert pipeline.Prefill is pipeline.PrefillResult
+    with pytest.warns(FutureWarning, match="FeedOutput"):
+        assert feed.Prefilled is feed.FeedOutput
+
+
+@pytest.mark.parametrize(
+    ("old", "new"), [("kvsieve.linear", "kvsieve.kernels.products"), ("kvsieve.native", "kvsieve.kernels.native")]
+)
+def test_the_moved_kernel_modules_answer_under_their_old_names(old, new):
+    """The fast paths moved into `kvsieve.kernels` (CHANGELOG.md); the modules' old names import with a warning
+    and hand out the same functions (`warm_up`, which PERFORMANCE.md documented under both)."""
+    import importlib
+    import sys
+
+    sys.modules.pop(old, None)
+    with pytest.warns(FutureWarning, match=new.replace(".", r"\.")):
+        module = importlib.import_module(old)
+    from kvsieve.kernels.native import warm_up
+
+    assert module.warm_up is warm_up

@@ -1,6 +1,6 @@
 """The process's memory: its resident size, the peak of a stretch of work, and giving freed memory back.
 
-One place for what the server's `/metrics` (issue 48), `kvsieve bench`'s peak memory and the int8 loader read
+One place for what the server's `/metrics`, `kvsieve bench`'s peak memory and the int8 loader read
 or do. On a CPU the resident size and a stretch's peak come from Linux's /proc (`VmRSS`, and `VmHWM` after
 resetting it through /proc/self/clear_refs); on CUDA from PyTorch's allocator (bytes allocated, and the peak
 since the stretch began).

@@ -3,7 +3,7 @@
 Each stage is an immutable option object (a `MethodSpec` bundles them under a name); `None` means
 the stage's plain default (no selection, one-pass prefill, dense attention, no compression).
 What a run learns lives in a `RunState` that is passed along and returned, so one configuration
-can serve concurrent requests. The prefill attention kernel (dense or e.g. CritiPrefill) applies
+can serve concurrent requests. The prefill attention (dense, or e.g. CritiPrefill's block-sparse one) applies
 to every pass that prefills: the selector's scoring pass and the feed.
 """
 
@@ -27,13 +27,13 @@ from kvsieve.compress.stages import (
     sum_recorders,
 )
 from kvsieve.errors import KvsieveError
-from kvsieve.feed import Feed, Prefilled, PromptState
+from kvsieve.feed import Feed, FeedOutput, PromptState
 from kvsieve.feed.full import FullPrefill
 from kvsieve.models import architecture
 from kvsieve.prompt import Prompt
 from kvsieve.registry import method as lookup
 from kvsieve.select import Selector
-from kvsieve.spec import MethodSpec
+from kvsieve.spec import MethodSpec, warn_renamed
 
 
 @dataclass
@@ -118,21 +118,27 @@ class RunState:
 
     selected: GemFilter's kept prompt positions; prefilled: the feed's output (cache, kept
     positions, chunk history); compress / evict: the per-run state of those stages (their
-    scores, resolved budget, kept positions); kernel: the prefill attention kernel's state.
+    scores, resolved budget, kept positions); attention: the prefill attention's per-run state (CritiPrefill's).
     """
 
     selected: torch.Tensor | None = None
-    prefilled: Prefilled | None = None
+    prefilled: FeedOutput | None = None
     compress: CompressRun | None = None
     evict: EvictRun | None = None
-    kernel: Any = None
+    attention: Any = None
+
+    @property
+    def kernel(self) -> Any:
+        """`attention`'s old name, for one release (CHANGELOG.md)."""
+        warn_renamed("RunState", "kernel", "attention")
+        return self.attention
 
 
 @dataclass
-class Prefill:
+class PrefillResult:
     """What the stages before decoding produced: the cache to decode from and their records."""
 
-    prefilled: Prefilled
+    prefilled: FeedOutput
     stages: list[StageRecord]
     seconds: float  # time to first token: selection + feed + compression + first eviction
     kv_length: int  # cache entries per layer and KV head when the first token is picked
@@ -152,7 +158,7 @@ def prefill(
     keep: int = 0,
     store_with: Compress | None = None,
     prompt_logits: bool = False,
-) -> Prefill:
+) -> PrefillResult:
     """Run `method`'s select -> feed -> compress (and start its evict) on `prompt`; `reserve` positions follow it.
 
     `method` is a registered name or a MethodSpec; its stage objects are never changed, so one configuration may
@@ -162,11 +168,11 @@ def prefill(
     Context reuse (`spec.continues_prefix`, `engine.prefix_cache.reuse_tail`): `prefix` is a stored state of the
     prompt's first `prefix.length` tokens (the one-pass feed's cache, or the select stage's pass up to its filter
     layer), which then are not run again; `keep` > 0 runs the first `keep` tokens as a pass of their own and returns
-    their state in `Prefill.stored`. Either way selection, compression and eviction see the whole prompt.
+    their state in `PrefillResult.stored`. Either way selection, compression and eviction see the whole prompt.
     `store_with` (a one-pass feed only) compresses the stored state with its policy, which sees the prefix's own
     queries only (no question), to its budget; this run then goes on from that compressed state too, so the first
     request on a prefix answers as every later one does. `prompt_logits` keeps the logits of every prompt position
-    (`Prefilled.logits`): only a dense one-pass feed of the whole prompt computes them (`spec.prompt_logprobs`).
+    (`FeedOutput.logits`): only a dense one-pass feed of the whole prompt computes them (`spec.prompt_logprobs`).
     """
     spec = lookup(method) if isinstance(method, str) else method
     feed = spec.feed or FullPrefill()
@@ -174,13 +180,13 @@ def prefill(
     state = RunState(
         compress=spec.compress.begin() if spec.compress is not None else None,
         evict=spec.evict.begin() if spec.evict is not None else None,
-        kernel=spec.attention.begin() if spec.attention is not None else None,
+        attention=spec.attention.begin() if spec.attention is not None else None,
     )
     records: list[StageRecord] = []
     ids = prompt.ids.to(model.device)
     start = time.perf_counter()
     stored = None
-    with attention_hooks(kernel=state.kernel):
+    with attention_hooks(prefill=state.attention):
         if spec.select is not None:
             selected = Prompt(ids, prompt.context_start, prompt.context_len)
             state.selected, record, stored = select_tokens(model, selected, spec.select, prefix=prefix, keep=keep)
@@ -204,7 +210,7 @@ def prefill(
         kept = compose_kept(kept, state.compress.kept_positions)
         records.append(StageRecord("compress", spec.compress.name, time.perf_counter() - compress_start, details))
     evict_details = state.evict.start(prefilled.cache, kept, model) if state.evict is not None else {}
-    return Prefill(
+    return PrefillResult(
         prefilled=prefilled,
         stages=records,
         seconds=time.perf_counter() - start,
@@ -245,12 +251,14 @@ def _check_run(
         )
     start_at = prefix.length if prefix is not None else 0
     if (prefix is not None or keep) and not spec.continues_prefix:
-        raise KvsieveError("Only a select stage or a one-pass feed without a prefill kernel continues a stored prefix.")
+        raise KvsieveError(
+            "Only a select stage or a one-pass feed without a prefill attention stage continues a stored prefix."
+        )
     if prompt_logits and (not spec.prompt_logprobs or prefix is not None or keep):
         raise KvsieveError(
             "Prompt log-probabilities (echo with logprobs) need the whole prompt in one dense pass: a method "
-            "without a select stage, a prefill kernel or a chunked feed (full, snapkv, h2o, a2sf, ...), and no "
-            "reused prefix."
+            "without a select stage, a prefill attention stage or a chunked feed (full, snapkv, h2o, a2sf, ...), "
+            "and no reused prefix."
         )
     if store_with is not None and (spec.select is not None or not keep):
         raise KvsieveError("store_with compresses the prefix state that `keep` stores after a one-pass feed.")
@@ -268,7 +276,7 @@ def _feed_one_pass(
     keep: int,
     store_with: Compress | None,
     prompt_logits: bool,
-) -> tuple[Prefilled, StageRecord, PromptState | None]:
+) -> tuple[FeedOutput, StageRecord, PromptState | None]:
     """The one-pass feed of `ids`, from `prefix`'s state where given (its tokens not run again), the first `keep`
     tokens first as a pass of their own whose state is returned (compressed by `store_with`); the first pruning
     stage cuts each layer right after its attention (a lower peak)."""
@@ -303,7 +311,7 @@ def _feed_one_pass(
 
 def _feed_chunked(
     model: PreTrainedModel, feed: Feed, ids: torch.Tensor, runs: list[CompressRun | EvictRun], question: int
-) -> tuple[Prefilled, StageRecord]:
+) -> tuple[FeedOutput, StageRecord]:
     """A chunked feed of `ids`; the prompt's `question` last tokens (kept by a select stage) can guide its pruning,
     and the compress and evict stages observe its last pass."""
     start = time.perf_counter()
@@ -324,18 +332,18 @@ def select_tokens(
 ) -> tuple[torch.Tensor, StageRecord, PromptState | None]:
     """The select stage on `prompt`: the kept positions (ascending), its record, and the prefix state `keep` asked for.
 
-    `attention` (a prefill kernel stage such as CritiPrefill) runs the selection pass; inside
-    `prefill` the run's own kernel is already active. The one place a select stage is called:
+    `attention` (a prefill attention stage such as CritiPrefill) runs the selection pass; inside
+    `prefill` the run's own is already active. The one place a select stage is called:
     generation, `kvsieve inspect` and the server's --upstream relay. Context reuse: the selection
     pass up to the filter layer does not depend on the question, so `prefix` (a stored state of
     those layers over the prompt's first tokens) is continued, and `keep` > 0 first runs the first
     `keep` tokens on their own and returns their state.
     """
     start = time.perf_counter()
-    kernel = attention.begin() if attention is not None else None
+    run = attention.begin() if attention is not None else None
     ids = prompt.ids.to(model.device)
     cache, stored = (prefix.cache if prefix is not None else None), None
-    with attention_hooks(kernel=kernel):
+    with attention_hooks(prefill=run):
         if keep:
             cache = cache if cache is not None else DynamicCache(config=model.config)
             select.first_pass(model, ids[:, cache.get_seq_length() : keep], cache)
@@ -390,3 +398,11 @@ def prefix_states(
                     by_layer[layer] = by_layer[layer].gather(1, run.kept_positions[layer])
         states.append(state)
     return states
+
+
+def __getattr__(name: str) -> object:
+    """`Prefill`, `PrefillResult`'s old name, for one release (CHANGELOG.md)."""
+    if name == "Prefill":
+        warn_renamed("kvsieve.pipeline", "Prefill", "PrefillResult")
+        return PrefillResult
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

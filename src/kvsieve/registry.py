@@ -86,7 +86,7 @@ register(
 # The chunked feeds: the IMDC authors' pruner (Collie, every query of a chunk votes) is the component's
 # default and the -paper presets'; the tuned presets rank every chunk by the question's SnapKV votes pooled
 # over 63 tokens (docs/STUDIES.md, "Question-guided chunked prefill": IMDC passkeys at 16K 3 of 3, against 0 of 3).
-CHUNK_PRUNER = SnapKV(kernel=63)
+CHUNK_PRUNER = SnapKV(pool_size=63)
 for name, summary, feed in (
     ("fm", "chunked prefill with a fixed-size memory (IMDC's FM baseline)", ChunkedPrefill()),
     ("im", "chunked prefill, incremental memory (IM)", ChunkedPrefill(schedule="linear")),
@@ -114,7 +114,7 @@ register(
     MethodSpec(
         "snapkv",
         f"SnapKV: compress once after prefill (votes pooled over 63 tokens) [{TUNED}]",
-        compress=Compress(SnapKV(kernel=63)),
+        compress=Compress(SnapKV(pool_size=63)),
     )
 )
 register(
@@ -125,7 +125,7 @@ register(
     MethodSpec(
         "a2sf",
         f"A2SF: accumulated attention, forgetting factor 0.9, scores pooled over 63 tokens, every step [{TUNED}]",
-        evict=Evict(A2SF(alpha=0.9, kernel=63)),
+        evict=Evict(A2SF(alpha=0.9, pool_size=63)),
     )
 )
 register(
@@ -159,6 +159,6 @@ register(
         "gemfilter-snapkv",
         "GemFilter keeps 2048 tokens, SnapKV compresses their cache to 1024 [kvsieve's combination]",
         select=GemFilter(k=2048, queries=32, softmax=True, block=64),
-        compress=Compress(SnapKV(kernel=63)),
+        compress=Compress(SnapKV(pool_size=63)),
     )
 )

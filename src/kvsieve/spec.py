@@ -12,13 +12,19 @@ A `MethodSpec` names one option per stage. It round-trips through JSON
 `spec.with_settings({"attention.budget": "2048", "compress.policy.window": 64})`. Values may be
 strings (the command line) or JSON values (a request body); both are checked against the
 field's type, and the component's own validation then runs.
+
+A field that was renamed keeps its old name for one release (`option(..., was="old")`): in a dict, a `--set` path,
+a constructor's keyword or an attribute read, the old name works and warns (`FutureWarning`) naming the new one;
+CHANGELOG.md lists the renames.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -41,17 +47,76 @@ def component(tag: str, kind: str) -> Callable[[type], type]:
             raise ValueError(f"component tag {tag!r} is already registered by {_COMPONENTS[tag].__name__}")
         cls.tag, cls.kind = tag, kind
         _COMPONENTS[tag] = cls
+        _keep_old_names(cls)
         return cls
 
     return register
 
 
-def option(default: Any = dataclasses.MISSING, help: str = "", *, kind: str | None = None, factory=None) -> Any:
-    """A dataclass field with its help text; `kind` marks a field holding a component (e.g. a policy)."""
-    metadata = {"help": help, "kind": kind}
+def option(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    kind: str | None = None,
+    factory=None,
+    was: str | None = None,
+) -> Any:
+    """A dataclass field with its help text; `kind` marks a field holding a component (e.g. a policy); `was` is the
+    field's name before a rename, which keeps working (with a warning) for one release."""
+    metadata = {"help": help, "kind": kind, "was": was}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def renamed(cls: type) -> dict[str, str]:
+    """A component class's renamed fields: {old name: new name}."""
+    return {f.metadata["was"]: f.name for f in dataclasses.fields(cls) if f.metadata.get("was")}
+
+
+def warn_renamed(owner: str, old: str, new: str) -> None:
+    """The one warning an old name gives: what it is now, and until when it works."""
+    warnings.warn(
+        f"{owner}: '{old}' is now called '{new}' (CHANGELOG.md); the old name works in this release only.",
+        FutureWarning,
+        stacklevel=3,
+    )
+
+
+def _keep_old_names(cls: type) -> None:
+    """Let a component's renamed fields be passed to its constructor and read under their old names, warning."""
+    old_names = renamed(cls)
+    if not old_names:
+        return
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        for old, new in old_names.items():
+            if old in kwargs:
+                if new in kwargs:
+                    raise TypeError(f"{cls.__name__} got both '{old}' and its new name '{new}'; give '{new}' only.")
+                warn_renamed(cls.__name__, old, new)
+                kwargs[new] = kwargs.pop(old)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    for old, new in old_names.items():
+
+        def read(self: Any, old: str = old, new: str = new) -> Any:
+            warn_renamed(type(self).__name__, old, new)
+            return getattr(self, new)
+
+        setattr(cls, old, property(read))
+
+
+def _current_name(cls: type, name: str, where: str) -> str:
+    """`name`, or the field it was renamed to (with the warning)."""
+    new = renamed(cls).get(name)
+    if new is None:
+        return name
+    warn_renamed(where, name, new)
+    return new
 
 
 def components(kind: str) -> dict[str, type]:
@@ -88,6 +153,7 @@ def from_dict(data: Mapping[str, Any], kind: str, where: str = "") -> Any:
         if name == "type":
             continue
         path = f"{where}.{name}" if where else name
+        name = _current_name(cls, name, path)
         if name not in by_name:
             raise KvsieveError(
                 f"{path}: {cls.tag} has no field '{name}'; its fields are: {', '.join(by_name) or 'none'}."
@@ -244,7 +310,7 @@ def _set_in(data: dict[str, Any], path: list[str], value: Any, where: str) -> No
     """Set `value` at `path` inside a component's dict form (checked against its class's fields)."""
     cls = _COMPONENTS[data["type"]]
     by_name = {f.name: f for f in _fields(cls)}
-    name = path[0]
+    name = _current_name(cls, path[0], where)
     if name not in by_name:
         raise KvsieveError(f"{where}: {cls.tag} has no field '{name}'; its fields are: {', '.join(by_name) or 'none'}.")
     kind = by_name[name].metadata.get("kind")
@@ -338,6 +404,8 @@ class MethodSpec:
             if not dataclasses.is_dataclass(obj):
                 return False
             names = STAGES if obj is self else [f.name for f in _fields(type(obj))]
+            if obj is not self:
+                part = renamed(type(obj)).get(part, part)
             if part not in names:
                 return False
             obj = getattr(obj, part)

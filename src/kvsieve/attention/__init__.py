@@ -12,7 +12,7 @@ plain causal SDPA. Inside, two things can change:
 - last-pass observers and finishers serve stages that only use a feed's last forward pass: a
   chunked feed marks its earlier passes `intermediate`, and they are skipped there. A finisher
   runs with the layer index once that layer's attention is done (compression layer by layer);
-- a prefill kernel replaces dense attention for multi-token queries (e.g. CritiPrefill);
+- a prefill attention replaces dense attention for multi-token queries (e.g. CritiPrefill's block-sparse one);
 
 Key lengths mark right padding in a batch of ragged caches (the engine's batched decoding): row b of
 layer j holds `key_lengths[j][b]` keys, its query i (of q) attends to the first
@@ -38,13 +38,14 @@ from kvsieve.attention.accumulate import AccumulatedScores, AttentionRows, accum
 from kvsieve.attention.dense import bottom_right_causal_mask, dense_attention, local_attention, repeat_kv
 from kvsieve.errors import KvsieveError
 from kvsieve.kernels.attention import decode_attention, decode_attention_probs, grouped_attention
+from kvsieve.spec import warn_renamed
 
 ATTENTION_NAME = "kvsieve"
 
 # observer(layer_idx, query (b, h, q, d), key (b, kv_heads, k, d)); both post-RoPE.
 Observer = Callable[[int, torch.Tensor, torch.Tensor], None]
-# kernel(layer_idx, query, key, value, scaling) -> (b, h, q, d)
-PrefillKernel = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float | None], torch.Tensor]
+# prefill(layer_idx, query, key, value, scaling) -> (b, h, q, d): attention for multi-token queries (CritiPrefill's)
+PrefillAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float | None], torch.Tensor]
 # finisher(layer_idx), called once the layer's attention output is computed
 Finisher = Callable[[int], None]
 
@@ -58,7 +59,7 @@ class Hooks:
     """What a forward pass's attention is steered by (`attention_hooks` sets them for a block)."""
 
     observers: tuple[Observer, ...] = ()
-    kernel: PrefillKernel | None = None
+    prefill: PrefillAttention | None = None
     last_pass: tuple[Observer, ...] = ()
     finishers: tuple[Finisher, ...] = ()
     intermediate: bool = False
@@ -74,24 +75,28 @@ NO_HOOKS = Hooks()  # `model(..., kvsieve_hooks=NO_HOOKS)`: a forward that reads
 @contextmanager
 def attention_hooks(
     observers: Sequence[Observer] = (),
-    kernel: PrefillKernel | None = None,
+    prefill: PrefillAttention | None = None,
     *,
     last_pass: Sequence[Observer] = (),
     finishers: Sequence[Finisher] = (),
     intermediate: bool | None = None,
+    kernel: PrefillAttention | None = None,
 ) -> Iterator[None]:
-    """Activate observers and/or a prefill kernel for forward passes inside the block.
+    """Activate observers and/or a prefill attention for forward passes inside the block.
 
     Nested blocks add their observers (and last-pass observers, finishers) to the outer ones and
-    keep the outer kernel unless they name their own, so e.g. GemFilter's scoring pass runs
-    under a CritiPrefill kernel. `intermediate=True` marks passes that are not a feed's last:
-    last-pass observers and finishers skip them.
+    keep the outer prefill attention unless they name their own, so e.g. GemFilter's scoring pass runs
+    under CritiPrefill's. `intermediate=True` marks passes that are not a feed's last:
+    last-pass observers and finishers skip them. `kernel` is `prefill`'s old name (CHANGELOG.md).
     """
+    if kernel is not None:
+        warn_renamed("attention_hooks", "kernel", "prefill")
+        prefill = prefill or kernel
     outer = _active.get() or Hooks()
     token = _active.set(
         Hooks(
             observers=outer.observers + tuple(observers),
-            kernel=kernel or outer.kernel,
+            prefill=prefill or outer.prefill,
             last_pass=outer.last_pass + tuple(last_pass),
             finishers=outer.finishers + tuple(finishers),
             intermediate=outer.intermediate if intermediate is None else intermediate,
@@ -150,15 +155,15 @@ def _hooked(
     lengths: torch.Tensor | None,
 ) -> torch.Tensor:
     """`kvsieve_attention` on a global layer without a soft-cap: a decoding step (`kvsieve.kernels.attention`, which
-    chooses the CPU's kernel or PyTorch's), a dense prefill or the prefill kernel, with the hooks' observers served
+    chooses the CPU's kernel or PyTorch's), a dense prefill or the prefill attention, with the hooks' observers served
     from the attention's own pass where they can be: (b, h, q, d)."""
-    kernel = hooks.kernel if query.shape[2] > 1 else None
+    prefill = hooks.prefill if query.shape[2] > 1 else None
     observers = hooks.active_observers()
     rows = [o for o in observers if isinstance(o, AttentionRows)]
     if rows and query.shape[2] != 1:
         raise ValueError(f"AttentionRows observe decoding steps (one query per row), got {query.shape[2]} queries")
     fused = [o for o in observers if isinstance(o, AccumulatedScores)]
-    if not fused or rows or kernel is not None or lengths is not None or query.shape[0] != 1:
+    if not fused or rows or prefill is not None or lengths is not None or query.shape[0] != 1:
         fused = []  # no dense prefill pass to take the scores from: they compute their own
     for observer in observers:
         if not any(observer is f for f in fused) and not isinstance(observer, AttentionRows):
@@ -173,10 +178,10 @@ def _hooked(
         out, scores = accumulating_attention(query, key, value, scaling, [f.alpha for f in fused])
         for observer, layer_scores in zip(fused, scores, strict=True):
             observer.receive(layer, layer_scores, query.shape[2])
-    elif kernel is None:
+    elif prefill is None:
         out = dense_attention(query, key, value, scaling)
     else:
-        out = kernel(layer, query, key, value, scaling)
+        out = prefill(layer, query, key, value, scaling)
     return out
 
 
@@ -196,9 +201,9 @@ def _windowed_or_capped(
     A sliding layer is never observed. A soft-capped global layer (Gemma 2) is: its observers compute their scores
     from its query and keys (no fused pass), a decoding step's `AttentionRows` get the capped probabilities."""
     observers = () if window is not None else hooks.active_observers()
-    if window is None and hooks.kernel is not None and query.shape[2] > 1:
+    if window is None and hooks.prefill is not None and query.shape[2] > 1:
         raise KvsieveError(
-            "This model soft-caps its attention logits (Gemma 2), which the prefill kernel (CritiPrefill) does not; "
+            "This model soft-caps its attention logits (Gemma 2), which the prefill attention (CritiPrefill) does not; "
             "use a method without a prefill attention stage on it."
         )
     rows = [o for o in observers if isinstance(o, AttentionRows)]
@@ -229,7 +234,7 @@ __all__ = [
     "Hooks",
     "NO_HOOKS",
     "Observer",
-    "PrefillKernel",
+    "PrefillAttention",
     "StopForward",
     "attention_hooks",
     "bottom_right_causal_mask",
@@ -238,3 +243,11 @@ __all__ = [
     "kvsieve_attention",
     "repeat_kv",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """`PrefillKernel`, `PrefillAttention`'s old name, for one release (CHANGELOG.md)."""
+    if name == "PrefillKernel":
+        warn_renamed("kvsieve.attention", "PrefillKernel", "PrefillAttention")
+        return PrefillAttention
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

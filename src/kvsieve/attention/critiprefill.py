@@ -44,11 +44,11 @@ its whole segment, so a token can influence the selection of earlier queries of 
 (never of earlier segments). Generation is unaffected (the last segment is dense); per-position
 teacher-forced logits (perplexity) carry this within-segment look-ahead.
 
-`CritiPrefill` is frozen configuration; `begin()` returns the kernel of one request
+`CritiPrefill` is frozen configuration; `begin()` returns the prefill attention of one request
 (`CritiPrefillRun`), which keeps the previous layer's fused scores between the layer calls of
 one forward pass. It starts afresh (no fusion) whenever a call's layer index is not above the
 previous call's (a new forward pass), the shapes change (another prompt or chunk), or a layer
-runs dense; `reset()` does it explicitly. Concurrent requests each use their own kernel.
+runs dense; `reset()` does it explicitly. Concurrent requests each use their own.
 """
 
 from __future__ import annotations
@@ -246,7 +246,7 @@ def _check_size(name: str, value: object) -> None:
 @component("critiprefill", "attention")
 @dataclass(frozen=True)
 class CritiPrefill:
-    """CritiPrefill options; `begin()` gives the prefill kernel of one request.
+    """CritiPrefill options; `begin()` gives the prefill attention of one request.
 
     segment: query segment size (paper 512); block: KV block size (32), must divide segment;
     budget: tokens of earlier KV blocks each segment attends besides its own (paper 1024, code
@@ -300,13 +300,13 @@ class CritiPrefill:
             )
 
     def begin(self) -> CritiPrefillRun:
-        """A fresh kernel for one request: `kernel(layer, query, key, value, scaling) -> (b, h, q, d)`."""
+        """A fresh prefill attention for one request: `attend(layer, query, key, value, scaling) -> (b, h, q, d)`."""
         return CritiPrefillRun(self)
 
 
 @dataclass
 class CritiPrefillRun:
-    """The prefill kernel of one request: keeps the previous layer's fused scores between layer calls."""
+    """The prefill attention of one request: keeps the previous layer's fused scores between layer calls."""
 
     config: CritiPrefill
     layer: int | None = None

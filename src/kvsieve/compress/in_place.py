@@ -9,7 +9,7 @@ head every step is *steady*: its eviction is one operator for all layers (`stead
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import Cache
@@ -19,7 +19,6 @@ from kvsieve.compress.policy import observed_scores
 
 if TYPE_CHECKING:
     from kvsieve.compress.reencoding import Reencoding
-    from kvsieve.compress.stages import Evict
 
 
 class InPlaceEviction:
@@ -27,7 +26,7 @@ class InPlaceEviction:
     `reencoding`, `buffers` (the row's `EntryTables`, set by `in_place`), and its `_reencode` (StreamingLLM's
     rotation)."""
 
-    config: Evict
+    config: Any  # the run's `Evict` (`kvsieve.compress.stages`, which imports this module)
     scores: dict[int, torch.Tensor]
     budget: int
     steps: int

@@ -35,25 +35,25 @@ def per_kv_head(scores: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return scores.view(kv_heads, scores.shape[0] // kv_heads, *scores.shape[1:]).sum(1)
 
 
-def check_kernel(kernel: int) -> None:
-    """Pooling kernels are odd (so pooling keeps every position centred), at least 1."""
-    if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
-        raise KvsieveError(f"Pooling kernel must be an odd whole number >= 1, got {kernel!r}.")
+def check_pool_size(size: int) -> None:
+    """Pooling sizes are odd (so pooling keeps every position centred), at least 1."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or size % 2 == 0:
+        raise KvsieveError(f"A pooling size (pool_size) must be an odd whole number >= 1, got {size!r}.")
 
 
-def pool_scores(scores: torch.Tensor, kernel: int, pool: str = "avg") -> torch.Tensor:
-    """Pool (kv_heads, n) scores along the tokens (kernel, stride 1, zero padding), so a token
-    scores with its neighbours and a kept span stays whole; kernel 1 returns them unchanged."""
-    if kernel == 1:
+def pool_scores(scores: torch.Tensor, size: int, pool: str = "avg") -> torch.Tensor:
+    """Pool (kv_heads, n) scores along the tokens (over `size` tokens, stride 1, zero padding), so a token
+    scores with its neighbours and a kept span stays whole; size 1 returns them unchanged."""
+    if size == 1:
         return scores
     pooling = F.avg_pool1d if pool == "avg" else F.max_pool1d
-    return pooling(scores[:, None], kernel_size=kernel, stride=1, padding=kernel // 2)[:, 0]
+    return pooling(scores[:, None], kernel_size=size, stride=1, padding=size // 2)[:, 0]
 
 
 def window_attention(
-    query: torch.Tensor, key: torch.Tensor, scaling: float, window: int, kernel: int = 5, pool: str = "avg"
+    query: torch.Tensor, key: torch.Tensor, scaling: float, window: int, pool_size: int = 5, pool: str = "avg"
 ) -> torch.Tensor:
-    """SnapKV: attention the last `window` queries pay to each earlier token, pooled (kernel, stride 1).
+    """SnapKV: attention the last `window` queries pay to each earlier token, pooled (over `pool_size`, stride 1).
 
     query (h, q, d) with q >= window (only the last `window` rows are used); key (kv_heads, n, d).
     The window's own tokens get +inf: SnapKV always keeps them.
@@ -63,7 +63,7 @@ def window_attention(
     probs = attention_probs(query[:, -window:], key, scaling)  # (h, w, n)
     votes = per_kv_head(probs.sum(1), key.shape[0])[:, : n - window]  # (g, n - w)
     if n > window:
-        votes = pool_scores(votes, kernel, pool)
+        votes = pool_scores(votes, pool_size, pool)
     return torch.cat([votes, votes.new_full((key.shape[0], window), float("inf"))], dim=1)
 
 
@@ -112,10 +112,10 @@ def visible_counts(q_len: int, n: int, device: torch.device | str | None = None)
     return counts
 
 
-def visible_mean(sums: torch.Tensor, q_len: int, kernel: int = 5, sinks: int = 0) -> torch.Tensor:
+def visible_mean(sums: torch.Tensor, q_len: int, pool_size: int = 5, sinks: int = 0) -> torch.Tensor:
     """ConvPruner's score from column sums (kv_heads, n) of the attention of the last `q_len` queries.
 
-    The sums are average-pooled over positions >= `sinks` (kernel, stride 1, zero padding; the
+    The sums are average-pooled over positions >= `sinks` (`pool_size`, stride 1, zero padding; the
     first `sinks` keys are left out, so their scores never mix with their neighbours'), then divided
     by the number of queries that can see each key (`visible_counts`): pooling before the division,
     in the authors' order. Float32.
@@ -124,7 +124,7 @@ def visible_mean(sums: torch.Tensor, q_len: int, kernel: int = 5, sinks: int = 0
     n = sums.shape[1]
     first = min(sinks, n)
     if n > first:
-        sums = torch.cat([sums[:, :first], pool_scores(sums[:, first:], kernel)], dim=1)
+        sums = torch.cat([sums[:, :first], pool_scores(sums[:, first:], pool_size)], dim=1)
     return sums / visible_counts(q_len, n, sums.device)
 
 

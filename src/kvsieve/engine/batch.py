@@ -2,8 +2,8 @@
 
 Requests differ in cache length (per layer, after their own compression), logical position,
 method and eviction budget. The batch keeps every running request's cache in one key and one
-value table, (layers, rows, kv_heads, capacity, head_dim): row b's entries of layer j are columns
-0 .. n - 1 of `table[j, b]`, padded on the right up to the longest row. Each row's cache layers are
+value table (`engine.batch_tables`), (layers, rows, kv_heads, capacity, head_dim): row b's entries of
+layer j are columns 0 .. n - 1 of `table[j, b]`, padded on the right up to the longest row. Each row's cache layers are
 `DecodeBuffer`s over its slices of the tables. A hybrid model's sliding layers are kept apart, in ring tables as
 wide as their window (`WindowBuffer`: a step's entry replaces the oldest once the window is full), so the global
 tables, their padding and their evictions hold the global layers alone. A step
@@ -39,16 +39,15 @@ from dataclasses import dataclass
 
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
 
 from kvsieve import fast_paths
 from kvsieve.attention import AttentionRows, attention_hooks
-from kvsieve.compress.cache import DecodeBuffer, WindowBuffer
 from kvsieve.compress.stages import EvictRun
+from kvsieve.engine.batch_tables import BatchTables
 from kvsieve.engine.static_step import StaticStep, steady
 from kvsieve.errors import KvsieveError
 from kvsieve.kernels.native import warm_up as warm_up_products
-from kvsieve.models import architecture, with_cache
+from kvsieve.models import with_cache
 
 SPARE = 128  # columns of room for new tokens when the tables are (re)allocated
 # Rows up to which a CPU batch takes compiled steps (`compiled`; the products' C++ kernel, which the step calls for
@@ -64,19 +63,6 @@ class Row:
     token: int
     position: int
     evict: EvictRun | None = None
-
-
-class _BatchLayer(DynamicLayer):
-    """The transformers cache layer through which the model writes layer j's new entries of every row (in place)."""
-
-    def __init__(self, batch: DecodeBatch, layer: int):
-        super().__init__()
-        self.batch, self.layer = batch, layer
-        self.lazy_initialization(batch.keys, batch.values)
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        self.keys, self.values = self.batch.append(self.layer, key_states, value_states)
-        return self.keys, self.values
 
 
 def cuda_graphs_enabled(model: PreTrainedModel) -> bool:
@@ -123,22 +109,11 @@ class DecodeBatch:
         ordinary step); on CUDA with graphs, every captured step's but where a row evicts (captured uncompiled);
         None: `compiled_steps_enabled(model)`."""
         self.model = model
-        arch = architecture(model)
-        # A hybrid model's sliding layers decode in rings of their window (`WindowBuffer`), in tables of their own as
-        # wide as the window: the global layers' tables (and their evictions) hold the global layers alone.
-        self.windows = arch.windows
-        sliding = [j for j, window in enumerate(arch.windows) if window is not None]
-        self.order = [*arch.global_layers, *sliding]
-        self.slot = {j: i for i, j in enumerate(arch.global_layers)} | {j: i for i, j in enumerate(sliding)}
+        self.tables = BatchTables(model)  # every row's cache, in shared tables (`engine.batch_tables`)
         self.compiled = compiled_steps_enabled(model) if compiled is None else compiled
         self.static = (cuda_graphs_enabled(model) or self.compiled) if static is None else static
         self.capture = cuda_graphs_enabled(model)  # off for good once a capture has failed
         self.rows: list[Row] = []
-        self.caches: list[Cache] = []  # each row's own cache object, its layers DecodeBuffers over the tables
-        self.keys: torch.Tensor | None = None  # (global layers, rows, kv_heads, capacity, d) once a row joins
-        self.values: torch.Tensor | None = None
-        self.rings: tuple[torch.Tensor, torch.Tensor] | None = None  # (sliding layers, rows, kv_heads, window, d)
-        self.cache: DynamicCache | None = None  # what the model writes every row's new entries through
         self.static_step: StaticStep | None = None  # the current tables' static step, once one ran
         self.behind = 0  # static steps whose entries the rows' buffers do not show yet
         self.captures = 0  # CUDA graphs captured, and the seconds they took (warm-up step included)
@@ -149,15 +124,19 @@ class DecodeBatch:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the shared key and value tables (global layers) and the sliding layers' rings, as allocated:
-        their capacity, not only the entries in use."""
-        tensors = [t for t in (self.keys, self.values, *(self.rings or ())) if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """Bytes of the shared tables and rings, as allocated (`BatchTables.nbytes`)."""
+        return self.tables.nbytes
+
+    @property
+    def caches(self) -> list[Cache]:
+        """Each row's own cache object, its layers buffers over the tables."""
+        return self.tables.caches
 
     def entries(self, index: int) -> int:
         """KV entries per layer and KV head that row `index` holds (its first global layer's; a model without one:
         its first ring's)."""
-        layer, window = self.order[0], self.windows[self.order[0]]
+        layer = self.tables.order[0]
+        window = self.tables.windows[layer]
         entries = self.caches[index].layers[layer].length + self._pending(index, sliding=window is not None)
         return entries if window is None else min(entries, window)
 
@@ -167,7 +146,7 @@ class DecodeBatch:
         layers = cache.layers  # before they become buffers
         if any(not layer.is_initialized for layer in layers) or any(layer.keys.shape[0] != 1 for layer in layers):
             raise KvsieveError("A decoding row starts from a prefilled cache of one sequence (batch 1) in every layer.")
-        budgeted = [layers[j] for j in self.order if self.windows[j] is None]
+        budgeted = [layers[j] for j in self.tables.order if self.tables.windows[j] is None]
         if row.evict is not None and len({layer.keys.shape[2] for layer in budgeted}) > 1:
             lengths = sorted({layer.keys.shape[2] for layer in budgeted})
             raise KvsieveError(
@@ -178,7 +157,7 @@ class DecodeBatch:
         self._rebuild(list(range(len(self.rows))), joining=cache)
         self.rows.append(row)
         if row.evict is not None:
-            row.evict.in_place(cache, self._tables_of(len(self.rows) - 1))
+            row.evict.in_place(cache, self.tables.of_row(len(self.rows) - 1))
 
     def remove(self, rows: list[Row], keep_entries: bool | list[bool] = True) -> None:
         """Leave: the tables shrink to the other rows. Each leaving row's cache keeps a copy of its entries, or,
@@ -201,12 +180,13 @@ class DecodeBatch:
     def step(self) -> torch.Tensor:
         """One forward pass for every row; returns (rows, vocab) logits of the next tokens."""
         device = self.model.device
+        windows = self.tables.windows
         longest = max(
-            (cache.layers[j].length + self._pending(i) for i, cache in enumerate(self.caches) for j in self.slot
-             if self.windows[j] is None),
+            (cache.layers[j].length + self._pending(i) for i, cache in enumerate(self.caches)
+             for j in range(len(windows)) if windows[j] is None),
             default=0,
         )  # fmt: skip
-        if longest + 1 > self.keys.shape[3]:
+        if longest + 1 > self.tables.keys.shape[3]:
             self._settle()
             self._rebuild(list(range(len(self))))  # room for SPARE more steps
         if self.static and (self.static_step is not None or self._steady()):
@@ -228,9 +208,9 @@ class DecodeBatch:
                 observers.append(self._observe)
             if any(run.reads_attention for run in evicting):
                 observers.append(AttentionRows(self._observe_attention))
-            key_lengths = self._key_lengths()
+            key_lengths = self.tables.key_lengths(device)
         with torch.no_grad(), attention_hooks(observers=observers):
-            cache = with_cache(self.model, self.cache)
+            cache = with_cache(self.model, self.tables.cache)
             out = self.model(
                 input_ids=ids,
                 position_ids=positions,
@@ -257,15 +237,17 @@ class DecodeBatch:
         if self.static_step is None:
             self._settle()
             rows = [(row.evict, cache) for row, cache in zip(self.rows, self.caches, strict=True)]
-            tables = [(self.keys, self.values) if window is None else self.rings for window in self.windows]
+            t = self.tables
+            tables = [(t.keys, t.values) if window is None else t.rings for window in t.windows]
             self.static_step = StaticStep(
-                self.model, self.keys, self.values, rows, capture=self.capture, compiled=self.compiled,
-                layers=[(table, self.slot[j]) for j, table in enumerate(tables)], windows=self.windows,
+                self.model, t.keys, t.values, rows, capture=self.capture, compiled=self.compiled,
+                layers=[(table, t.slot[j]) for j, table in enumerate(tables)], windows=t.windows,
             )  # fmt: skip
+            layers = range(len(t.windows))
             self.static_step.load(
                 [row.position for row in self.rows],
-                [[cache.layers[j].length for cache in self.caches] for j in range(len(self.windows))],
-                [[cache.layers[j].next_column() for cache in self.caches] for j in range(len(self.windows))],
+                [[cache.layers[j].length for cache in self.caches] for j in layers],
+                [[cache.layers[j].next_column() for cache in self.caches] for j in layers],
             )
         step = self.static_step
         captured = step.graph is not None
@@ -290,43 +272,9 @@ class DecodeBatch:
         """Show the rows' buffers the entries that static steps wrote into the tables."""
         if self.behind:
             for index, cache in enumerate(self.caches):
-                for layer, window in zip(cache.layers, self.windows, strict=True):
+                for layer, window in zip(cache.layers, self.tables.windows, strict=True):
                     layer.advance(self._pending(index, sliding=window is not None))
             self.behind = 0
-
-    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write each row's new (rows, kv_heads, 1, d) entry of `layer` at its next column; the live columns of
-        every row (the longest row's length wide)."""
-        if len(self.caches) == 1:  # one row: its own buffer writes in place
-            return self.caches[0].layers[layer].update(keys, values)
-        buffers = [cache.layers[layer] for cache in self.caches]
-        table_keys, table_values = self._tables(layer)
-        ends = [buffer.next_column() for buffer in buffers]
-        if len(set(ends)) == 1:  # no padding (rows of one length): a plain slice
-            table_keys[:, :, ends[0]] = keys[:, :, 0]
-            table_values[:, :, ends[0]] = values[:, :, 0]
-        else:
-            rows = torch.arange(len(ends), device=keys.device)
-            columns = torch.tensor(ends, device=keys.device)
-            table_keys[rows, :, columns] = keys[:, :, 0]
-            table_values[rows, :, columns] = values[:, :, 0]
-        for buffer in buffers:
-            buffer.advance()
-        width = max(buffer.length for buffer in buffers)
-        return table_keys[:, :, :width], table_values[:, :, :width]
-
-    def _tables(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s (rows, kv_heads, capacity, d) key and value tables: the global tables' or the rings'."""
-        keys, values = (self.keys, self.values) if self.windows[layer] is None else self.rings
-        return keys[self.slot[layer]], values[self.slot[layer]]
-
-    def _key_lengths(self) -> list[torch.Tensor] | None:
-        """Per layer, each row's key count after this step's entry, or None where no row is padded."""
-        device = self.model.device
-        per_layer = [[_after_step(cache.layers[j]) for cache in self.caches] for j in range(len(self.windows))]
-        if all(len(set(lengths)) == 1 for lengths in per_layer):
-            return None
-        return [torch.tensor(lengths, device=device) for lengths in per_layer]
 
     def _observe(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
         """Each row's eviction observes its own query and its own (unpadded) keys (policies that score the step
@@ -342,54 +290,12 @@ class DecodeBatch:
             if row.evict is not None and row.evict.reads_attention:
                 row.evict.observe_attention(layer, probs[i, :, : cache.layers[layer].length], kv_heads)
 
-    def _tables_of(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row `index`'s (global layers, 1, kv_heads, capacity, d) slices of the tables: an eviction moves the entries
-        of every global layer of the row at once (`move_entries`)."""
-        return self.keys[:, index : index + 1], self.values[:, index : index + 1]
-
     def _rebuild(self, keep: list[int], joining: Cache | None = None) -> None:
         """New tables holding rows `keep` (and `joining`'s entries as a last row) with room for SPARE more steps;
         every row's buffers and eviction move to them."""
-        caches = [self.caches[i] for i in keep] + ([joining] if joining is not None else [])
         self.static_step = None  # recorded on the old tables
-        if not caches:
-            self.caches, self.keys, self.values, self.rings, self.cache = [], None, None, None, None
-            return
-        first = caches[0].layers[0]
-        globals_ = [j for j in self.order if self.windows[j] is None]
-        capacity = max((cache.layers[j].keys.shape[2] for cache in caches for j in globals_), default=0) + SPARE
-        ring = max((w for w in self.windows if w is not None), default=0)
-        heads, key_dim, value_dim = first.keys.shape[1], first.keys.shape[-1], first.values.shape[-1]
-        # Zeros, not empty memory: padding is masked out of the attention weights, but a 0 weight times a NaN
-        # left in uninitialised memory would still be NaN.
-        self.keys = first.keys.new_zeros(len(globals_), len(caches), heads, capacity, key_dim)
-        self.values = first.values.new_zeros(len(globals_), len(caches), heads, capacity, value_dim)
-        sliding = len(self.order) - len(globals_)
-        ring_keys = first.keys.new_zeros(sliding, len(caches), heads, ring, key_dim)
-        self.rings = (ring_keys, first.values.new_zeros(sliding, len(caches), heads, ring, value_dim))
-        self.caches = caches
-        for b, cache in enumerate(caches):  # each DecodeBuffer copies its entries into its slices of the new tables
-            cache.layers = [
-                self._buffer(j, layer, tuple(table[b : b + 1] for table in self._tables(j)))
-                for j, layer in enumerate(cache.layers)
-            ]
-        self.cache = DynamicCache(config=self.model.config)
-        self.cache.layers = [_BatchLayer(self, j) for j in range(len(self.windows))]
+        caches = [self.caches[i] for i in keep] + ([joining] if joining is not None else [])
+        self.tables.rebuild(caches, SPARE)
         for b, row in enumerate(self.rows[i] for i in keep):
             if row.evict is not None:
-                row.evict.retable(self._tables_of(b))
-
-    def _buffer(self, j: int, layer: DynamicLayer, storage: tuple[torch.Tensor, torch.Tensor]):
-        """Layer `j`'s entries copied into `storage` (its slices of the tables): a `WindowBuffer` for a sliding
-        layer (a ring keeps its order), a `DecodeBuffer` for a global one."""
-        window, capacity = self.windows[j], storage[0].shape[2]
-        if window is None:
-            return DecodeBuffer(layer.keys, layer.values, capacity, storage=storage)
-        buffer = WindowBuffer(layer.keys, layer.values, window, capacity, storage)
-        buffer.oldest = getattr(layer, "oldest", 0)
-        return buffer
-
-
-def _after_step(layer: DecodeBuffer) -> int:
-    """The keys a decoding step's query sees in `layer` once its entry is in: one more, or a full ring's window."""
-    return min(layer.length + 1, layer.window) if isinstance(layer, WindowBuffer) else layer.length + 1
+                row.evict.retable(self.tables.of_row(b))

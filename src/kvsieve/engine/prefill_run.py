@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 from kvsieve.decode import Sampling
 from kvsieve.engine.events import Selected
 from kvsieve.engine.prefix_cache import BLOCK, PrefixCache, prefix_key, reuse_compress, reuse_tail
-from kvsieve.pipeline import Prefill, prefill, select_tokens
+from kvsieve.pipeline import PrefillResult, prefill, select_tokens
 from kvsieve.prompt import Prompt
 from kvsieve.spec import MethodSpec
 
@@ -29,7 +29,7 @@ def prefill_with_reuse(
     *,
     boundary: int = 0,
     use_cache: bool = True,
-) -> tuple[Prefill, dict[str, Any]]:
+) -> tuple[PrefillResult, dict[str, Any]]:
     """The method's stages on `prompt`, from a stored prefix where one fits (`reuse_tail`), and what the prefix
     cache did (`cache`: off, bypassed, not reusable, hit or miss; `cached_tokens`; `query_aware`; ...).
 
@@ -101,7 +101,7 @@ def select_stage_only(model: PreTrainedModel, prompt: Prompt, spec: MethodSpec) 
     return Selected(ids, info)
 
 
-def prefill_tokens(done: Prefill, prompt_length: int, cached_tokens: int) -> int:
+def prefill_tokens(done: PrefillResult, prompt_length: int, cached_tokens: int) -> int:
     """Tokens the full model prefilled: the kept ones after a select stage, the new ones after a reused prefix."""
     if done.state.selected is not None:
         return len(done.state.selected)

@@ -33,7 +33,7 @@ from kvsieve.engine.output import Output
 from kvsieve.engine.prefill_run import prefill_tokens, prefill_with_reuse, select_stage_only
 from kvsieve.engine.prefix_cache import PrefixCache
 from kvsieve.engine.slices import PrefillSlices
-from kvsieve.pipeline import Prefill, StageRecord
+from kvsieve.pipeline import PrefillResult, StageRecord
 from kvsieve.prompt import Prompt
 from kvsieve.spec import MethodSpec
 
@@ -67,7 +67,7 @@ class Request:
         self.cancelled = threading.Event()
         self.arrived = time.perf_counter()
         self.slices: PrefillSlices | None = None
-        self.prefilled: Prefill | None = None
+        self.prefilled: PrefillResult | None = None
         self.output: Output | None = None  # this answer's sampling, text and events (`start`)
         self.row: Row | None = None
         self.info: dict[str, Any] = {}
@@ -90,7 +90,7 @@ class Request:
         self.output = Output(tokenizer, model.config.vocab_size, self.sampling, eos, self.prompt.ids[0], self.emit)
         self.slices = PrefillSlices(model, self._select if self.select_only else lambda: self._prefill(cache))
 
-    def _prefill(self, cache: PrefixCache | None) -> Prefill:
+    def _prefill(self, cache: PrefixCache | None) -> PrefillResult:
         done, self._reuse = prefill_with_reuse(
             self.model, self.prompt, self.spec, self.sampling, cache, boundary=self.boundary, use_cache=self.use_cache
         )

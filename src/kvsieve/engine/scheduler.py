@@ -1,11 +1,11 @@
-"""The step scheduler: decoding steps of every running request, interleaved with budgeted prefill.
+"""The step scheduler: decoding steps of every running request, interleaved with prefill in slices.
 
 Each `step()` runs one decoding token for every running request (one batched forward pass,
 `engine.batch`), then spends at most `max_step_tokens` (less the tokens just decoded) on the
 prefill of requests that wait, oldest first, in slices between decoder layers (`engine.slices`;
 vLLM's chunked prefill with `max_num_batched_tokens`). A long prompt then delays running streams
 by one slice per step, never by its whole prefill. A slice always runs at least one layer, so
-prefill progresses even when the decode tokens alone use up the budget. `max_step_tokens=None`
+prefill progresses even when the decode tokens alone use up the step's tokens. `max_step_tokens=None`
 runs each prefill in one go (nothing to interleave with when a lone request runs).
 
 At most `max_batch` requests prefill or decode at once; the rest wait. A cancelled request
@@ -73,14 +73,14 @@ class Scheduler:
         return sum(self.batch.entries(i) for i in range(len(self.batch)))
 
     def step(self) -> None:
-        """One decoding token for every running request, then at most the remaining budget of prefill."""
+        """One decoding token for every running request, then prefill with the step's remaining tokens."""
         with torch.no_grad():
             self._drop_cancelled()
             decoded = len(self.running)
             if self.running:
                 self._decode()
-            budget = None if self.max_step_tokens is None else max(self.max_step_tokens - decoded, 0)
-            self._prefill(budget)
+            tokens = None if self.max_step_tokens is None else max(self.max_step_tokens - decoded, 0)
+            self._prefill(tokens)
 
     def _decode(self) -> None:
         logits = self.batch.step()
@@ -102,14 +102,14 @@ class Scheduler:
             request.finish(self.batch.entries(self._row(request)))
         self._leave(finished)
 
-    def _prefill(self, budget: float | None) -> None:
-        """Advance prefills, oldest first, until the budget is spent (at least one layer if any is waiting)."""
+    def _prefill(self, tokens: float | None) -> None:
+        """Advance prefills, oldest first, until the step's `tokens` are spent (at least one layer if one waits)."""
         while True:
             request = self._next_prefill()
             if request is None:
                 return
             try:
-                spent = request.slices.advance(budget)
+                spent = request.slices.advance(tokens)
             except KvsieveError as error:  # what the method cannot do with this prompt: this request fails
                 self._fail(request, error)
                 continue
@@ -126,9 +126,9 @@ class Scheduler:
                     if not isinstance(error, KvsieveError):
                         log.exception("starting to decode failed")
                     request.fail(error)
-            if budget is not None:
-                budget -= spent
-                if budget <= 0:
+            if tokens is not None:
+                tokens -= spent
+                if tokens <= 0:
                     return
 
     def _next_prefill(self) -> Request | None:

@@ -1,11 +1,11 @@
-"""Prefill in slices: a request's prefill runs until it has spent a token budget, then pauses.
+"""Prefill in slices: a request's prefill runs until it has spent its share of a step's tokens, then pauses.
 
-A scheduler step runs the decoding token of every running request plus at most a budget of
-prefill work (vLLM's chunked prefill with `max_num_batched_tokens`). kvsieve slices a prefill
+A scheduler step runs the decoding token of every running request plus prefill work, up to `max_step_tokens`
+tokens in all (vLLM's chunked prefill with `max_num_batched_tokens`). kvsieve slices a prefill
 between decoder layers instead of between tokens: layer j of a forward pass over t tokens costs
-t / num_layers of the budget, and the prefill pauses before the first layer that would overrun
+t / num_layers of the step's tokens, and the prefill pauses before the first layer that would overrun
 it. Every forward pass of every stage is sliced the same way (GemFilter's early-layer pass and
-its short second pass, a chunked feed's chunks, the one-pass feed, CritiPrefill's kernel), and
+its short second pass, a chunked feed's chunks, the one-pass feed, CritiPrefill's attention), and
 since a pause changes no computation, a sliced prefill gives exactly the tokens an unsliced one
 does: no method has to be re-derived for chunks of the prompt. A pause holds one layer's
 hidden states (t x hidden), far less than the KV cache it builds.
@@ -51,7 +51,7 @@ def _before_layer(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) 
 
 
 class PrefillSlices:
-    """Runs `work()` in slices of a token budget; `advance(budget)` runs the next slice.
+    """Runs `work()` in slices of a step's tokens; `advance(tokens)` runs the next slice.
 
     `done` turns true when `work` has returned (its value in `result`); an exception raised by
     `work` is raised by the `advance` that ran into it.
@@ -75,12 +75,12 @@ class PrefillSlices:
         self.result = self._work()
         self.done = True
 
-    def advance(self, budget: float | None) -> float:
-        """Run until `budget` tokens are charged (None: to the end); return the tokens charged.
+    def advance(self, tokens: float | None) -> float:
+        """Run until `tokens` tokens are charged (None: to the end); return the tokens charged.
 
         A slice always runs at least one layer, so every call makes progress.
         """
-        self._left = float("inf") if budget is None else budget
+        self._left = float("inf") if tokens is None else tokens
         self.spent = 0.0
         self._greenlet.parent = greenlet.getcurrent()  # pauses return to whoever advanced the slice
         try:

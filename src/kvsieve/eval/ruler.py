@@ -22,7 +22,7 @@ Configurations: each preset at each budget, a share of the prompt set on the pre
 The sweep shares its expensive part through the engine's prefix cache: in question mode, every configuration whose
 method continues a stored prefix (full attention, the compression and eviction presets, GemFilter's selection pass)
 starts from one state of the case's context, stored by the first, and runs only the question on top of it (reuse
-never changes an answer, `engine.prefix_cache`). Chunked feeds and CritiPrefill's kernel plan their own prefill.
+never changes an answer, `engine.prefix_cache`). Chunked feeds and CritiPrefill's attention plan their own prefill.
 """
 
 from __future__ import annotations

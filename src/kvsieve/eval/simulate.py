@@ -1,10 +1,10 @@
 """A2SF's evaluation protocol: eviction replayed at every position of a teacher-forced pass.
 
-`SimulatedEviction` is a prefill attention kernel. For each layer it walks the sequence row by
+`SimulatedEviction` is a prefill attention. For each layer it walks the sequence row by
 row as if it were being generated: row i attends only to the tokens the policy still holds
 (plus itself), the policy then folds that row into its running score and evicts down to the
 budget. Nothing evicted ever comes back. The model's log-likelihood of real text under this
-kernel measures a policy's effect on quality; `cosine` reproduces the A2SF paper's Table 2:
+attention measures a policy's effect on quality; `cosine` reproduces the A2SF paper's Table 2:
 the cosine similarity between each row's attention under the policy and under ideal pruning
 (softmax over the row's own top-`budget` logits), averaged over the rows where pruning is active.
 """
@@ -23,7 +23,7 @@ from kvsieve.errors import KvsieveError
 
 
 class SimulatedEviction:
-    """Prefill kernel replaying per-step eviction with `method` at `budget` tokens per KV head."""
+    """Prefill attention replaying per-step eviction with `method` at `budget` tokens per KV head."""
 
     def __init__(self, method: Policy, budget: int, chunk: int = 256) -> None:
         if not (method.position_only or method.step_alpha is not None):
@@ -101,14 +101,14 @@ class SimulatedEviction:
 
 
 def sequence_nll(
-    model: PreTrainedModel, ids: torch.Tensor, kernel: SimulatedEviction | None = None, chunk: int = 512
+    model: PreTrainedModel, ids: torch.Tensor, replay: SimulatedEviction | None = None, chunk: int = 512
 ) -> torch.Tensor:
-    """Teacher-forced negative log-likelihood of ids[1:] (n - 1,), under `kernel` if given.
+    """Teacher-forced negative log-likelihood of ids[1:] (n - 1,), under `replay` if given.
 
     Logits are computed in chunks of positions, never for the whole sequence at once.
     """
     ids = ids.to(model.device)
-    with torch.no_grad(), attention_hooks(kernel=kernel):
+    with torch.no_grad(), attention_hooks(prefill=replay):
         hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
         head = model.get_output_embeddings()
         targets = ids[0, 1:]
@@ -133,7 +133,7 @@ def compare_policies(
     full = sequence_nll(model, ids).mean().item()
     rows = [{"method": "full", "budget": ids.shape[1], "nll": full, "ppl": math.exp(full), "cosine": 1.0}]
     for label, method in tqdm(methods.items(), desc="simulating", unit="policy"):
-        kernel = SimulatedEviction(method, count)
-        nll = sequence_nll(model, ids, kernel).mean().item()
-        rows.append({"method": label, "budget": count, "nll": nll, "ppl": math.exp(nll), "cosine": kernel.cosine})
+        replay = SimulatedEviction(method, count)
+        nll = sequence_nll(model, ids, replay).mean().item()
+        rows.append({"method": label, "budget": count, "nll": nll, "ppl": math.exp(nll), "cosine": replay.cosine})
     return rows

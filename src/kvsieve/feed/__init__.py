@@ -16,10 +16,11 @@ from transformers import Cache, DynamicCache, PreTrainedModel
 
 from kvsieve.compress.cache import is_windowed, kv_entries, wrap_cache
 from kvsieve.compress.stages import PrefixSums
+from kvsieve.spec import warn_renamed
 
 
 @dataclass
-class Prefilled:
+class FeedOutput:
     """KV cache after prefill, the logits that give the first new token, and the next position.
 
     `kept_positions[j]` (kv_heads, n) are the positions, among the keys layer j attended over in
@@ -44,7 +45,7 @@ class Feed(Protocol):
     # gives every position's logits, and leaves a cache of exactly the prompt's entries; a chunked feed does none.
     one_pass: bool
 
-    def prefill(self, model: PreTrainedModel, ids: torch.Tensor, *, question: int = 0) -> Prefilled:
+    def prefill(self, model: PreTrainedModel, ids: torch.Tensor, *, question: int = 0) -> FeedOutput:
         """Prefill (1, L) `ids`; the last `question` of them are the prompt's question (0: none)."""
         ...
 
@@ -115,3 +116,11 @@ class PromptState:
             copied = {alpha: {j: t.clone() for j, t in by_layer.items()} for alpha, by_layer in self.sums.sums.items()}
             sums = PrefixSums(self.sums.queries, copied)
         return PromptState(wrap_cache(model, layers, length), self.position if whole else length, length, sums)
+
+
+def __getattr__(name: str) -> object:
+    """`Prefilled`, `FeedOutput`'s old name, for one release (CHANGELOG.md)."""
+    if name == "Prefilled":
+        warn_renamed("kvsieve.feed", "Prefilled", "FeedOutput")
+        return FeedOutput
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

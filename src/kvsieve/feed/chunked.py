@@ -56,7 +56,7 @@ from kvsieve.compress.policy import Policy, observed_scores
 from kvsieve.compress.scorers import keep_indices
 from kvsieve.compress.stages import score_observers
 from kvsieve.errors import KvsieveError
-from kvsieve.feed import Prefilled
+from kvsieve.feed import FeedOutput
 from kvsieve.feed.schedules import (
     SCHEDULES,
     adaptive_memory,
@@ -149,7 +149,7 @@ class ChunkedPrefill:
     gather its scores with), `token_indices[j]`: the prompt indices of the final cache entries, and
     `history`: one small record per step (chunk, position, memory sizes, key counts, cache lengths).
 
-    `Prefilled.details`: steps, chunk_sizes, memory_sizes (per step, the largest layer's target),
+    `FeedOutput.details`: steps, chunk_sizes, memory_sizes (per step, the largest layer's target),
     layer_memory_sizes (per step and layer, only when layers differ), attention_kv (per step,
     the largest sinks + memory + chunk attended over), max_position, kv_cache (final length).
     """
@@ -222,7 +222,7 @@ class ChunkedPrefill:
         ids: torch.Tensor,
         chunk_logits: ChunkLogits | None = None,
         question: int = 0,
-    ) -> Prefilled:
+    ) -> FeedOutput:
         """Prefill `ids` (1, L) chunk by chunk; return the compressed cache and the last token's logits.
 
         `chunk_logits`, when given, receives every chunk's logits (c_i, vocab) and the index of
@@ -346,7 +346,7 @@ class ChunkedRun:
         self.asked = ids[:, self.length - question :] if guided else None
         self.observers = score_observers(feed.pruner, self.scores)
 
-    def run(self) -> Prefilled:
+    def run(self) -> FeedOutput:
         with torch.no_grad():
             for step, size in enumerate(self.sizes):
                 self._step(step, size, last=step == len(self.sizes) - 1)
@@ -441,7 +441,7 @@ class ChunkedRun:
             self.next_position = position + size
         self.sinks, self.memory = new_sinks, new_memory
 
-    def _result(self) -> Prefilled:
+    def _result(self) -> FeedOutput:
         feed, step_memory = self.feed, self.step_memory
         details: dict[str, Any] = {
             "schedule": feed.schedule,
@@ -456,7 +456,7 @@ class ChunkedRun:
         }
         if any(min(step) != max(step) for step in step_memory):
             details["layer_memory_sizes"] = step_memory
-        return Prefilled(
+        return FeedOutput(
             cache=self.cache,
             last_logits=self.logits,
             next_position=self.next_position,

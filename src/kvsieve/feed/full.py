@@ -9,7 +9,7 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 
 from kvsieve.decode import extend
-from kvsieve.feed import Prefilled
+from kvsieve.feed import FeedOutput
 from kvsieve.spec import component
 
 
@@ -31,7 +31,7 @@ class FullPrefill:
         cache: Cache | None = None,
         position: int | None = None,
         every_logit: bool = False,
-    ) -> Prefilled:
+    ) -> FeedOutput:
         """Prefill `ids` (1, L) into `cache` (an empty one the caller may already watch, or a new one), or
         onto a cache that holds a prompt prefix already: then `ids` go at `position` .. `position` + L - 1,
         by default right after the cache's entries (a plain prefix at positions 0 .. P-1; a compressed
@@ -42,4 +42,4 @@ class FullPrefill:
         with torch.no_grad():
             logits = extend(model, cache, ids, start, logits_to_keep=0 if every_logit else 1)
         every = logits if every_logit else None
-        return Prefilled(cache=cache, last_logits=logits[-1], next_position=start + ids.shape[1], logits=every)
+        return FeedOutput(cache=cache, last_logits=logits[-1], next_position=start + ids.shape[1], logits=every)

@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 from transformers import Cache, PreTrainedModel
 
-from kvsieve.compress.scorers import check_kernel
+from kvsieve.compress.scorers import check_pool_size
 from kvsieve.errors import KvsieveError
 from kvsieve.models import architecture
 from kvsieve.prompt import Prompt
@@ -34,7 +34,7 @@ class GemFilter:
     k: tokens to keep, a count or a fraction of the prompt (paper: 1024 or 2048).
     layer: 0-based filter layer; None is the middle layer (num_layers // 2), the same on every
         machine; "calibrated" reads the layer `kvsieve calibrate` recorded for this model.
-    kernel: average-pooling kernel (odd, paper: 5).
+    pool_size: tokens each score is average-pooled over (odd, paper: 5).
     keep_tail: always keep the question and chat-template suffix (not in the reference code).
     queries, softmax, block: beyond the paper (`kvsieve.select.scoring`): how many last prompt
         queries vote (paper 1), a softmax per query before summing (paper: raw q.k), and keeping
@@ -45,7 +45,7 @@ class GemFilter:
     layer: int | Literal["calibrated"] | None = option(
         None, "0-based filter layer; none = the middle layer; calibrated = what `kvsieve calibrate` recorded"
     )
-    kernel: int = option(5, "average-pooling kernel over the scores, odd (paper 5)")
+    pool_size: int = option(5, "tokens each score is average-pooled over, odd (paper 5)", was="kernel")
     keep_tail: bool = option(True, "always keep the question and chat-template suffix (reference code: false)")
     queries: int = option(1, "the last prompt queries that vote (paper: 1, the last token)")
     softmax: bool = option(False, "softmax per query head before summing the votes (paper: raw q.k)")
@@ -61,7 +61,7 @@ class GemFilter:
                 raise KvsieveError(
                     f"GemFilter layer must be a 0-based layer index, none or 'calibrated'; got {self.layer!r}."
                 )
-        check_kernel(self.kernel)
+        check_pool_size(self.pool_size)
         for name in ("queries", "block"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -137,7 +137,7 @@ class GemFilter:
 
     def choose(self, queries: torch.Tensor, keys: torch.Tensor, k: int, tail_len: int) -> torch.Tensor:
         """The k kept positions, ascending, from the filter layer's last queries (h, w, d) and keys."""
-        scores = gemfilter_scores(queries[:, -self.queries :], keys, self.kernel, self.softmax)
+        scores = gemfilter_scores(queries[:, -self.queries :], keys, self.pool_size, self.softmax)
         return top_k_with_tail(scores, k, tail_len, self.block)
 
 

@@ -3,7 +3,7 @@
 First pass: run layers 0..r-1 on the whole prompt and layer r only up to its post-RoPE query
 and key (no later layer, no LM head, no KV cache). The score of token j is the last prompt
 token's query times key j, unscaled, summed over all query heads, then average-pooled
-(kernel 5, stride 1, zero padding), computed in float32 whatever the model's dtype.
+(over 5 tokens, stride 1, zero padding), computed in float32 whatever the model's dtype.
 
 Beyond the paper (GemFilter options, all off by default): the last `queries` prompt tokens vote
 instead of the last one alone (the question's tokens, as SnapKV's observation window does), each
@@ -68,7 +68,9 @@ def filter_layer_qk(
     return captured["query"], captured["key"]
 
 
-def gemfilter_scores(queries: torch.Tensor, keys: torch.Tensor, kernel: int = 5, softmax: bool = False) -> torch.Tensor:
+def gemfilter_scores(
+    queries: torch.Tensor, keys: torch.Tensor, pool_size: int = 5, softmax: bool = False
+) -> torch.Tensor:
     """Token scores (n,) in fp32: sum over query heads (and queries) of q . k_j, then average-pooled.
 
     queries (h, d) for the last query alone (the paper), or (h, w, d) for the last w prompt
@@ -86,7 +88,7 @@ def gemfilter_scores(queries: torch.Tensor, keys: torch.Tensor, kernel: int = 5,
         visible = torch.arange(n, device=keys.device) <= torch.arange(n - w, n, device=keys.device)[:, None]
         logits = (logits.view(kv_heads, -1, w, n) * dim**-0.5).masked_fill(~visible, float("-inf")).softmax(-1)
     scores = logits.reshape(-1, n).sum(0)
-    return F.avg_pool1d(scores[None, None], kernel_size=kernel, stride=1, padding=kernel // 2)[0, 0]
+    return F.avg_pool1d(scores[None, None], kernel_size=pool_size, stride=1, padding=pool_size // 2)[0, 0]
 
 
 def top_k_with_tail(scores: torch.Tensor, k: int, tail_len: int, block: int = 1) -> torch.Tensor:

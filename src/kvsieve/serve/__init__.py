@@ -1,10 +1,11 @@
 """`kvsieve serve`: an OpenAI-compatible server with batched decoding and compressed-context reuse.
 
-    app.py             the HTTP front (FastAPI): submits, answers whole or streamed
+    app.py             the HTTP front (FastAPI): parses, submits, answers whole or streamed
+    answers.py         one request's events read on the event loop, its answer as chunks, its errors
     request_options.py what a request asks for (body, method, sampling), checked against the server's limits
     openai_types.py    OpenAI's request bodies, responses, chunks and errors
     prompts.py         token ids of a request, and where its reusable context ends
-    engine.py          the thread that owns the model and runs `kvsieve.engine`'s scheduler
+    engine_thread.py   the thread that owns the model and runs `kvsieve.engine`'s scheduler
     relay.py           --upstream: select locally, relay the upstream engine's answer as this request's
     upstream.py        the client of that upstream engine (its completions, streamed or whole)
     metrics.py         Prometheus text for /metrics
@@ -26,7 +27,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from kvsieve.models import architecture
 from kvsieve.registry import method
 from kvsieve.serve.app import create_app
-from kvsieve.serve.engine import Engine
+from kvsieve.serve.engine_thread import EngineThread
 from kvsieve.serve.metrics import Metrics
 from kvsieve.serve.request_options import ServeConfig
 from kvsieve.serve.upstream import Upstream
@@ -55,7 +56,7 @@ def create_server(
 ) -> FastAPI:
     """The server's ASGI app for a kvsieve-prepared model; its engine thread starts with the app."""
     metrics = Metrics()
-    engine = Engine(
+    engine = EngineThread(
         model,
         tokenizer,
         metrics,

@@ -8,13 +8,11 @@ object with a 4xx/5xx status, and the server goes on serving. With an API key ev
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -23,11 +21,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
-from kvsieve.decode import TokenLogprob
-from kvsieve.engine.events import Event, Failed, Finished, Text
+from kvsieve.engine.events import Failed, Finished, Text
 from kvsieve.engine.request import Request as Job
-from kvsieve.errors import KvsieveError
-from kvsieve.serve.engine import Engine
+from kvsieve.serve.answers import ClientGone, Echo, RequestEvents, as_api_error, logprobs_of, stream_chunks
+from kvsieve.serve.engine_thread import EngineThread
 from kvsieve.serve.metrics import CONTENT_TYPE, CountRequests, Metrics
 from kvsieve.serve.openai_types import (
     CLIENT_CLOSED,
@@ -40,10 +37,8 @@ from kvsieve.serve.openai_types import (
     choice_object,
     completion_object,
     finish_reason,
-    logprobs_object,
     new_id,
     parse_body,
-    sse,
     usage,
 )
 from kvsieve.serve.prompts import as_prompt, chat_prompt, completion_prompt
@@ -54,49 +49,8 @@ from kvsieve.serve.upstream import Upstream
 log = logging.getLogger("kvsieve.serve")
 
 
-class _ClientGone(Exception):
-    """The client disconnected while its request was queued or running."""
-
-
-class _Events:
-    """The engine's events for one request, handed from the engine thread to the event loop."""
-
-    def __init__(self, request: Request):
-        self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[Event] = asyncio.Queue()
-        self._request = request
-        self._checked = self._loop.time()  # when the client was last seen connected
-
-    def emit(self, event: Event) -> None:
-        """Called on the engine thread."""
-        with contextlib.suppress(RuntimeError):  # the loop is gone: the server is shutting down
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
-
-    async def next(self, watch_client: bool = True) -> Event:
-        """The next event; every half second, notice a client that went away (unless a stream watches it),
-        also while events keep coming (a non-streamed answer being decoded)."""
-        while True:
-            if watch_client and self._loop.time() - self._checked >= 0.5:
-                if await self._request.is_disconnected():
-                    raise _ClientGone
-                self._checked = self._loop.time()
-            try:
-                return await asyncio.wait_for(self._queue.get(), timeout=0.5)
-            except TimeoutError:
-                continue
-
-
-def as_api_error(error: Exception) -> ApiError:
-    """A request's failure as the HTTP answer: what the method cannot do is the client's 400, the rest ours."""
-    if isinstance(error, ApiError):
-        return error
-    if isinstance(error, KvsieveError):
-        return ApiError(400, str(error), param="kvsieve", code="invalid_method")
-    return ApiError(500, f"The engine failed: {error!r}", type="server_error")
-
-
 def create_app(
-    engine: Engine,
+    engine: EngineThread,
     tokenizer: PreTrainedTokenizerBase,
     config: ServeConfig,
     metrics: Metrics,
@@ -183,7 +137,7 @@ class Front:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineThread,
         tokenizer: PreTrainedTokenizerBase,
         config: ServeConfig,
         metrics: Metrics,
@@ -256,7 +210,7 @@ class Front:
             self.tokenizer,
             relayed=self.relay is not None,
         )
-        events = _Events(request)
+        events = RequestEvents(request)
         reply = Reply(chat, new_id("chatcmpl" if chat else "cmpl"), self.config.model_name, len(prompt.ids))
         if self.relay is not None:
             return await self.relay.answer(request, body, spec, prompt, sampling, events, reply, arrived)
@@ -277,8 +231,8 @@ class Front:
             text = body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(prompt.ids)
             echo = Echo(text, first.prompt_logprobs or [])
         if body.stream:
-            chunks = self.stream(
-                request, job, events, reply, body.include_usage(), body.continuous_usage(), first.info,
+            chunks = stream_chunks(
+                self.tokenizer, request, job, events, reply, body.include_usage(), body.continuous_usage(), first.info,
                 sampling.logprobs is not None, sampling.n, echo,
             )  # fmt: skip
             return StreamingResponse(chunks, media_type="text/event-stream")
@@ -295,116 +249,35 @@ class Front:
                 elif isinstance(event, Finished):
                     done[event.index] = event
                     entries[event.index] += event.logprobs
-        except _ClientGone:
+        except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         finally:
             job.cancelled.set()  # frees the slot if the engine still holds it; harmless otherwise
         info = done[0].info
         use = usage(reply.prompt_tokens, sum(d.completion_tokens for d in done), info["cached_tokens"])
-        before = echo or Echo("", [])
+        before, with_logprobs = echo or Echo("", []), sampling.logprobs is not None
         choices = [
             choice_object(
                 chat,
                 i,
                 before.text + "".join(texts[i]),
                 finish_reason(done[i].reason),
-                self.logprobs(chat, before.logprobs + entries[i]) if sampling.logprobs is not None else None,
+                logprobs_of(self.tokenizer, chat, before.logprobs + entries[i]) if with_logprobs else None,
             )
             for i in range(n)
         ]
         return JSONResponse(completion_object(chat, reply.id, reply.model, choices, use, info))
 
-    def logprobs(self, chat: bool, entries: list[TokenLogprob], before: list[int] | None = None) -> dict[str, Any]:
-        """`entries` in the endpoint's logprobs format, each token as the text it decodes to; a completion's
-        text offsets are where the answer's text (after the `before` tokens reported already) grows by it."""
-        tokens, earlier = [e.token for e in entries], before or []
-        offsets = [] if chat else [len(self.tokenizer.decode(earlier + tokens[:i])) for i in range(len(tokens))]
-        return logprobs_object(chat, entries, lambda token: self.tokenizer.decode([token]), offsets)
-
-    async def stream(
-        self,
-        request: Request,
-        job: Job,
-        events: _Events,
-        reply: Reply,
-        include_usage: bool,
-        continuous_usage: bool,
-        started: dict[str, Any],
-        with_logprobs: bool,
-        answers: int,
-        echo: Echo | None,
-    ) -> AsyncIterator[bytes]:
-        """Server-sent chunks until the answer is finished; a client that leaves cancels the job.
-
-        `continuous_usage` (vLLM's `stream_options.continuous_usage_stats`) puts the usage so far in every
-        text chunk; `started` is the record the request's prefill reported; `with_logprobs` puts each
-        chunk's tokens' log-probabilities in it; `answers` (n) chunks carry their answer's index; `echo`
-        sends the prompt's text (and log-probabilities) first."""
-        status, n = CLIENT_CLOSED, answers
-        reported: list[list[int]] = [[] for _ in range(n)]  # per answer: tokens whose log-probabilities were sent
-        tokens, finished = [0] * n, []
-        try:
-            if reply.chat:
-                for index in range(n):
-                    yield sse(reply.chunk(role=True, index=index))
-            for index in range(n if echo is not None else 0):
-                logprobs = self.logprobs(False, echo.logprobs) if with_logprobs else None
-                reported[index] += [e.token for e in echo.logprobs]
-                yield sse(reply.chunk(text=echo.text, logprobs=logprobs, index=index))
-            while True:
-                event = await events.next(watch_client=False)  # Starlette watches the client while streaming
-                if isinstance(event, Text | Finished):
-                    i = event.index
-                    logprobs = self.logprobs(reply.chat, event.logprobs, reported[i]) if with_logprobs else None
-                    reported[i] += [e.token for e in event.logprobs]
-                if isinstance(event, Text):
-                    tokens[event.index] = event.tokens
-                    chunk = reply.chunk(text=event.piece, logprobs=logprobs, index=event.index)
-                    if continuous_usage:
-                        chunk["usage"] = usage(reply.prompt_tokens, sum(tokens), started["cached_tokens"])
-                    yield sse(chunk)
-                elif isinstance(event, Finished):
-                    finished.append(event)
-                    reason = finish_reason(event.reason)
-                    yield sse(
-                        reply.chunk(reason=reason, extra={"kvsieve": event.info}, logprobs=logprobs, index=event.index)
-                    )
-                    if len(finished) < n:
-                        continue
-                    if include_usage:
-                        generated = sum(f.completion_tokens for f in finished)
-                        yield sse(reply.chunk(use=usage(reply.prompt_tokens, generated, event.info["cached_tokens"])))
-                    yield sse("[DONE]")
-                    status = 200
-                    return
-                elif isinstance(event, Failed):
-                    error = as_api_error(event.error)
-                    status = error.status
-                    yield sse(error.body())
-                    yield sse("[DONE]")
-                    return
-        finally:
-            job.cancelled.set()
-            request.state.outcome = status  # the status line said 200 before the stream's end
-
-    async def first_event(self, job: Job, events: _Events) -> Any:
+    async def first_event(self, job: Job, events: RequestEvents) -> Any:
         """Submit `job` to the engine and wait for its first event (the prefill's, or the selection's); None where
         the client left first (the job is cancelled). A failure cancels the job and is raised as its API error."""
         self.engine.submit(job)
         try:
             first = await events.next()
-        except _ClientGone:
+        except ClientGone:
             job.cancelled.set()
             return None
         if isinstance(first, Failed):
             job.cancelled.set()
             raise as_api_error(first.error)
         return first
-
-
-@dataclass(frozen=True)
-class Echo:
-    """A completion's `echo`: the prompt's text, and its tokens' log-probabilities when asked for."""
-
-    text: str
-    logprobs: list[TokenLogprob]

@@ -6,7 +6,7 @@ chunk. The paper names SnapKV and StreamingLLM as its pruners; the authors' code
 - every query of the chunk votes: its softmax attention over all the keys it sees is summed per
   key (per KV head; query head h votes for KV head h // n_rep, where the reference code's
   grouping maps h mod n_kv);
-- the sums are average-pooled (kernel 5, stride 1, zero padding) over the keys after the sinks:
+- the sums are average-pooled (5 tokens, stride 1, zero padding) over the keys after the sinks:
   the reference strips the sink tokens before it pools, so sink scores never leak into the first
   memory tokens;
 - each pooled sum is divided by the number of queries that can see the key: all q for sinks and
@@ -35,7 +35,7 @@ from typing import ClassVar
 import torch
 
 from kvsieve.compress.policy import Policy
-from kvsieve.compress.scorers import check_kernel, visible_mean
+from kvsieve.compress.scorers import check_pool_size, visible_mean
 from kvsieve.errors import KvsieveError
 from kvsieve.spec import component, option
 
@@ -45,11 +45,11 @@ from kvsieve.spec import component, option
 class Collie(Policy):
     """All queries' attention per key, pooled after the sinks, divided by how many queries see it. One-shot."""
 
-    kernel: int = option(5, "average-pooling kernel over the scores, odd (authors' code: 5)")
+    pool_size: int = option(5, "tokens each score is average-pooled over, odd (authors' code: 5)", was="kernel")
     sinks: int = option(4, "first positions left out of the pooling (set it to the feed's sinks, 4)")
 
     def __post_init__(self) -> None:
-        check_kernel(self.kernel)
+        check_pool_size(self.pool_size)
         if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
             raise KvsieveError(
                 f"Collie's sinks (first positions left out of the pooling) must be a whole number >= 0, "
@@ -60,7 +60,7 @@ class Collie(Policy):
 
     def from_sums(self, sums: torch.Tensor, queries: int) -> torch.Tensor:
         """Pooled after the sinks, then divided by how many of the `queries` see each key."""
-        return visible_mean(sums, queries, self.kernel, self.sinks)
+        return visible_mean(sums, queries, self.pool_size, self.sinks)
 
     def protected(self, budget: int) -> tuple[int, int]:
         return 0, 0

@@ -8,7 +8,7 @@ from typing import Literal
 import torch
 
 from kvsieve.compress.policy import Policy
-from kvsieve.compress.scorers import check_kernel, window_attention
+from kvsieve.compress.scorers import check_pool_size, window_attention
 from kvsieve.errors import KvsieveError
 from kvsieve.spec import component, option
 
@@ -19,13 +19,13 @@ class SnapKV(Policy):
     """Attention of the last `window` prompt queries, pooled; the window itself is always kept. One-shot."""
 
     window: int = option(32, "observation window: the last prompt queries that vote (always kept)")
-    kernel: int = option(5, "pooling kernel over the votes, odd")
+    pool_size: int = option(5, "tokens each vote is pooled over, odd", was="kernel")
     pool: Literal["avg", "max"] = option("avg", "pooling: avg or max")
 
     def __post_init__(self) -> None:
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise KvsieveError(f"SnapKV window must be a whole number >= 1, got {self.window!r}.")
-        check_kernel(self.kernel)
+        check_pool_size(self.pool_size)
         if self.pool not in ("avg", "max"):
             raise KvsieveError(f"SnapKV pooling must be 'avg' or 'max', got {self.pool!r}.")
 
@@ -34,7 +34,7 @@ class SnapKV(Policy):
         return self.window  # the observation window
 
     def prompt_scores(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
-        return window_attention(query, key, scaling, self.window, self.kernel, self.pool)
+        return window_attention(query, key, scaling, self.window, self.pool_size, self.pool)
 
     def protected(self, budget: int) -> tuple[int, int]:
         if self.window > budget:

@@ -6,7 +6,7 @@ decoding token for every running request plus at most `max_step_tokens` of prefi
 prompt delays running streams by one prefill slice per step, never by its whole prefill. A
 request whose client went away (the front sets `request.cancelled`) leaves at the next step.
 
-Memory (issue 48, docs/SERVING.md#memory-what-the-server-holds): nothing here holds a request once it is
+Memory (docs/SERVING.md#memory-what-the-server-holds): nothing here holds a request once it is
 answered (no reference cycle through its events, so its tensors go when the front drops it, without waiting for
 Python's garbage collector), and after a step in which a prefill or an answer ended the freed heap pages go
 back to the system (`kvsieve.memory.release_freed`): glibc would otherwise keep them, and the resident size
@@ -35,7 +35,7 @@ from kvsieve.serve.openai_types import ApiError
 log = logging.getLogger("kvsieve.serve")
 
 
-class Engine:
+class EngineThread:
     """Owns the model and the scheduler; `start()` runs the loop in a daemon thread."""
 
     def __init__(
@@ -220,4 +220,4 @@ class Engine:
         )
 
 
-__all__ = ["Engine", "Event", "Failed", "Finished", "Request", "Started", "Text"]
+__all__ = ["EngineThread", "Event", "Failed", "Finished", "Request", "Started", "Text"]

@@ -1,0 +1,137 @@
+"""Where the decoding batch keeps its rows' caches: one key and one value table for the global layers, rings for a
+hybrid model's sliding ones.
+
+Row b's entries of global layer j are columns 0 .. n - 1 of `keys[slot[j], b]` (and `values`), the tables padded on
+the right up to the longest row; a sliding layer's are a ring as wide as its window (`WindowBuffer`: a step's entry
+replaces the oldest once the window is full), so the global tables, their padding and their evictions hold the
+global layers alone. Each row's own cache object keeps its layers as buffers over its slices (`DecodeBuffer`,
+`WindowBuffer`), so a step writes every row's new entry in place and a row's eviction moves its entries there.
+`DecodeBatch` (`engine.batch`) decides when the tables are rebuilt; this module only builds and addresses them.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Cache, DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+from kvsieve.compress.cache import DecodeBuffer, WindowBuffer
+from kvsieve.models import architecture
+
+
+class BatchLayer(DynamicLayer):
+    """The transformers cache layer through which the model writes layer j's new entries of every row (in place)."""
+
+    def __init__(self, tables: BatchTables, layer: int):
+        super().__init__()
+        self.tables, self.layer = tables, layer
+        self.lazy_initialization(tables.keys, tables.values)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.keys, self.values = self.tables.append(self.layer, key_states, value_states)
+        return self.keys, self.values
+
+
+class BatchTables:
+    """The rows' caches (`caches`, one per row, in the batch's order) in shared tables; `cache` is what a batched
+    forward pass writes through."""
+
+    def __init__(self, model: PreTrainedModel):
+        arch = architecture(model)
+        self.config = model.config
+        self.windows = arch.windows  # per layer: its sliding window, or None for a global layer
+        sliding = [j for j, window in enumerate(arch.windows) if window is not None]
+        self.order = [*arch.global_layers, *sliding]
+        self.slot = {j: i for i, j in enumerate(arch.global_layers)} | {j: i for i, j in enumerate(sliding)}
+        self.caches: list[Cache] = []  # each row's own cache object, its layers buffers over the tables
+        self.keys: torch.Tensor | None = None  # (global layers, rows, kv_heads, capacity, d) once a row joins
+        self.values: torch.Tensor | None = None
+        self.rings: tuple[torch.Tensor, torch.Tensor] | None = None  # (sliding layers, rows, kv_heads, window, d)
+        self.cache: DynamicCache | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the shared key and value tables (global layers) and the sliding layers' rings, as allocated:
+        their capacity, not only the entries in use."""
+        tensors = [t for t in (self.keys, self.values, *(self.rings or ())) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def of_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s (rows, kv_heads, capacity, d) key and value tables: the global tables' or the rings'."""
+        keys, values = (self.keys, self.values) if self.windows[layer] is None else self.rings
+        return keys[self.slot[layer]], values[self.slot[layer]]
+
+    def of_row(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row `index`'s (global layers, 1, kv_heads, capacity, d) slices of the tables: an eviction moves the entries
+        of every global layer of the row at once (`move_entries`)."""
+        return self.keys[:, index : index + 1], self.values[:, index : index + 1]
+
+    def rebuild(self, caches: list[Cache], spare: int) -> None:
+        """New tables holding `caches` (rows in that order) with room for `spare` more steps; each cache's layers
+        become buffers over its slices, their entries copied in."""
+        if not caches:
+            self.caches, self.keys, self.values, self.rings, self.cache = [], None, None, None, None
+            return
+        first = caches[0].layers[0]
+        globals_ = [j for j in self.order if self.windows[j] is None]
+        capacity = max((cache.layers[j].keys.shape[2] for cache in caches for j in globals_), default=0) + spare
+        ring = max((w for w in self.windows if w is not None), default=0)
+        heads, key_dim, value_dim = first.keys.shape[1], first.keys.shape[-1], first.values.shape[-1]
+        # Zeros, not empty memory: padding is masked out of the attention weights, but a 0 weight times a NaN
+        # left in uninitialised memory would still be NaN.
+        self.keys = first.keys.new_zeros(len(globals_), len(caches), heads, capacity, key_dim)
+        self.values = first.values.new_zeros(len(globals_), len(caches), heads, capacity, value_dim)
+        sliding = len(self.order) - len(globals_)
+        ring_keys = first.keys.new_zeros(sliding, len(caches), heads, ring, key_dim)
+        self.rings = (ring_keys, first.values.new_zeros(sliding, len(caches), heads, ring, value_dim))
+        self.caches = caches
+        for b, cache in enumerate(caches):  # each buffer copies its entries into its slices of the new tables
+            cache.layers = [
+                self._buffer(j, layer, tuple(table[b : b + 1] for table in self.of_layer(j)))
+                for j, layer in enumerate(cache.layers)
+            ]
+        self.cache = DynamicCache(config=self.config)
+        self.cache.layers = [BatchLayer(self, j) for j in range(len(self.windows))]
+
+    def _buffer(self, j: int, layer: DynamicLayer, storage: tuple[torch.Tensor, torch.Tensor]) -> DecodeBuffer:
+        """Layer `j`'s entries copied into `storage` (its slices of the tables): a `WindowBuffer` for a sliding
+        layer (a ring keeps its order), a `DecodeBuffer` for a global one."""
+        window, capacity = self.windows[j], storage[0].shape[2]
+        if window is None:
+            return DecodeBuffer(layer.keys, layer.values, capacity, storage=storage)
+        buffer = WindowBuffer(layer.keys, layer.values, window, capacity, storage)
+        buffer.oldest = getattr(layer, "oldest", 0)
+        return buffer
+
+    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write each row's new (rows, kv_heads, 1, d) entry of `layer` at its next column; the live columns of
+        every row (the longest row's length wide)."""
+        if len(self.caches) == 1:  # one row: its own buffer writes in place
+            return self.caches[0].layers[layer].update(keys, values)
+        buffers = [cache.layers[layer] for cache in self.caches]
+        table_keys, table_values = self.of_layer(layer)
+        ends = [buffer.next_column() for buffer in buffers]
+        if len(set(ends)) == 1:  # no padding (rows of one length): a plain slice
+            table_keys[:, :, ends[0]] = keys[:, :, 0]
+            table_values[:, :, ends[0]] = values[:, :, 0]
+        else:
+            rows = torch.arange(len(ends), device=keys.device)
+            columns = torch.tensor(ends, device=keys.device)
+            table_keys[rows, :, columns] = keys[:, :, 0]
+            table_values[rows, :, columns] = values[:, :, 0]
+        for buffer in buffers:
+            buffer.advance()
+        width = max(buffer.length for buffer in buffers)
+        return table_keys[:, :, :width], table_values[:, :, :width]
+
+    def key_lengths(self, device: torch.device) -> list[torch.Tensor] | None:
+        """Per layer, each row's key count after this step's entry, or None where no row is padded."""
+        per_layer = [[_after_step(cache.layers[j]) for cache in self.caches] for j in range(len(self.windows))]
+        if all(len(set(lengths)) == 1 for lengths in per_layer):
+            return None
+        return [torch.tensor(lengths, device=device) for lengths in per_layer]
+
+
+def _after_step(layer: DecodeBuffer) -> int:
+    """The keys a decoding step's query sees in `layer` once its entry is in: one more, or a full ring's window."""
+    return min(layer.length + 1, layer.window) if isinstance(layer, WindowBuffer) else layer.length + 1
