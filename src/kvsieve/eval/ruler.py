@@ -28,6 +28,7 @@ never changes an answer, `engine.prefix_cache`). Chunked feeds and CritiPrefill'
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 import json
 import os
@@ -116,12 +117,20 @@ def available_tasks(tasks: Sequence[str] | None = None) -> tuple[list[str], dict
     return [n for n in names if n not in skipped], skipped
 
 
+def tokenizer_key(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A short fingerprint of `tokenizer`'s vocabulary: the generators size every case with it, so cases made with
+    one tokenizer are never read back for another."""
+    vocabulary = json.dumps(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(vocabulary.encode()).hexdigest()[:10]
+
+
 def generate_cases(
     tokenizer: PreTrainedTokenizerBase, task: str, length: int, samples: int, seed: int, folder: Path
 ) -> list[dict[str, Any]]:
     """`samples` cases of `task` at RULER length `length`, made by NVIDIA's generator script with `tokenizer` (run as
-    its `prepare.py` runs it, in a process of its own), kept in `folder` and read back from there next time."""
-    path = folder / f"{task}-{length}-{samples}-{seed}.jsonl"
+    its `prepare.py` runs it, in a process of its own), kept in `folder` under the tokenizer's fingerprint
+    (`tokenizer_key`) and read back from there next time."""
+    path = folder / f"{task}-{length}-{samples}-{seed}-{tokenizer_key(tokenizer)}.jsonl"
     if not path.is_file():
         config = task_configs()[task]
         script = package_folder() / "data" / "synthetic" / f"{config['task']}.py"
