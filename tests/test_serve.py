@@ -436,10 +436,10 @@ def test_reuse_continues_the_stored_document_and_answers_as_the_library_does(ser
         assert fresh.choices[0].message.content == answer.choices[0].message.content
 
 
-def compressed_context_reference(tiny, context: list[int], question: list[int], policy, reuse: int, budget: int) -> str:
+def compressed_context_reference(tiny, context: list[int], question: list[int], policy, reuse: int) -> str:
     """The reuse-budget path assembled from the library's parts: the context alone compressed to `reuse` by
-    `policy`, the question run on it at its own positions and the cache compressed to `budget` with the
-    question's window, then 8 greedy tokens."""
+    `policy`, the question appended on it at its own positions (question-agnostic: nothing is pruned again with
+    the question's scores), then 8 greedy tokens."""
     model, tokenizer = tiny
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
@@ -447,10 +447,7 @@ def compressed_context_reference(tiny, context: list[int], question: list[int], 
         with attention_hooks(last_pass=alone.observers()):
             extend(model, cache, torch.tensor([context]), 0)
         alone.compress(cache)
-        asked = Compress(policy, budget).begin()
-        with attention_hooks(last_pass=asked.observers()):
-            logits = extend(model, cache, torch.tensor([question]), len(context))[-1]
-        asked.compress(cache)
+        logits = extend(model, cache, torch.tensor([question]), len(context))[-1]  # appended, nothing pruned
         answer, position = TextStream(tokenizer, Sampling(8), {tokenizer.eos_token_id}), len(context) + len(question)
         while answer.add(token := int(logits.argmax())) is not None and answer.finish is None:
             logits, position = extend(model, cache, torch.tensor([[token]]), position)[-1], position + 1
@@ -459,10 +456,10 @@ def compressed_context_reference(tiny, context: list[int], question: list[int], 
 
 def test_a_reuse_budget_stores_the_context_compressed_and_every_request_continues_it(tiny):
     """--reuse-budget 30: the stored document keeps 30 entries per layer and KV head, chosen by the method's
-    own policy from the document's own queries; every request, the first included, runs its question on
-    that state and compresses with the question's window. The answers equal the same steps assembled from
-    the library's parts, the record says their context was chosen without the question, and the stored
-    state takes the bytes of 30 entries, not of the document's."""
+    own policy from the document's own queries; every request, the first included, appends its question to
+    that state and prunes nothing with the question's scores. The answers equal the same steps assembled from
+    the library's parts, the record says their context was chosen without the question, the cache holds the 30
+    entries plus the question's, and the stored state takes the bytes of 30 entries, not of the document's."""
     model, _ = tiny
     settings = SMALL  # SnapKV, budget 24, window 4
     with start(tiny, cache_bytes=50_000_000, reuse_budget=30) as server:
@@ -476,12 +473,12 @@ def test_a_reuse_budget_stores_the_context_compressed_and_every_request_continue
             info = answer.model_extra["kvsieve"]
             asked = ids_of(tiny, f"<s> question {question} </s> answer")
             policy = method("snapkv", settings).compress.policy
-            assert answer.choices[0].message.content == compressed_context_reference(
-                tiny, context, asked, policy, 30, 24
-            ), question
+            expected_text = compressed_context_reference(tiny, context, asked, policy, 30)
+            assert answer.choices[0].message.content == expected_text, question
             assert info["cache"] == expected
             assert info["query_aware"] is False and info["context_entries"] == 30 and info["reuse_budget"] == 30
             assert info["stages"][0]["details"]["context_entries"] == 30
+            assert info["kv_entries"] == 30 + len(asked)  # the question's entries on top, none pruned
         entry_bytes = (
             2
             * model.config.num_hidden_layers

@@ -504,8 +504,9 @@ def cmd_report(args: argparse.Namespace) -> None:
     from kvsieve.eval.report import write_report
 
     path = write_report(
-        args.out, args.niah, args.ppl, args.bench, args.notes, args.baseline, args.kvpress, ruler_files=args.ruler
-    )
+        args.out, args.niah, args.ppl, args.bench, args.notes, args.baseline, args.kvpress, ruler_files=args.ruler,
+        calibration_files=args.ruler_calibration,
+    )  # fmt: skip
     print(f"Wrote {path} (figures in {path.parent / 'figures'}, result files in {path.parent / 'results'})")
 
 
@@ -790,8 +791,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kvpress", type=Path, help="output of benchmarks/kvpress_compare.py (optional comparison)")
     p.add_argument(
         "--ruler", type=Path, action="append", default=[],
-        help="kvsieve ruler result file (repeatable): its curves and per-task table, and the quality axis of the "
+        help="kvsieve ruler result file (repeatable): the leaderboard that opens the report (each configuration "
+        "against full attention on the same cases), its figure, the per-task table, and the quality axis of the "
         "glance table and the pareto figure",
+    )  # fmt: skip
+    p.add_argument(
+        "--ruler-calibration", type=Path, action="append", default=[],
+        help="kvsieve ruler result file of full attention on every task (repeatable): the leaderboard keeps the "
+        "tasks where it scores 20 or more (default: full attention's rows in --ruler)",
     )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("docs/RESULTS.md"), help="report path (default docs/RESULTS.md)")
     p.set_defaults(func=cmd_report)

@@ -294,17 +294,18 @@ def _feed_one_pass(
         if stored.compressed:  # go on from the state later requests will start from
             cache = _snapshot(model, stored.cache)
     context_entries = kv_entries(cache)
-    if context_entries < position:  # a compressed prefix: budgets are still of the prompt's tokens
+    compressed = context_entries < position  # a context compressed without what follows it (agnostic reuse)
+    if compressed:  # the new tokens are appended to it; nothing is pruned again with their scores
         for run in runs:
-            run.resolve_budget(ids.shape[1])
+            run.hold(context_entries + ids.shape[1] - start_at)
     observers = [observer for run in runs for observer in run.observers(sums)]
-    finishers = [runs[0].finisher(cache)] if runs else []
+    finishers = [runs[0].finisher(cache)] if runs and not compressed else []
     with attention_hooks(last_pass=observers, finishers=finishers):
         prefilled = feed.prefill(model, ids[:, start_at:], cache=cache, position=position, every_logit=prompt_logits)
     details = {"tokens": ids.shape[1] - (prefix.length if prefix is not None else 0), **prefilled.details}
     if prefix is not None:
         details["reused_tokens"] = prefix.length
-    if context_entries < position:
+    if compressed:
         details["context_entries"] = context_entries  # the compressed context the question's pass saw
     return prefilled, StageRecord("feed", feed.name, time.perf_counter() - start, details), stored
 

@@ -188,6 +188,7 @@ class CompressRun:
     kept_positions: list[torch.Tensor] = field(default_factory=list)
     total: int = 0  # entries per layer before pruning (0: not resolved yet)
     pruned: dict[int, torch.Tensor] = field(default_factory=dict)  # layers pruned during the prefill
+    held: int = 0  # the budget as a count of entries, set by `hold` (0: the configured budget)
 
     def observers(self, prior: PrefixSums | None = None) -> list[Observer]:
         """Score observers for the feed's last pass (a prompt, or a chunked feed's last chunk), continuing
@@ -198,6 +199,14 @@ class CompressRun:
         """Take a fractional budget of `tokens` prompt tokens rather than of the entries the cache holds
         (a compressed prefix holds fewer entries than the tokens it covers)."""
         self.total = tokens
+
+    def hold(self, entries: int) -> None:
+        """Keep the `entries` the cache will hold after this pass, pruning nothing: new tokens appended to a
+        context already compressed to its budget without them (question-agnostic reuse, `pipeline.prefill`)."""
+        self.total = self.held = entries
+
+    def _budget(self) -> int:
+        return self.held or resolve_budget(self.config.budget, self.total)[0]
 
     def finisher(self, cache: Cache) -> Finisher:
         """Prune each layer of `cache` (a one-pass prefill's) right after that layer's attention."""
@@ -221,17 +230,18 @@ class CompressRun:
             self.pruned[layer] if layer in self.pruned else self._prune(cache, layer, scores)
             for layer in range(len(cache.layers))
         ]
-        budget, note = resolve_budget(self.config.budget, self.total)
-        details = {"budget": budget, "from": self.total, "layer_by_layer": bool(self.pruned)}
-        return {**details, **({"note": note} if note else {})}
+        note = None if self.held else resolve_budget(self.config.budget, self.total)[1]
+        details = {"budget": self._budget(), "from": self.total, "layer_by_layer": bool(self.pruned)}
+        return {**details, **({"held": True} if self.held else {}), **({"note": note} if note else {})}
 
     def _prune(self, cache: Cache, layer: int, scores: dict[int, torch.Tensor]) -> torch.Tensor:
-        """Prune `layer` to the budget; the kept entries. A windowed layer keeps all of its entries."""
+        """Prune `layer` to the budget; the kept entries. A windowed layer, or one within the budget, keeps all of
+        its entries."""
         keys = cache.layers[layer].keys
-        if is_windowed(cache.layers[layer]):
-            return torch.arange(keys.shape[2], device=keys.device).expand(keys.shape[1], -1)
         self.total = self.total or keys.shape[2]
-        budget, _ = resolve_budget(self.config.budget, self.total)
+        budget = self._budget()
+        if is_windowed(cache.layers[layer]) or keys.shape[2] <= budget:
+            return torch.arange(keys.shape[2], device=keys.device).expand(keys.shape[1], -1)
         sinks, recent = self.config.policy.protected(budget)
         indices = keep_indices(observed_scores(scores, layer, keys, self.config.policy), budget, sinks, recent)
         prune_layer(cache, layer, indices)
@@ -307,6 +317,12 @@ class EvictRun(InPlaceEviction):
     def resolve_budget(self, tokens: int) -> None:
         """Take a fractional budget of `tokens` prompt tokens rather than of the entries the cache holds."""
         self._resolve(tokens)
+
+    def hold(self, entries: int) -> None:
+        """The budget is the `entries` the cache will hold after this pass: new tokens appended to a context
+        already compressed to its budget without them (question-agnostic reuse, `pipeline.prefill`) are all kept,
+        and decoding evicts down to that size from then on."""
+        self.total = self.budget = entries
 
     def finisher(self, cache: Cache) -> Finisher:
         """Prune each layer of `cache` (a one-pass prefill's) to the budget right after that layer's attention."""

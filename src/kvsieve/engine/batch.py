@@ -141,9 +141,26 @@ class DecodeBatch:
         return entries if window is None else min(entries, window)
 
     def add(self, row: Row, cache: Cache) -> None:
-        """Join `row`, whose own cache (batch 1) was prefilled for it; its entries move into the tables and its
-        cache's layers become views of them."""
-        layers = cache.layers  # before they become buffers
+        """Join one row (`join`)."""
+        self.join([(row, cache)])
+
+    def join(self, joining: list[tuple[Row, Cache]]) -> None:
+        """Join rows, each with its own cache (batch 1) prefilled for it: their entries move into the tables in one
+        rebuild (rows joining one at a time would copy every earlier row's entries again), and their caches' layers
+        become views of them."""
+        for row, cache in joining:
+            self.check(row, cache)
+        self._settle()
+        self._rebuild(list(range(len(self.rows))), joining=[cache for _, cache in joining])
+        for row, cache in joining:
+            self.rows.append(row)
+            if row.evict is not None:
+                row.evict.in_place(cache, self.tables.of_row(len(self.rows) - 1))
+
+    def check(self, row: Row, cache: Cache) -> None:
+        """Refuse a row that cannot join: its cache must be one prefilled sequence in every layer, and an evicting
+        row's global layers must hold one length (its eviction works in place)."""
+        layers = cache.layers
         if any(not layer.is_initialized for layer in layers) or any(layer.keys.shape[0] != 1 for layer in layers):
             raise KvsieveError("A decoding row starts from a prefilled cache of one sequence (batch 1) in every layer.")
         budgeted = [layers[j] for j in self.tables.order if self.tables.windows[j] is None]
@@ -153,11 +170,6 @@ class DecodeBatch:
                 f"In-place eviction needs every global layer of the cache at one length, but they hold {lengths} "
                 "entries."
             )
-        self._settle()
-        self._rebuild(list(range(len(self.rows))), joining=cache)
-        self.rows.append(row)
-        if row.evict is not None:
-            row.evict.in_place(cache, self.tables.of_row(len(self.rows) - 1))
 
     def remove(self, rows: list[Row], keep_entries: bool | list[bool] = True) -> None:
         """Leave: the tables shrink to the other rows. Each leaving row's cache keeps a copy of its entries, or,
@@ -290,11 +302,11 @@ class DecodeBatch:
             if row.evict is not None and row.evict.reads_attention:
                 row.evict.observe_attention(layer, probs[i, :, : cache.layers[layer].length], kv_heads)
 
-    def _rebuild(self, keep: list[int], joining: Cache | None = None) -> None:
-        """New tables holding rows `keep` (and `joining`'s entries as a last row) with room for SPARE more steps;
+    def _rebuild(self, keep: list[int], joining: list[Cache] = ()) -> None:
+        """New tables holding rows `keep` (and `joining`'s entries as the last rows) with room for SPARE more steps;
         every row's buffers and eviction move to them."""
         self.static_step = None  # recorded on the old tables
-        caches = [self.caches[i] for i in keep] + ([joining] if joining is not None else [])
+        caches = [self.caches[i] for i in keep] + list(joining)
         self.tables.rebuild(caches, SPARE)
         for b, row in enumerate(self.rows[i] for i in keep):
             if row.evict is not None:

@@ -97,20 +97,29 @@ def prefix_key(spec: MethodSpec, budget: int | float | None = None) -> str:
     return key if squeeze is None else f"{key}+{squeeze.policy!r}@{budget!r}"
 
 
+def fillable(spec: MethodSpec) -> bool:
+    """Whether a pass of a context alone can make the prefix state `spec` stores (`fill`): a method that continues a
+    stored prefix from its one-pass feed (a select stage stores its own pass up to the filter layer)."""
+    return reuse_tail(spec) is not None and spec.select is None
+
+
 def fill(model: PreTrainedModel, ids: list[int], entries: list[tuple[PrefixCache, MethodSpec]]) -> int:
     """Store in each entry's cache the state of `ids` that its method would store there (`prefix_key`,
     `reuse_compress` at the cache's reuse budget), prefilling `ids` once per kind of exact state rather than once
     per entry; the number of prefills run.
 
-    A sweep of reuse budgets and policies over one context (`kvsieve ruler`'s question-agnostic mode) then starts
+    A sweep of reuse budgets and policies over one context (`kvsieve ruler`, both of its modes) then starts
     every configuration from a stored state: methods whose exact states are the same (`prefix_key` without a reuse
     budget: the same accumulated sums) share one pass, each compressing its own copy by its own policy's scores of
     it (`pipeline.prefix_states`). Every state is the one the method's first request would have stored itself."""
     groups: dict[str, list[tuple[PrefixCache, MethodSpec]]] = {}
+    stored = set()  # (cache, key): methods whose states are the same (full attention and SnapKV's exact one) store once
     for cache, spec in entries:
-        if reuse_tail(spec) is None or spec.select is not None:
+        if not fillable(spec):
             raise KvsieveError(f"Method '{spec.name}' does not store prefix states a pass of the context can fill.")
-        groups.setdefault(prefix_key(spec), []).append((cache, spec))
+        if (id(cache), prefix_key(spec, cache.budget)) not in stored:
+            stored.add((id(cache), prefix_key(spec, cache.budget)))
+            groups.setdefault(prefix_key(spec), []).append((cache, spec))
     tokens = torch.tensor([ids], device=model.device)
     for members in groups.values():
         alphas = accumulating([stage.policy for stage in (members[0][1].compress, members[0][1].evict) if stage])

@@ -103,7 +103,15 @@ class Scheduler:
         self._leave(finished)
 
     def _prefill(self, tokens: float | None) -> None:
-        """Advance prefills, oldest first, until the step's `tokens` are spent (at least one layer if one waits)."""
+        """Advance prefills, oldest first, until the step's `tokens` are spent (at least one layer if one waits);
+        the requests whose prefill ended join the batch together (one rebuild of its tables)."""
+        ended: list[Request] = []
+        try:
+            self._advance_prefills(tokens, ended)
+        finally:
+            self._start_decoding(ended)
+
+    def _advance_prefills(self, tokens: float | None, ended: list[Request]) -> None:
         while True:
             request = self._next_prefill()
             if request is None:
@@ -120,12 +128,7 @@ class Scheduler:
             if request.slices.done:
                 self.ended += 1
                 self.prefilling.remove(request)
-                try:
-                    self._start_decoding(request)
-                except Exception as error:  # its first token could not be picked: it fails alone
-                    if not isinstance(error, KvsieveError):
-                        log.exception("starting to decode failed")
-                    request.fail(error)
+                ended.append(request)
             if tokens is not None:
                 tokens -= spent
                 if tokens <= 0:
@@ -143,17 +146,29 @@ class Scheduler:
             return request
         return None
 
-    def _start_decoding(self, request: Request) -> None:
-        """The prefill is done: each of the request's answers (n: it and its forks) joins the batch."""
-        request.prefill_done()
-        if request.select_only:
-            return
-        for answer in [request, *request.forks]:
-            if answer.complete:  # the first token ended it
-                answer.finish(kv_entries(answer.decode_cache))
+    def _start_decoding(self, ended: list[Request]) -> None:
+        """The requests' prefills are done: each of their answers (n: a request and its forks) joins the batch."""
+        joining = []
+        for request in ended:
+            try:
+                request.prefill_done()
+                answers = [] if request.select_only else [request, *request.forks]
+                for answer in answers:
+                    if not answer.complete:
+                        self.batch.check(answer.row, answer.decode_cache)
+            except Exception as error:  # its first token could not be picked, or it cannot join: it fails alone
+                if not isinstance(error, KvsieveError):
+                    log.exception("starting to decode failed")
+                request.fail(error)
                 continue
-            self.batch.add(answer.row, answer.decode_cache)
-            self.running.append(answer)
+            for answer in answers:
+                if answer.complete:  # the first token ended it
+                    answer.finish(kv_entries(answer.decode_cache))
+                else:
+                    joining.append(answer)
+        if joining:
+            self.batch.join([(answer.row, answer.decode_cache) for answer in joining])
+            self.running.extend(joining)
 
     def _fail(self, request: Request, error: Exception) -> None:
         self.ended += 1

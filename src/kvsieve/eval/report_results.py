@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvsieve.errors import KvsieveError
-from kvsieve.eval import ruler
+from kvsieve.eval import leaderboard
 from kvsieve.eval.bench import summarize
 from kvsieve.eval.methods import specs_from_settings
 from kvsieve.registry import REGISTRY
@@ -56,6 +56,7 @@ class Results:
         bench_docs: Sequence[dict[str, Any]] = (),
         baseline: str = "full",
         ruler_docs: Sequence[dict[str, Any]] = (),
+        calibration_docs: Sequence[dict[str, Any]] = (),
     ) -> None:
         if not niah_docs and not ppl_docs and not bench_docs and not ruler_docs:
             raise KvsieveError("Nothing to report: give at least one of --niah, --ppl, --bench, --ruler.")
@@ -64,8 +65,12 @@ class Results:
         self.ppl, self.bench, self.baseline = merge(ppl_docs), merge(bench_docs), baseline
         self.bench_docs = list(bench_docs)
         self.ruler = merge(ruler_docs)
-        self.ruler_summary = ruler.summarize(self.ruler["rows"]) if self.ruler else {}
-        self.documents = [*niah_docs, *ppl_docs, *bench_docs, *ruler_docs]
+        # Full attention's calibration: from its own run of every task where one is given, else from the sweep's
+        calibrated = [r for d in calibration_docs for r in d["rows"]] or (self.ruler["rows"] if self.ruler else [])
+        self.calibration = leaderboard.calibration(calibrated)
+        kept = [task for task, c in self.calibration.items() if c["kept"]]
+        self.ruler_board = leaderboard.leaderboard(self.ruler["rows"], kept) if self.ruler else None
+        self.documents = [*niah_docs, *ppl_docs, *bench_docs, *ruler_docs, *calibration_docs]
         rows = [r for d in self.documents for r in d["rows"]]
         if not rows:
             raise KvsieveError("The result files have no rows yet; run the evaluations first.")
@@ -108,11 +113,12 @@ class Results:
         return mine["decode_ratio"][1] if mine and mine.get("decode_ratio") else None
 
     def ruler_average(self, method: str, mode: str = "question") -> float | None:
-        """The method's RULER average (0-100) at the glance budget (`GLANCE_BUDGET` of the prompt; a method without a
-        KV budget as registered), None where it was not run so."""
+        """The method's RULER average (0-100) on the leaderboard's cases at the glance budget (`GLANCE_BUDGET` of the
+        prompt; a method without a KV budget as registered), None where it is not on the board."""
+        entries = {e.key: e for e in self.ruler_board.entries} if self.ruler_board else {}
         for budget in (GLANCE_BUDGET, None):
-            if (method, budget, mode) in self.ruler_summary:
-                return self.ruler_summary[(method, budget, mode)]["average"]
+            if (method, budget, mode) in entries:
+                return entries[(method, budget, mode)].average
         return None
 
     def points(self) -> list[dict[str, Any]]:

@@ -30,7 +30,9 @@ def machine_line(machine: dict[str, Any]) -> str:
     )
 
 
-def header(results: Results, commands: list[str]) -> list[str]:
+def header(results: Results, commands: list[str], opening: Sequence[str] = ()) -> list[str]:
+    """The title, machine and model, then `opening` (the leaderboard, where RULER ran), the commands and each
+    method's configuration."""
     machines = {machine_line(d["machine"]) for d in results.documents}
     models = {
         f"{s.get('model') or 'embedded SmolLM2-135M-Instruct'} ({s.get('dtype') or 'float32'})"
@@ -44,6 +46,7 @@ def header(results: Results, commands: list[str]) -> list[str]:
         "",
         f"**Machine**: {'; '.join(sorted(machines))}.",
         f"**Model**: {', '.join(sorted(models))}.",
+        *opening,
         "",
         "Time and memory are ratios against full attention measured side by side in one `kvsieve bench` run "
         "(each configuration in its own process, configurations interleaved within every repeat, ratios taken "

@@ -15,14 +15,17 @@ Configurations: each preset at each budget, a share of the prompt set on the pre
 (`budget_field`), and the presets without one (full attention, the ceiling; CritiPrefill) once. Two modes:
 - "question": the method sees the question in the prompt, as `kvsieve generate` does;
 - "agnostic": the context (instructions and document, everything before the question) is first compressed by the
-  method's own scorer to the budget without the question (the server's `--reuse-budget`, kvpress's default), and
-  the question continues that state. Only presets with a scorer (`reuse_compress`) have this mode; full attention
-  (run once, with the question) is the ceiling of both.
+  method's own scorer to the budget without the question (the server's `--reuse-budget`, kvpress's default); the
+  question's tokens are then appended and nothing is pruned again with their scores (an evicting method keeps that
+  size while it decodes). Only presets with a scorer (`reuse_compress`) have this mode; full attention (run once,
+  with the question) is the ceiling of both.
 
-The sweep shares its expensive part through the engine's prefix cache: in question mode, every configuration whose
-method continues a stored prefix (full attention, the compression and eviction presets, GemFilter's selection pass)
-starts from one state of the case's context, stored by the first, and runs only the question on top of it (reuse
-never changes an answer, `engine.prefix_cache`). Chunked feeds and CritiPrefill's attention plan their own prefill.
+The sweep shares its expensive part through the engine's prefix cache: before a case's configurations run, its
+context is prefilled once per kind of exact state (`prefix_cache.fill`), which stores the state every question-mode
+configuration that continues a stored prefix starts from and every agnostic configuration's compressed one; each
+configuration then runs only its question (reuse never changes an answer, `engine.prefix_cache`). GemFilter stores
+its own selection pass; chunked feeds and CritiPrefill's attention plan their own prefill. `kvsieve.eval.leaderboard`
+turns the rows into the leaderboard.
 """
 
 from __future__ import annotations
@@ -45,7 +48,6 @@ from typing import Any
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvsieve import figures
 from kvsieve.errors import KvsieveError
 from kvsieve.eval import records
 from kvsieve.eval.methods import check_lengths
@@ -170,9 +172,11 @@ def generate_cases(
 
 @dataclass(frozen=True)
 class Case:
-    """One RULER case: the prompt, where its context ends (the question starts), the references, the answer length."""
+    """One RULER case: its RULER length, the prompt, where its context ends (the question starts), the references,
+    the answer length."""
 
     task: str
+    length: int
     index: int
     prompt: Prompt
     boundary: int
@@ -209,7 +213,9 @@ def load_cases(
         context, question, lead = split_input(sample["input"], config)
         prompt = build_task_prompt(tokenizer, context, question, lead)
         boundary = prompt.context_start + prompt.context_len
-        cases.append(Case(task, sample["index"], prompt, boundary, sample["outputs"], config["tokens_to_generate"]))
+        cases.append(
+            Case(task, length, sample["index"], prompt, boundary, sample["outputs"], config["tokens_to_generate"])
+        )
     return cases
 
 
@@ -260,7 +266,8 @@ def configurations(specs: Mapping[str, MethodSpec], budgets: Sequence[float], mo
 
 
 def spec_at(spec: MethodSpec, budget: float | None, length: int) -> MethodSpec:
-    """`spec` with its KV budget at `budget` of the prompt (a whole-number field takes that share of `length`)."""
+    """`spec` with its KV budget at `budget` of the prompt (a whole-number field, the chunked feeds' memory, takes
+    that share of the prompt's `length` tokens)."""
     field = budget_field(spec)
     if budget is None or field is None:
         return spec
@@ -305,11 +312,6 @@ def run_ruler(
     `share_prefill` False runs each configuration from scratch (no prefix cache): the sweep's own baseline. The
     cases are kept in `cases` (default: beside `out`, `<out>.cases/`), so a rerun neither regenerates nor changes
     them."""
-    from kvsieve.decode import Sampling
-    from kvsieve.engine.prefix_cache import PrefixCache, fill
-    from kvsieve.engine.request import Request
-    from kvsieve.engine.scheduler import Scheduler
-
     if unknown := [m for m in modes if m not in MODES]:
         raise KvsieveError(f"Unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}.")
     if not budgets or any(not 0 < b < 1 for b in budgets):
@@ -349,64 +351,87 @@ def run_ruler(
                 for group, configs in groups.items()
             }
             bar.update(sum(len(configs) - len(todo[group]) for group, configs in groups.items()))
-            caches = {
-                (mode, reuse): PrefixCache(model, cache_bytes, reuse) if share_prefill or mode == "agnostic" else None
-                for mode, reuse in groups
-            }
+            if not any(todo.values()):
+                continue
             start = time.perf_counter()
-            agnostic = [
-                (caches[group], spec_at(specs[c.method], c.budget, length))
-                for group, configs in todo.items()
-                for c in configs
-                if group[0] == "agnostic"
-            ]
-            if share_prefill and agnostic:  # the context prefilled once for every compressed copy of it
-                fill(model, case.prompt.ids[0, : case.boundary].tolist(), agnostic)
-            shared = time.perf_counter() - start
-            seconds += shared
-            for group, configs in todo.items():
-                if not configs:
-                    continue
-                scheduler = Scheduler(model, tokenizer, prefix_cache=caches[group])
-                requests = []
-                for config in configs:
-                    spec = spec_at(specs[config.method], config.budget, length)
-                    sampling = Sampling(case.max_new_tokens)
-                    request = Request(case.prompt, spec, sampling, boundary=case.boundary)
-                    requests.append((config, request))
-                    scheduler.add(request)
-                start = time.perf_counter()
-                while scheduler.has_work():
-                    scheduler.step()
-                elapsed = time.perf_counter() - start
-                seconds += elapsed
-                if group[0] == "agnostic" and share_prefill:
-                    elapsed += shared * len(configs) / len(agnostic)  # its share of the context's one prefill
-                for config, request in requests:
-                    if request.error is not None:
-                        raise request.error
-                    result = request.result
-                    document["rows"].append(
-                        {
-                            "task": task, "length": length, "index": case.index, "method": config.method,
-                            "budget": config.budget, "mode": config.mode, "prompt_tokens": result.prompt_tokens,
-                            "answer": result.text, "references": case.references,
-                            "score": score(task, result.text, case.references),
-                            "kv_length": request.info.get("context_entries", result.prefill_kv_length),
-                            "reuse": request.info.get("cache", "off"), "ttft_s": result.prefill_seconds,
-                            "seconds": elapsed / len(requests),  # the case's wall time, shared by its answers
-                        }
-                    )  # fmt: skip
-                    bar.update(1)
-                records.save(out, document)
+            rows = _answer_case(model, tokenizer, case, specs, todo, share_prefill, cache_bytes, bar)
+            elapsed = time.perf_counter() - start
+            seconds += elapsed
+            for row in rows:
+                row["seconds"] = elapsed / len(rows)  # the case's wall time, shared by its answers
+            document["rows"].extend(rows)
+            records.save(out, document)
     bar.close()
     document["seconds"] = round(seconds, 3)
     records.save(out, document)
     return document
 
 
-def category(task: str) -> str:
-    return next(name for name, tasks in CATEGORIES.items() if task in tasks)
+def _answer_case(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    case: Case,
+    specs: Mapping[str, MethodSpec],
+    todo: Mapping[tuple[str, float | None], list[Config]],
+    share_prefill: bool,
+    cache_bytes: int,
+    bar: tqdm,
+) -> list[dict[str, Any]]:
+    """Every configuration of `todo` on `case`, one scheduler (and prefix cache) per (mode, reuse budget); its rows.
+
+    With `share_prefill`, the context is prefilled once per kind of exact state before any group runs
+    (`prefix_cache.fill`): the question mode's exact states and the agnostic mode's compressed ones come from the
+    same passes, so every configuration that continues a stored prefix runs only the question."""
+    from kvsieve.decode import Sampling
+    from kvsieve.engine.prefix_cache import PrefixCache, fill, fillable
+    from kvsieve.engine.request import Request
+    from kvsieve.engine.scheduler import Scheduler
+
+    length = case.prompt.length
+    caches = {
+        (mode, reuse): PrefixCache(model, cache_bytes, reuse) if share_prefill or mode == "agnostic" else None
+        for mode, reuse in todo
+    }
+    if share_prefill:
+        entries = [
+            (caches[group], spec)
+            for group, configs in todo.items()
+            for spec in (spec_at(specs[c.method], c.budget, length) for c in configs)
+            if fillable(spec)
+        ]
+        if entries:
+            fill(model, case.prompt.ids[0, : case.boundary].tolist(), entries)
+    rows = []
+    for group, configs in todo.items():
+        if not configs:
+            continue
+        scheduler = Scheduler(model, tokenizer, prefix_cache=caches[group], max_batch=len(configs))
+        requests = []
+        for config in configs:
+            spec = spec_at(specs[config.method], config.budget, length)
+            request = Request(
+                case.prompt, spec, Sampling(case.max_new_tokens), boundary=case.boundary, keep_cache=False
+            )
+            requests.append((config, request))
+            scheduler.add(request)
+        while scheduler.has_work():
+            scheduler.step()
+        for config, request in requests:
+            if request.error is not None:
+                raise request.error
+            result = request.result
+            rows.append(
+                {
+                    "task": case.task, "length": case.length, "index": case.index, "method": config.method,
+                    "budget": config.budget, "mode": config.mode, "prompt_tokens": result.prompt_tokens,
+                    "answer": result.text, "references": case.references,
+                    "score": score(case.task, result.text, case.references),
+                    "kv_length": result.prefill_kv_length, "reuse": request.info.get("cache", "off"),
+                    "ttft_s": result.prefill_seconds,
+                }
+            )  # fmt: skip
+            bar.update(1)
+    return rows
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
@@ -424,48 +449,3 @@ def summarize(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
             "kept": sum(min(1.0, r["kv_length"] / r["prompt_tokens"]) for r in mine) / len(mine),
         }
     return summary
-
-
-def curves(summary: Mapping[tuple, dict[str, Any]], mode: str) -> dict[str, list[tuple[float, float]]]:
-    """Per method, its (budget, RULER average) points in `mode`, by budget; a method without a budget (full
-    attention, CritiPrefill) is one point at 1.0 (it keeps every entry), from its question-mode run."""
-    lines: dict[str, list[tuple[float, float]]] = {}
-    for (method, budget, run_mode), s in summary.items():
-        if run_mode == mode and budget is not None:
-            lines.setdefault(method, []).append((budget, s["average"]))
-        elif budget is None and run_mode == "question":
-            lines.setdefault(method, []).append((1.0, s["average"]))
-    return {method: sorted(points) for method, points in lines.items()}
-
-
-def plot_curves(document: dict[str, Any], path: Path) -> Path:
-    """RULER average against the share of the prompt's KV cache kept, one line per method, one panel per mode,
-    full attention as the dashed ceiling."""
-    plt = figures.pyplot()
-
-    summary = summarize(document["rows"])
-    modes = [m for m in MODES if any(key[2] == m for key in summary)]
-    if not modes:
-        raise KvsieveError("The RULER file has no finished cases to plot yet.")
-    lengths = sorted({r["length"] for r in document["rows"]})
-    fig, axes = plt.subplots(1, len(modes), figsize=(6.2 * len(modes), 4.6), sharey=True, squeeze=False)
-    ceiling = next((s["average"] for (m, b, mode), s in summary.items() if m == "full" and mode == "question"), None)
-    colours = {method: f"C{i % 10}" for i, method in enumerate(dict.fromkeys(key[0] for key in summary))}
-    for ax, mode in zip(axes[0], modes, strict=True):
-        for method, points in curves(summary, mode).items():
-            if method == "full":
-                continue
-            xs, ys = zip(*points, strict=True)
-            ax.plot(xs, ys, marker="o", color=colours[method], label=method)
-        if ceiling is not None:
-            ax.axhline(ceiling, color="black", linestyle="--", linewidth=1, label=f"full attention ({ceiling:.1f})")
-        title = "question in the prompt" if mode == "question" else "question-agnostic (context compressed first)"
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("share of the prompt's KV cache kept")
-        ax.set_xlim(0, 1.05)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    axes[0][0].set_ylabel("RULER average (0-100)")
-    tasks = len({r["task"] for r in document["rows"]})
-    fig.suptitle(f"RULER at {', '.join(str(n) for n in lengths)} tokens ({tasks} tasks)")
-    return figures.save(fig, path, dpi=110)

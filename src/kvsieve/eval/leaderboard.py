@@ -1,0 +1,176 @@
+"""RULER's leaderboard: each configuration against full attention on the same cases, with a paired interval.
+
+A point score of 10-50 cases cannot tell "matches full attention" from "loses 3 points", and an average over
+whatever tasks a configuration happens to have cannot be compared with another's. So:
+
+- the tasks are those on which full attention scores at least `KEEP_AT` (a task it cannot do measures no method:
+  `calibration`);
+- every configuration is compared on the cases (task, length, sample) that full attention and it both answered,
+  and the averages of a table cover one case set for all its rows (`common_cases`);
+- each is reported as the paired difference from full attention, RULER's average (the mean over tasks of each
+  task's mean score) of the per-case differences, with a bootstrap interval over cases, resampled within each task
+  (`paired_difference`);
+- the x axis is the KV share actually kept after the prefill, measured per answer (`kept_share`).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+KEEP_AT = 20.0  # full attention's task score (0-100) below which a task is left out of the leaderboard
+FULL = ("full", None, "question")  # the reference configuration: full attention, the question in the prompt
+RESAMPLES = 2000
+LEVEL = 0.90
+
+Case = tuple[str, int, int]  # (task, length, sample index)
+Key = tuple[str, float | None, str]  # (method, budget, mode)
+
+
+def case_of(row: Mapping[str, Any]) -> Case:
+    return row["task"], row["length"], row["index"]
+
+
+def key_of(row: Mapping[str, Any]) -> Key:
+    return row["method"], row["budget"], row["mode"]
+
+
+def by_config(rows: Iterable[Mapping[str, Any]]) -> dict[Key, dict[Case, Mapping[str, Any]]]:
+    """The rows of each configuration, by case."""
+    table: dict[Key, dict[Case, Mapping[str, Any]]] = {}
+    for row in rows:
+        table.setdefault(key_of(row), {})[case_of(row)] = row
+    return table
+
+
+def calibration(rows: Iterable[Mapping[str, Any]], keep_at: float = KEEP_AT) -> dict[str, dict[str, Any]]:
+    """Full attention's mean score per task (over its answered cases), whether the task is kept (`keep_at` or
+    more) and, for a dropped one, why."""
+    full = by_config(rows).get(FULL, {})
+    scores: dict[str, list[float]] = {}
+    for (task, _, _), row in full.items():
+        scores.setdefault(task, []).append(row["score"])
+    result = {}
+    for task, values in scores.items():
+        mean = sum(values) / len(values)
+        kept = mean >= keep_at
+        why = "" if kept else f"full attention scores {mean:.1f} < {keep_at:g}: the task measures no method here"
+        result[task] = {"score": mean, "cases": len(values), "kept": kept, "why": why}
+    return result
+
+
+def common_cases(table: Mapping[Key, Mapping[Case, Any]], keys: Sequence[Key], tasks: Iterable[str]) -> list[Case]:
+    """The cases of `tasks` that every configuration of `keys` answered, sorted."""
+    wanted = set(tasks)
+    sets = [{case for case in table.get(key, {}) if case[0] in wanted} for key in keys]
+    return sorted(set.intersection(*sets)) if sets else []
+
+
+def ruler_average(scores: Mapping[Case, float]) -> float:
+    """RULER's average: the mean over tasks of each task's mean score."""
+    tasks: dict[str, list[float]] = {}
+    for (task, _, _), value in scores.items():
+        tasks.setdefault(task, []).append(value)
+    return sum(sum(v) / len(v) for v in tasks.values()) / len(tasks)
+
+
+def paired_difference(
+    differences: Mapping[Case, float], resamples: int = RESAMPLES, level: float = LEVEL, seed: int = 0
+) -> tuple[float, float, float]:
+    """(RULER average of the per-case differences, low, high): the interval is the bootstrap's central `level`
+    share over `resamples` resamplings of the cases, each task's cases resampled with replacement within the task
+    (so every resample keeps the task mix of the average). Seeded: a table is the same every time it is made."""
+    tasks: dict[str, list[float]] = {}
+    for (task, _, _), value in differences.items():
+        tasks.setdefault(task, []).append(value)
+    groups = list(tasks.values())
+    point = sum(sum(g) / len(g) for g in groups) / len(groups)
+    draw = random.Random(seed)
+    means = sorted(sum(sum(draw.choices(g, k=len(g))) / len(g) for g in groups) / len(groups) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return point, means[int(tail * (resamples - 1))], means[int(round((1 - tail) * (resamples - 1)))]
+
+
+def kept_share(row: Mapping[str, Any]) -> float:
+    """The share of the prompt's tokens the cache held after the prefill (global layers: a hybrid model's
+    sliding ones are bounded by their window), measured for this answer."""
+    return row["kv_length"] / row["prompt_tokens"]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One configuration's row of the leaderboard, on the board's common cases."""
+
+    method: str
+    budget: float | None
+    mode: str
+    average: float  # RULER average, 0-100
+    difference: float  # the paired difference from full attention, points
+    low: float
+    high: float
+    kept: float  # mean KV share kept after the prefill
+    cases: int
+    tasks: dict[str, float]  # each task's mean score
+
+    @property
+    def key(self) -> Key:
+        return self.method, self.budget, self.mode
+
+    @property
+    def matches_full(self) -> bool:
+        """Whether the interval holds zero difference from full attention."""
+        return self.low <= 0 <= self.high
+
+
+@dataclass(frozen=True)
+class Board:
+    """The leaderboard: its entries (full attention first), the common cases and the configurations left out
+    because they have not answered every one of them (a run still going), with the cases they have."""
+
+    entries: list[Entry]
+    cases: list[Case]
+    tasks: list[str]
+    incomplete: dict[Key, int]
+
+
+def leaderboard(rows: Sequence[Mapping[str, Any]], tasks: Sequence[str] | None = None) -> Board:
+    """Every configuration that answered all of full attention's cases of the kept `tasks` (default: those
+    `calibration` keeps), on those cases, as paired differences from full attention."""
+    table = by_config(rows)
+    if FULL not in table:
+        raise ValueError("The leaderboard compares with full attention: the rows hold no full attention run.")
+    chosen = list(tasks) if tasks is not None else [t for t, c in calibration(rows).items() if c["kept"]]
+    reference = common_cases(table, [FULL], chosen)
+    complete = [key for key in table if set(reference) <= set(table[key])]
+    incomplete = {key: sum(1 for case in table[key] if case[0] in chosen) for key in table if key not in complete}
+    entries = []
+    for key in complete:
+        mine = table[key]
+        scores = {case: mine[case]["score"] for case in reference}
+        differences = {case: mine[case]["score"] - table[FULL][case]["score"] for case in reference}
+        difference, low, high = paired_difference(differences) if reference else (0.0, 0.0, 0.0)
+        per_task: dict[str, list[float]] = {}
+        for case, value in scores.items():
+            per_task.setdefault(case[0], []).append(value)
+        entries.append(
+            Entry(
+                *key,
+                average=ruler_average(scores) if scores else 0.0,
+                difference=difference,
+                low=low,
+                high=high,
+                kept=sum(kept_share(mine[case]) for case in reference) / max(len(reference), 1),
+                cases=len(reference),
+                tasks={task: sum(v) / len(v) for task, v in per_task.items()},
+            )
+        )
+    entries.sort(key=lambda e: (e.key != FULL, e.mode != "question", e.method, e.budget or 1.0))
+    return Board(entries, reference, [t for t in chosen if any(c[0] == t for c in reference)], incomplete)
+
+
+def smallest_matching_budget(board: Board, method: str, mode: str = "question") -> float | None:
+    """The smallest budget at which `method`'s interval holds zero difference from full attention (None: none)."""
+    budgets = [e.budget for e in board.entries if e.method == method and e.mode == mode and e.matches_full]
+    return min((b for b in budgets if b is not None), default=None)

@@ -1,0 +1,179 @@
+"""The RULER sections of `kvsieve report`: the leaderboard and its figure, full attention's calibration, the
+per-task table and a "which method when" paragraph computed from the board (`kvsieve.eval.leaderboard`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvsieve import figures
+from kvsieve.eval.leaderboard import FULL, Board, Entry, smallest_matching_budget
+
+SEEDS = ("gemfilter", "critiprefill", "imdc", "a2sf")  # the four papers' presets
+MODE_TITLES = {
+    "question": "question in the prompt",
+    "agnostic": "question-agnostic (context compressed first)",
+}
+
+
+def _budget(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
+def _interval(entry: Entry) -> str:
+    if entry.key == FULL:
+        return "-"
+    return f"{entry.difference:+.1f} [{entry.low:+.1f}, {entry.high:+.1f}]"
+
+
+def leaderboard_section(
+    board: Board,
+    figure: Path,
+    root: Path,
+    speedup: Callable[[str], float | None],
+    title: str,
+    speedup_label: str,
+) -> list[str]:
+    """The leaderboard table (with `speedup(method)`, the time-to-first-token speedup from a bench run) and its
+    figure."""
+    tasks = ", ".join(f"`{t}`" for t in board.tasks)
+    samples = len(board.cases) // max(len(board.tasks), 1)
+    lines = [
+        "",
+        f"## {title}",
+        "",
+        f"RULER's average (0-100) over the tasks full attention can do ({tasks}), {len(board.cases)} cases "
+        f"({samples} per task), every row on the same cases. `vs full` is the paired difference from full "
+        "attention on those cases, in points, with its bootstrap 90% interval (2,000 resamples of the cases within "
+        "each task): an interval that holds 0 cannot be told from full attention on these cases. `KV kept` is the "
+        "cache's entries after the prefill over the prompt's tokens, measured per answer and averaged (a budget "
+        "is a share of the prompt; the agnostic mode keeps the question's entries on top of the compressed "
+        f"context, the chunked feed its sinks and last chunk). {speedup_label}",
+        "",
+        f"![RULER average against the KV share kept]({figure.relative_to(root).as_posix()})",
+        "",
+        "| method | budget | mode | RULER average | vs full, 90% interval | TTFT speedup | KV kept |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for e in board.entries:
+        ratio = speedup(e.method)
+        cells = [e.method, _budget(e.budget), e.mode, f"{e.average:.1f}", _interval(e)]
+        cells += ["-" if ratio is None else f"{ratio:.2f}x", f"{e.kept:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    if board.incomplete:
+        waiting = ", ".join(
+            f"{m} {_budget(b)} {mode} ({n} of {len(board.cases)})" for (m, b, mode), n in board.incomplete.items()
+        )
+        lines += ["", f"Left out until they have answered every case (a run still going): {waiting}."]
+    return lines
+
+
+def which_method_when(board: Board, methods: Sequence[str]) -> list[str]:
+    """Per method, the smallest budget at which it cannot be told from full attention in each mode, as sentences
+    read off the board."""
+    sentences = []
+    for method in methods:
+        found = {mode: smallest_matching_budget(board, method, mode) for mode in MODE_TITLES}
+        run = {e.mode for e in board.entries if e.method == method}
+        if not run:
+            continue
+        parts = []
+        for mode in MODE_TITLES:
+            if mode not in run:
+                continue
+            budget = found[mode]
+            where = "with the question" if mode == "question" else "question-agnostic"
+            if budget is None and any(e.budget is None for e in board.entries if e.method == method):
+                entry = next(e for e in board.entries if e.method == method and e.mode == mode)
+                verdict = "matches full attention" if entry.matches_full else "does not match full attention"
+                parts.append(f"{verdict} {where}")
+            elif budget is None:
+                parts.append(f"loses to full attention at every budget run {where}")
+            else:
+                parts.append(f"matches full attention from {budget:g} of the prompt {where}")
+        sentences.append(f"**{method}** {' and '.join(parts)}.")
+    return [
+        "",
+        "### Which method when",
+        "",
+        'Read off the table above ("matches": the 90% interval holds zero difference from full attention on these '
+        "cases; a wider case set may still separate them):",
+        "",
+        *(f"- {s}" for s in sentences),
+    ]
+
+
+def calibration_section(
+    calibration: Mapping[str, Mapping[str, Any]], keep_at: float, tasks: Sequence[str]
+) -> list[str]:
+    """Full attention's score on every task run, kept or dropped, and why."""
+    lines = [
+        "",
+        "### Full attention's calibration",
+        "",
+        f"Every RULER task that runs offline, full attention only; the leaderboard keeps the tasks where it scores "
+        f"{keep_at:g} or more.",
+        "",
+        "| task | full attention | cases | on the board |",
+        "|---|---|---|---|",
+    ]
+    for task in tasks:
+        if task in calibration:
+            c = calibration[task]
+            kept = "yes" if c["kept"] else f"no: {c['why']}"
+            lines.append(f"| {task} | {c['score']:.1f} | {c['cases']} | {kept} |")
+    return lines
+
+
+def per_task_section(board: Board) -> list[str]:
+    """Each configuration's mean score per task, on the board's cases."""
+    lines = [
+        "",
+        "### Per task",
+        "",
+        "| method | budget | mode | " + " | ".join(board.tasks) + " |",
+        "|---|---|---|" + "---|" * len(board.tasks),
+    ]
+    for e in board.entries:
+        scores = [f"{e.tasks[t]:.1f}" if t in e.tasks else "-" for t in board.tasks]
+        lines.append("| " + " | ".join([e.method, _budget(e.budget), e.mode, *scores]) + " |")
+    return lines
+
+
+def plot_board(board: Board, path: Path, title: str) -> Path:
+    """RULER average against the KV share kept (measured), one line per method over its budgets, one panel per
+    mode, full attention as the dashed ceiling; each point's bar is its 90% interval against full attention,
+    drawn around the point."""
+    plt = figures.pyplot()
+
+    modes = [m for m in MODE_TITLES if any(e.mode == m and e.budget is not None for e in board.entries)]
+    modes = modes or ["question"]
+    fig, axes = plt.subplots(1, len(modes), figsize=(6.2 * len(modes), 4.6), sharey=True, squeeze=False)
+    full = next((e for e in board.entries if e.key == FULL), None)
+    methods = list(dict.fromkeys(e.method for e in board.entries if e.key != FULL))
+    colours = {method: f"C{i % 10}" for i, method in enumerate(methods)}
+    for ax, mode in zip(axes[0], modes, strict=True):
+        for method in methods:
+            points = sorted(
+                (e for e in board.entries if e.method == method and (e.mode == mode or e.budget is None)),
+                key=lambda e: e.kept,
+            )
+            if not points:
+                continue
+            xs, ys = [e.kept for e in points], [e.average for e in points]
+            below = [e.difference - e.low for e in points]
+            above = [e.high - e.difference for e in points]
+            style = "o-" if len(points) > 1 else "s"
+            ax.errorbar(xs, ys, yerr=[below, above], fmt=style, color=colours[method], label=method, capsize=2,
+                        linewidth=1.2, markersize=4, alpha=0.85)  # fmt: skip
+        if full is not None:
+            ax.axhline(full.average, color="black", linestyle="--", linewidth=1, label=f"full ({full.average:.1f})")
+        ax.set_title(MODE_TITLES[mode], fontsize=10)
+        ax.set_xlabel("KV share kept after the prefill (measured)")
+        ax.set_xlim(0, 1.05)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("RULER average (0-100); bars: 90% interval vs full")
+    fig.suptitle(title)
+    return figures.save(fig, path, dpi=110)

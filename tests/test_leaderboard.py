@@ -1,0 +1,95 @@
+"""RULER's leaderboard (`kvsieve.eval.leaderboard`) on made-up tables: the calibration, the common cases and the
+paired bootstrap interval."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvsieve.eval import leaderboard
+
+
+def rows_of(method, budget, mode, scores: dict[str, list[float]], kept: int = 100):
+    return [
+        {"task": task, "length": 4096, "index": i, "method": method, "budget": budget, "mode": mode,
+         "score": score, "kv_length": kept, "prompt_tokens": 100}
+        for task, values in scores.items()
+        for i, score in enumerate(values)
+    ]  # fmt: skip
+
+
+def test_the_calibration_keeps_the_tasks_full_attention_can_do():
+    rows = rows_of("full", None, "question", {"niah": [100, 100, 0], "vt": [0, 0, 40], "qa": [20, 20, 20]})
+    calibration = leaderboard.calibration(rows)
+    assert {t: c["kept"] for t, c in calibration.items()} == {"niah": True, "vt": False, "qa": True}
+    assert calibration["vt"]["score"] == pytest.approx(40 / 3) and "13.3 < 20" in calibration["vt"]["why"]
+
+
+def test_the_paired_interval_on_a_made_up_table():
+    # one task, 10 cases: half lose every point. The average difference is -50; a resample's mean is -10 points
+    # per lost case drawn, a binomial(10, 1/2) count, whose 5% and 95% quantiles are 2 and 8 cases.
+    differences = {("t", 0, i): (-100.0 if i % 2 else 0.0) for i in range(10)}
+    point, low, high = leaderboard.paired_difference(differences)
+    assert point == -50.0
+    assert -90.0 <= low <= -70.0 and -30.0 <= high <= -10.0
+    assert leaderboard.paired_difference(differences) == (point, low, high)  # seeded: the same table every time
+    # no difference on any case: the interval is the point
+    assert leaderboard.paired_difference({("t", 0, i): 0.0 for i in range(10)}) == (0.0, 0.0, 0.0)
+    # tasks weigh equally, however many cases each has (RULER's average)
+    uneven = {("a", 0, 0): -10.0, ("b", 0, 0): 0.0, ("b", 0, 1): 0.0, ("b", 0, 2): 0.0}
+    assert leaderboard.paired_difference(uneven)[0] == -5.0
+
+
+def test_the_board_compares_every_configuration_on_full_attentions_cases():
+    full = rows_of("full", None, "question", {"niah": [100] * 6, "qa": [100, 0, 100, 0, 100, 0], "vt": [0] * 6})
+    same = rows_of("snapkv", 0.5, "question", {"niah": [100] * 6, "qa": [100, 0, 100, 0, 100, 0], "vt": [0] * 6})
+    worse = rows_of("snapkv", 0.1, "question", {"niah": [0] * 6, "qa": [0] * 6, "vt": [0] * 6}, kept=12)
+    running = rows_of("h2o", 0.1, "question", {"niah": [100] * 6, "qa": [100] * 2})  # a run still going
+    board = leaderboard.leaderboard(full + same + worse + running)
+    assert board.tasks == ["niah", "qa"]  # vt: full attention scores 0
+    assert [e.key for e in board.entries] == [("full", None, "question"), ("snapkv", 0.1, "question"),
+                                              ("snapkv", 0.5, "question")]  # fmt: skip
+    assert board.incomplete == {("h2o", 0.1, "question"): 8}  # left out: its average would cover other cases
+    entry = {e.key: e for e in board.entries}
+    assert entry[("snapkv", 0.5, "question")].difference == 0.0 and entry[("snapkv", 0.5, "question")].matches_full
+    loses = entry[("snapkv", 0.1, "question")]
+    assert loses.average == 0.0 and loses.difference == -75.0 and loses.high < 0 and not loses.matches_full
+    assert loses.kept == pytest.approx(0.12) and loses.cases == 12
+    assert leaderboard.smallest_matching_budget(board, "snapkv") == 0.5
+    assert leaderboard.smallest_matching_budget(board, "h2o") is None
+
+
+def test_the_report_opens_with_the_leaderboard(tmp_path):
+    """`kvsieve report --ruler FILE --ruler-calibration FILE`: the leaderboard (with its figure, the paired
+    intervals and which method when) comes before the commands; the calibration lists the dropped task and why."""
+    from kvsieve.eval import records
+    from kvsieve.eval.methods import build_specs
+    from kvsieve.eval.report import write_report
+
+    def document(rows, methods):
+        specs = {name: spec.to_dict() for name, spec in build_specs(methods).items()}
+        settings = {"methods": specs, "budgets": [0.1, 0.5], "samples": 6, "seed": 42, "model": None,
+                    "dtype": "bfloat16", "device": "cpu"}  # fmt: skip
+        return {"kind": "ruler", "schema": 1, "command": "kvsieve ruler ...", "commands": ["kvsieve ruler ..."],
+                "machine": records.machine(), "settings": settings, "rows": rows}  # fmt: skip
+
+    scores = {"niah_single_1": [100] * 6, "qa_1": [100, 0, 100, 0, 100, 0]}
+    rows = rows_of("full", None, "question", scores)
+    rows += rows_of("snapkv", 0.5, "question", scores, kept=50)
+    rows += rows_of("snapkv", 0.1, "question", {"niah_single_1": [0] * 6, "qa_1": [0] * 6}, kept=10)
+    rows += rows_of("snapkv", 0.1, "agnostic", {"niah_single_1": [100] * 6, "qa_1": [0] * 6}, kept=15)
+    calibration = rows_of("full", None, "question", {**scores, "vt": [0] * 6})
+    records.save(tmp_path / "ruler.json", document(rows, "full,snapkv"))
+    records.save(tmp_path / "calibration.json", document(calibration, "full"))
+    path = write_report(
+        tmp_path / "docs" / "RESULTS.md",
+        ruler_files=[tmp_path / "ruler.json"],
+        calibration_files=[tmp_path / "calibration.json"],
+    )
+    text = path.read_text()
+    assert text.index("## RULER leaderboard") < text.index("## Commands")
+    assert "| snapkv | 0.5 | question | 75.0 | +0.0 [+0.0, +0.0] | - | 0.50 |" in text
+    assert "| snapkv | 0.1 | agnostic | 50.0 | -25.0 [" in text
+    assert "**snapkv** matches full attention from 0.5 of the prompt with the question and loses to full " in text
+    assert "| vt | 0.0 | 6 | no: full attention scores 0.0 < 20" in text
+    assert "| niah_single_1 | 100.0 | 6 | yes |" in text
+    assert (path.parent / "figures" / "ruler.png").stat().st_size > 5000
