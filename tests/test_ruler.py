@@ -9,7 +9,9 @@ the question-agnostic mode compresses the context before the question, and a rer
 
 from __future__ import annotations
 
+import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from kvsieve.errors import KvsieveError
 from kvsieve.eval import ruler
 from kvsieve.eval.methods import build_specs
 from kvsieve.eval.report import write_report
+from kvsieve.prompt import build_task_prompt
 
 # The cases are generated once per worker (NVIDIA's generator in a process of its own, 10 s): one worker runs them.
 pytestmark = pytest.mark.xdist_group("ruler_cases")
@@ -157,3 +160,45 @@ def test_bad_input_is_refused_with_what_to_do(model, tokenizer, cases_folder, tm
         run(modes=["blind"])
     with pytest.raises(KvsieveError, match="use at least 60"):
         ruler.run_ruler(model, tokenizer, specs, [40], tmp_path / "r.json", tasks=["vt"], cases=cases_folder)
+
+
+CASES = [json.loads(line) for line in (Path(__file__).parent / "data" / "ruler_cases.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["task"] for c in CASES])
+def test_the_question_starts_where_nvidias_template_puts_it(case, tokenizer):
+    """One case of a needle, a common-words, a frequent-words and a QA task as NVIDIA's generators wrote them
+    (tests/data/ruler_cases.jsonl, made by `generate_cases` with the default model's tokenizer): the context ends
+    where the document does, the question is the template's text after it, the lead is RULER's answer prefix."""
+    text, task = case["input"], case["task"]
+    context, question, lead = ruler.split_input(text, ruler.task_configs()[task])
+    assert context + question + lead == text
+    expected = {
+        "niah_single_2": ("\nWhat is the special magic number for upbeat-accountability mentioned in the provided "
+                          "text?", " The special magic number for upbeat-accountability mentioned in the provided "
+                          "text is"),
+        "cwe": ("\nQuestion: What are the 10 most common words in the above list?",
+                " Answer: The top 10 words that appear most often in the list are:"),
+        "fwe": ("\nQuestion: Do not provide any explanation. Please ignore the dots '....'. What are the three most "
+                "frequently appeared words in the above coded text?", " Answer: According to the coded text above, "
+                "the three most frequently appeared words are:"),
+        "qa_1": ("\n\nAnswer the question based on the given documents. Only give me the answer and do not output "
+                 "any other words.\n\nQuestion: In what country is Normandy located?", " Answer:"),
+    }  # fmt: skip
+    assert (question, lead) == expected[task]
+    assert all(r not in question + lead for r in case["outputs"])  # (cwe's context holds a worked example)
+    prompt = build_task_prompt(tokenizer, context, question, lead)
+    ids = prompt.ids[0].tolist()
+    assert tokenizer.decode(ids[prompt.context_start : prompt.context_start + prompt.context_len]) == context
+
+
+def test_cases_are_kept_apart_for_another_tokenizer(tokenizer, cases_folder):
+    """The cases are sized with the tokenizer, so another tokenizer (here one more token in the vocabulary) never
+    reads the first one's: its cases are generated again, into a file of their own."""
+    other = copy.deepcopy(tokenizer)
+    other.add_tokens(["<kvsieve-test-token>"])
+    assert ruler.tokenizer_key(other) != ruler.tokenizer_key(tokenizer)
+    assert ruler.tokenizer_key(copy.deepcopy(tokenizer)) == ruler.tokenizer_key(tokenizer)
+    ruler.generate_cases(other, "vt", LENGTH, 1, 42, cases_folder)
+    files = sorted(p.name for p in cases_folder.glob("vt-*.jsonl"))
+    assert files == sorted(f"vt-{LENGTH}-1-42-{ruler.tokenizer_key(t)}.jsonl" for t in (tokenizer, other))

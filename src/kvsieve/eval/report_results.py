@@ -36,11 +36,11 @@ def merge(documents: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
 
 def _bench_summary(documents: Sequence[dict[str, Any]], baseline: str) -> list[dict]:
     """Cost summaries with ratios taken within each bench run (each run has its own baseline rows);
-    a method measured in several runs is reported from the first."""
+    a method measured at one length in several runs is reported from the first."""
     summary, seen = [], set()
     for doc in documents:
-        mine = [s for s in summarize(doc["rows"], baseline) if s["method"] not in seen]
-        seen |= {s["method"] for s in mine}
+        mine = [s for s in summarize(doc["rows"], baseline) if (s["method"], s["length"]) not in seen]
+        seen |= {(s["method"], s["length"]) for s in mine}
         summary += mine
     return summary
 
