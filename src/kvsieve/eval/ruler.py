@@ -336,8 +336,6 @@ def run_ruler(
         reuse = config.budget if config.mode == "agnostic" else None
         groups.setdefault((config.mode, reuse), []).append(config)
     work = [(task, length) for length in lengths for task in runnable]
-    bar = tqdm(total=len(work) * samples * len(plan), desc="RULER", unit="answer")
-    seconds = 0.0
     for task, length in work:
         if length < 2 * configs_[task]["tokens_to_generate"]:
             raise KvsieveError(
@@ -345,7 +343,16 @@ def run_ruler(
                 f"beside its {configs_[task]['tokens_to_generate']} answer tokens; use at least "
                 f"{2 * configs_[task]['tokens_to_generate']}."
             )
-        for case in load_cases(tokenizer, task, length, samples, seed, folder):
+    cases = {(task, length): load_cases(tokenizer, task, length, samples, seed, folder) for task, length in work}
+    if short := [f"{task} at {length} ({len(c)})" for (task, length), c in cases.items() if len(c) < samples]:
+        raise KvsieveError(f"RULER's generators made fewer than {samples} cases for: {', '.join(short)}.")
+    bar = tqdm(total=len(work) * samples * len(plan), desc="RULER", unit="answer")
+    seconds = 0.0
+    # Sample by sample across the tasks: a run stopped part way holds the first samples of every task, a smaller
+    # leaderboard over all of them, rather than every sample of the first tasks.
+    for position in range(samples):
+        for task, length in work:
+            case = cases[(task, length)][position]
             todo = {
                 group: [c for c in configs if (task, length, case.index, *c.key) not in done]
                 for group, configs in groups.items()
