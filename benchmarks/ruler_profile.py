@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import kvsieve
-from kvsieve.engine import prefix_cache, request, scheduler
+from kvsieve.engine import batch, prefix_cache, request, scheduler
 from kvsieve.eval import ruler
 from kvsieve.eval.methods import build_specs
 
@@ -61,7 +61,7 @@ def main() -> None:
     timed(prefix_cache, "fill", "context prefills shared by the sweep (fill)", seconds, calls)
     timed(request.Request, "_prefill", "request prefills (select, feed, compress)", seconds, calls)
     timed(scheduler.Scheduler, "_start_decoding", "joining the decode batch", seconds, calls)
-    timed(scheduler.Scheduler, "_decode", "decode steps", seconds, calls)
+    timed(batch.DecodeBatch, "step", "decode steps (the batch's forward passes)", seconds, calls)
     timed(scheduler.Scheduler, "_finish", "leaving the decode batch", seconds, calls)
     model, tokenizer = kvsieve.load_model(args.model, dtype=args.dtype)
     specs = build_specs(args.methods)
@@ -76,12 +76,16 @@ def main() -> None:
     parts = {label: {"seconds": round(s, 2), "calls": calls[label]} for label, s in seconds.items()}
     parts["the rest (scoring, bookkeeping)"] = {"seconds": round(wall - sum(seconds.values()), 2), "calls": 0}
     answers = {(r["task"], r["index"], r["method"], r["budget"], r["mode"]): r["answer"] for r in document["rows"]}
+    prefills: dict[str, float] = defaultdict(float)  # each method's request prefills, over its budgets and modes
+    for r in document["rows"]:
+        prefills[f"{r['method']} ({r['mode']})"] += r["ttft_s"]
     result = {
         "command": "python " + " ".join(sys.argv),
         "wall_seconds": round(wall, 2),
         "cases": len({(r["task"], r["index"]) for r in document["rows"]}),
         "answers": len(document["rows"]),
         "parts": parts,
+        "request_prefills": {name: round(value, 2) for name, value in prefills.items()},
         "rows": [{"key": list(k), "answer": a} for k, a in sorted(answers.items(), key=str)],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -89,6 +93,7 @@ def main() -> None:
     print(f"wall {wall:.1f} s for {result['answers']} answers of {result['cases']} cases")
     for label, part in parts.items():
         print(f"  {part['seconds']:8.1f} s  {part['calls']:5d} calls  {label}")
+    print("request prefills by method:", ", ".join(f"{k} {v:.1f} s" for k, v in prefills.items()))
 
 
 if __name__ == "__main__":
