@@ -1,6 +1,7 @@
-"""A results document from one run on one machine: presets on RULER (every task that runs offline, at KV budgets of
-0.1, 0.25, 0.5 and 0.75 of the prompt, with the question and question-agnostic), on the needle and passkey probes,
-and their cost (time to first token, peak memory) against full attention.
+"""A results document from one run on one machine: the RULER leaderboard (full attention calibrated on every task
+that runs offline, then the leaderboard's presets on the tasks it can do, at KV budgets of 0.1, 0.25 and 0.5 of the
+prompt, with the question and question-agnostic), the needle and passkey probes, and their cost (time to first
+token, peak memory) against full attention.
 
     make results                              # docs/RESULTS.md: SmolLM2, every preset; RULER at 4K, probes at 4K, 8K
     make results-gemma                        # docs/gemma3/RESULTS.md: Gemma 3 270M at 4K and 16K (the gemma extra)
@@ -13,11 +14,15 @@ stopped, since every command saves its rows as they finish.
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
 
+from kvsieve.eval.leaderboard import calibration as calibrate
 from kvsieve.registry import REGISTRY
+
+LEADERBOARD = "full,gemfilter,critiprefill,imdc,a2sf,snapkv,h2o,streaming,tova"  # the four papers' and the baselines
 
 
 def commands(args: argparse.Namespace) -> list[list[str]]:
@@ -45,11 +50,34 @@ def commands(args: argparse.Namespace) -> list[list[str]]:
         "--plot",
         str(args.run / "plots" / "scaling.png"),
     ]
-    ruler = [
-        [*kvsieve, "ruler", *model, "--methods", args.methods, "--lengths", args.ruler_lengths]
-        + ["--samples", str(args.ruler_samples), "--out", str(args.run / "ruler.json")]
-    ]
-    return [*(ruler if args.ruler_lengths else []), *niah, bench]
+    return [*niah, bench]
+
+
+def calibration(args: argparse.Namespace) -> list[str]:
+    """Full attention on every RULER task that runs offline: the leaderboard keeps the tasks it can do."""
+    return [
+        sys.executable, "-m", "kvsieve.cli", "ruler", *_model(args), "--methods", "full", "--modes", "question",
+        "--lengths", args.ruler_lengths, "--samples", str(args.calibration_samples),
+        "--out", str(args.run / "ruler_calibration.json"),
+    ]  # fmt: skip
+
+
+def leaderboard(args: argparse.Namespace, tasks: list[str]) -> list[str]:
+    """The leaderboard's presets on the tasks the calibration kept."""
+    return [
+        sys.executable, "-m", "kvsieve.cli", "ruler", *_model(args), "--methods", args.ruler_methods,
+        "--tasks", ",".join(tasks), "--budgets", args.ruler_budgets, "--modes", args.ruler_modes,
+        "--lengths", args.ruler_lengths, "--samples", str(args.ruler_samples), "--out", str(args.run / "ruler.json"),
+    ]  # fmt: skip
+
+
+def kept_tasks(path: Path) -> list[str]:
+    rows = json.loads(path.read_text())["rows"]
+    return [task for task, c in calibrate(rows).items() if c["kept"]]
+
+
+def _model(args: argparse.Namespace) -> list[str]:
+    return (["--model", args.model] if args.model else []) + ["--dtype", args.ruler_dtype]
 
 
 def report(args: argparse.Namespace) -> list[str]:
@@ -57,7 +85,9 @@ def report(args: argparse.Namespace) -> list[str]:
     return [
         sys.executable, "-m", "kvsieve.cli", "report",
         "--niah", str(run / "needle.json"), "--niah", str(run / "passkey.json"), "--bench", str(run / "bench.json"),
-        *(["--ruler", str(run / "ruler.json")] if args.ruler_lengths or (run / "ruler.json").is_file() else []),
+        *(["--ruler", str(run / "ruler.json")] if (run / "ruler.json").is_file() else []),
+        *(["--ruler-calibration", str(run / "ruler_calibration.json")]
+          if (run / "ruler_calibration.json").is_file() else []),
         *(["--notes", "docs/STUDIES.md"] if not args.model else []), "--out", str(args.out),
     ]  # fmt: skip
 
@@ -71,17 +101,30 @@ def main() -> None:
     parser.add_argument("--depths", default="0.5", help="probe depths (default 0.5)")
     parser.add_argument("--bench-lengths", default="8000", help="timed prompt lengths (default 8000)")
     parser.add_argument("--ruler-lengths", default="4096", help="RULER lengths (default 4096; empty: no RULER run)")
-    parser.add_argument("--ruler-samples", type=int, default=10, help="RULER cases per task and length (default 10)")
+    parser.add_argument("--calibration-samples", type=int, default=10, help="full attention's cases per task")
+    parser.add_argument("--ruler-samples", type=int, default=20, help="leaderboard cases per task (default 20)")
+    parser.add_argument("--ruler-methods", default=LEADERBOARD, help=f"leaderboard presets (default {LEADERBOARD})")
+    parser.add_argument("--ruler-budgets", default="0.1,0.25,0.5", help="KV budgets, shares of the prompt")
+    parser.add_argument("--ruler-modes", default="question,agnostic", help="question, agnostic or both")
+    parser.add_argument(
+        "--ruler-dtype", default="bfloat16", help="RULER's dtype (default bfloat16: docs/EVALUATION.md)"
+    )
     parser.add_argument("--run", type=Path, default=Path("runs/results"), help="folder of the result files")
     parser.add_argument(
         "--out", type=Path, default=Path("docs/RESULTS.md"), help="the report (default docs/RESULTS.md)"
     )
     parser.add_argument("--report-only", action="store_true", help="only redraw the report from --run's files")
     args = parser.parse_args()
-    steps = ([] if args.report_only else commands(args)) + [report(args)]
-    for step in steps:
-        print("+", " ".join(step[2:] if step[0] == sys.executable else step), flush=True)
-        subprocess.run(step, check=True)
+    if not args.report_only and args.ruler_lengths:
+        run(calibration(args))
+        run(leaderboard(args, kept_tasks(args.run / "ruler_calibration.json")))
+    for step in ([] if args.report_only else commands(args)) + [report(args)]:
+        run(step)
+
+
+def run(step: list[str]) -> None:
+    print("+", " ".join(step[2:] if step[0] == sys.executable else step), flush=True)
+    subprocess.run(step, check=True)
 
 
 if __name__ == "__main__":
