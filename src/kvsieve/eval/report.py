@@ -154,9 +154,11 @@ def write_report(
     results, figures = root / "results", root / "figures"
     results.mkdir(exist_ok=True)
     copied = []
-    for source in [*niah_files, *ppl_files, *bench_files, *ruler_files, *calibration_files]:
-        target = results / Path(source).name
-        if Path(source).resolve() != target.resolve():
+    for source in map(Path, [*niah_files, *ppl_files, *bench_files, *ruler_files, *calibration_files]):
+        if results.resolve() in source.resolve().parents:  # already under results/ (in a folder of its own too)
+            target = results / source.resolve().relative_to(results.resolve())
+        else:
+            target = results / source.name
             shutil.copyfile(source, target)
         copied.append(target)
     heatmaps = {
