@@ -8,9 +8,9 @@ import pytest
 from kvsieve.eval import leaderboard
 
 
-def rows_of(method, budget, mode, scores: dict[str, list[float]], kept: int = 100):
+def rows_of(method, budget, mode, scores: dict[str, list[float]], kept: int = 100, length: int = 4096):
     return [
-        {"task": task, "length": 4096, "index": i, "method": method, "budget": budget, "mode": mode,
+        {"task": task, "length": length, "index": i, "method": method, "budget": budget, "mode": mode,
          "score": score, "kv_length": kept, "prompt_tokens": 100}
         for task, values in scores.items()
         for i, score in enumerate(values)
@@ -78,18 +78,24 @@ def test_the_report_opens_with_the_leaderboard(tmp_path):
     rows += rows_of("snapkv", 0.1, "question", {"niah_single_1": [0] * 6, "qa_1": [0] * 6}, kept=10)
     rows += rows_of("snapkv", 0.1, "agnostic", {"niah_single_1": [100] * 6, "qa_1": [0] * 6}, kept=15)
     calibration = rows_of("full", None, "question", {**scores, "vt": [0] * 6})
+    longer = rows_of("full", None, "question", {"qa_1": [100, 0]}, length=16384)  # a second run, at 16K
+    longer += rows_of("snapkv", 0.5, "question", {"qa_1": [0, 0]}, kept=50, length=16384)
     records.save(tmp_path / "ruler.json", document(rows, "full,snapkv"))
+    records.save(tmp_path / "ruler_16k.json", document(longer, "full,snapkv"))
     records.save(tmp_path / "calibration.json", document(calibration, "full"))
     path = write_report(
         tmp_path / "docs" / "RESULTS.md",
-        ruler_files=[tmp_path / "ruler.json"],
+        ruler_files=[tmp_path / "ruler.json", tmp_path / "ruler_16k.json"],
         calibration_files=[tmp_path / "calibration.json"],
     )
     text = path.read_text()
-    assert text.index("## RULER leaderboard") < text.index("## Commands")
+    assert text.index("## RULER leaderboard: SmolLM2-135M-Instruct, 4096 tokens") < text.index("## Commands")
+    assert "## RULER leaderboard: SmolLM2-135M-Instruct, 16384 tokens" in text  # its own board, its own cases
+    assert "| snapkv | 0.5 | question | 0.0 | -50.0 [" in text
     assert "| snapkv | 0.5 | question | 75.0 | +0.0 [+0.0, +0.0] | - | 0.50 |" in text
     assert "| snapkv | 0.1 | agnostic | 50.0 | -25.0 [" in text
     assert "**snapkv** matches full attention from 0.5 of the prompt with the question and loses to full " in text
     assert "| vt | 0.0 | 6 | no: full attention scores 0.0 < 20" in text
     assert "| niah_single_1 | 100.0 | 6 | yes |" in text
-    assert (path.parent / "figures" / "ruler.png").stat().st_size > 5000
+    assert (path.parent / "figures" / "ruler_4096.png").stat().st_size > 5000
+    assert "### Per task at 4096 tokens" in text and "| snapkv | 0.1 | agnostic | 100.0 | 0.0 |" in text

@@ -26,37 +26,38 @@ from kvsieve.eval.report_sections import machine_line, spread
 from kvsieve.eval.ruler import TASKS
 
 
-def ruler_sections(report: Results, figure: Path, root: Path) -> list[str]:
-    """The leaderboard, its figure, which method when and full attention's calibration (none without RULER)."""
-    board = report.ruler_board
-    if board is None:
-        return []
-    tasks = [t for t in TASKS if t in report.calibration]
-    calibration = board_sections.calibration_section(report.calibration, KEEP_AT, tasks)
-    if not board.tasks:
-        none = f"Full attention scores below {KEEP_AT:g} on every task run."
-        return ["", "## RULER leaderboard", "", none, *calibration]
-    lengths = ", ".join(str(n) for n in sorted({case[1] for case in board.cases}))
-    model = report.ruler["settings"].get("model") or "SmolLM2-135M-Instruct"
-    title = f"RULER leaderboard: {model}, {lengths} tokens ({report.ruler['settings'].get('dtype', 'float32')})"
-    board_sections.plot_board(board, figure, title)
-    length = max((case[1] for case in board.cases), default=0)
+def ruler_sections(report: Results, root: Path) -> list[str]:
+    """Per RULER length: the leaderboard, its figure, which method when and full attention's calibration."""
+    lines = []
+    for length, board in report.ruler_boards.items():
+        calibration = report.calibrations[length]
+        tasks = [t for t in TASKS if t in calibration]
+        calibrated = board_sections.calibration_section(calibration, KEEP_AT, tasks)
+        model = report.ruler["settings"].get("model") or "SmolLM2-135M-Instruct"
+        title = f"RULER leaderboard: {model}, {length} tokens ({report.ruler['settings'].get('dtype', 'float32')})"
+        if not board.tasks:
+            none = f"Full attention scores below {KEEP_AT:g} on every task run."
+            lines += ["", f"## {title}", "", none, *calibrated]
+            continue
+        figure = board_sections.plot_board(board, root / "figures" / f"ruler_{length}.png", title)
 
-    def speedup(method: str) -> float | None:
-        cost = report.cost(method, length) if report.bench_summary else None
-        return cost["speedup"][1] if cost and cost["speedup"] else None
+        def speedup(method: str, length: int = length) -> float | None:
+            cost = report.cost(method, length) if report.bench_summary else None
+            return cost["speedup"][1] if cost and cost["speedup"] else None
 
-    label = (
-        f"TTFT speedup: the median of ratios to full attention from the bench at {length} tokens, each preset at "
-        "its registered budget (not the row's), where the bench ran it."
-    )
-    methods = list(dict.fromkeys(e.method for e in board.entries if e.method != "full"))
-    seeds = [m for m in board_sections.SEEDS if m in methods] + [m for m in methods if m not in board_sections.SEEDS]
-    return [
-        *board_sections.leaderboard_section(board, figure, root, speedup, title, label),
-        *board_sections.which_method_when(board, seeds),
-        *calibration,
-    ]
+        label = (
+            f"TTFT speedup: the median of ratios to full attention from the bench at {length} tokens, each preset "
+            "at its registered budget (not the row's), where the bench ran it."
+        )
+        methods = list(dict.fromkeys(e.method for e in board.entries if e.method != "full"))
+        seeds = [m for m in board_sections.SEEDS if m in methods]
+        seeds += [m for m in methods if m not in board_sections.SEEDS]
+        lines += [
+            *board_sections.leaderboard_section(board, figure, root, speedup, title, label),
+            *board_sections.which_method_when(board, seeds),
+            *calibrated,
+        ]
+    return lines
 
 
 def plot_pareto(points: list[dict[str, Any]], path: Path, baseline: str = "full", quality: str = "") -> Path:
@@ -178,12 +179,12 @@ def write_report(
         f"# regenerate from the copies: cd {root.as_posix()} && kvsieve report {inputs}",
     ]
     lines = [
-        *sections.header(report, commands, ruler_sections(report, figures / "ruler.png", root)),
+        *sections.header(report, commands, ruler_sections(report, root)),
         *sections.speed_note(report),
         *sections.glance(report, pareto, root),
         *sections.side_by_side(report),
         *sections.choosing(report),
-        *(board_sections.per_task_section(report.ruler_board) if report.ruler_board else []),
+        *(line for board in report.ruler_boards.values() for line in board_sections.per_task_section(board)),
         *sections.niah_section(report, heatmaps, root),
         *sections.ppl_section(report),
         *sections.cost_section(report, scaling, root),

@@ -128,9 +128,10 @@ def calibration_section(
 
 def per_task_section(board: Board) -> list[str]:
     """Each configuration's mean score per task, on the board's cases."""
+    lengths = ", ".join(str(n) for n in sorted({case[1] for case in board.cases}))
     lines = [
         "",
-        "### Per task",
+        f"### Per task at {lengths} tokens",
         "",
         "| method | budget | mode | " + " | ".join(board.tasks) + " |",
         "|---|---|---|" + "---|" * len(board.tasks),

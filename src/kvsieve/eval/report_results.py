@@ -20,17 +20,25 @@ def ordered(methods: Sequence[str]) -> list[str]:
     return known + sorted(set(methods) - set(known))
 
 
+def _length(row: dict[str, Any]) -> int | None:
+    return row.get("requested_length", row.get("length"))
+
+
 def merge(documents: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """One document from several result files of one kind: each method's rows (and spec) come from the
-    first file that has the method, so a later run can add methods next to an earlier one."""
+    """One document from several result files of one kind: each method's rows at each length (and its spec) come
+    from the first file that has the method at that length, so a later run can add methods, or lengths, next to an
+    earlier one."""
     if not documents:
         return None
     first = documents[0]
     merged = {**first, "settings": {**first["settings"], "methods": {}}, "rows": []}
+    seen: set[tuple[str, int | None]] = set()
     for doc in documents:
-        new = [m for m in dict.fromkeys(r["method"] for r in doc["rows"]) if m not in merged["settings"]["methods"]]
-        merged["settings"]["methods"].update({m: doc["settings"]["methods"][m] for m in new})
-        merged["rows"] += [r for r in doc["rows"] if r["method"] in new]
+        new = {(r["method"], _length(r)) for r in doc["rows"]} - seen
+        seen |= new
+        for method in dict.fromkeys(m for m, _ in new):
+            merged["settings"]["methods"].setdefault(method, doc["settings"]["methods"][method])
+        merged["rows"] += [r for r in doc["rows"] if (r["method"], _length(r)) in new]
     return merged
 
 
@@ -65,11 +73,17 @@ class Results:
         self.ppl, self.bench, self.baseline = merge(ppl_docs), merge(bench_docs), baseline
         self.bench_docs = list(bench_docs)
         self.ruler = merge(ruler_docs)
-        # Full attention's calibration: from its own run of every task where one is given, else from the sweep's
-        calibrated = [r for d in calibration_docs for r in d["rows"]] or (self.ruler["rows"] if self.ruler else [])
-        self.calibration = leaderboard.calibration(calibrated)
-        kept = [task for task, c in self.calibration.items() if c["kept"]]
-        self.ruler_board = leaderboard.leaderboard(self.ruler["rows"], kept) if self.ruler else None
+        # One leaderboard per RULER length, on the tasks full attention can do at that length: its calibration is
+        # its own run of every task where one is given, else its rows in the sweep.
+        self.calibrations: dict[int, dict[str, dict[str, Any]]] = {}
+        self.ruler_boards: dict[int, leaderboard.Board] = {}
+        calibrated = [r for d in calibration_docs for r in d["rows"]]
+        for length in sorted({r["length"] for r in self.ruler["rows"]}) if self.ruler else []:
+            rows = [r for r in self.ruler["rows"] if r["length"] == length]
+            own = [r for r in calibrated if r["length"] == length] or rows
+            self.calibrations[length] = leaderboard.calibration(own)
+            kept = [task for task, c in self.calibrations[length].items() if c["kept"]]
+            self.ruler_boards[length] = leaderboard.leaderboard(rows, kept)
         self.documents = [*niah_docs, *ppl_docs, *bench_docs, *ruler_docs, *calibration_docs]
         rows = [r for d in self.documents for r in d["rows"]]
         if not rows:
@@ -114,8 +128,10 @@ class Results:
 
     def ruler_average(self, method: str, mode: str = "question") -> float | None:
         """The method's RULER average (0-100) on the leaderboard's cases at the glance budget (`GLANCE_BUDGET` of the
-        prompt; a method without a KV budget as registered), None where it is not on the board."""
-        entries = {e.key: e for e in self.ruler_board.entries} if self.ruler_board else {}
+        prompt; a method without a KV budget as registered), on the shortest length's board; None where it is not
+        on it."""
+        boards = list(self.ruler_boards.values())
+        entries = {e.key: e for e in boards[0].entries} if boards else {}
         for budget in (GLANCE_BUDGET, None):
             if (method, budget, mode) in entries:
                 return entries[(method, budget, mode)].average
