@@ -53,27 +53,41 @@ def commands(args: argparse.Namespace) -> list[list[str]]:
     return [*niah, bench]
 
 
-def calibration(args: argparse.Namespace) -> list[str]:
-    """Full attention on every RULER task that runs offline: the leaderboard keeps the tasks it can do."""
+def calibration(args: argparse.Namespace, length: str, tasks: list[str] | None) -> list[str]:
+    """Full attention on `tasks` (None: every RULER task that runs offline) at `length`: the leaderboard keeps the
+    tasks it can do."""
     return [
         sys.executable, "-m", "kvsieve.cli", "ruler", *_model(args), "--methods", "full", "--modes", "question",
-        "--lengths", args.ruler_lengths, "--samples", str(args.calibration_samples),
-        "--out", str(args.run / "ruler_calibration.json"),
+        *(["--tasks", ",".join(tasks)] if tasks else []), "--lengths", length,
+        "--samples", str(args.calibration_samples), "--out", str(args.run / f"ruler_calibration_{length}.json"),
     ]  # fmt: skip
 
 
-def leaderboard(args: argparse.Namespace, tasks: list[str]) -> list[str]:
+def leaderboard(args: argparse.Namespace, length: str, tasks: list[str], modes: str) -> list[str]:
     """The leaderboard's presets on the tasks the calibration kept."""
     return [
         sys.executable, "-m", "kvsieve.cli", "ruler", *_model(args), "--methods", args.ruler_methods,
-        "--tasks", ",".join(tasks), "--budgets", args.ruler_budgets, "--modes", args.ruler_modes,
-        "--lengths", args.ruler_lengths, "--samples", str(args.ruler_samples), "--out", str(args.run / "ruler.json"),
+        "--tasks", ",".join(tasks), "--budgets", args.ruler_budgets, "--modes", modes, "--lengths", length,
+        "--samples", str(args.ruler_samples), "--out", str(args.run / f"ruler_{length}.json"),
     ]  # fmt: skip
 
 
 def kept_tasks(path: Path) -> list[str]:
-    rows = json.loads(path.read_text())["rows"]
-    return [task for task, c in calibrate(rows).items() if c["kept"]]
+    """The tasks full attention can do, best first."""
+    calibrated = calibrate(json.loads(path.read_text())["rows"])
+    return sorted((t for t, c in calibrated.items() if c["kept"]), key=lambda t: -calibrated[t]["score"])
+
+
+def ruler_steps(args: argparse.Namespace) -> None:
+    """Per RULER length: full attention's calibration (at a longer length, on the tasks the shorter one kept), then
+    the leaderboard on the tasks it keeps (at a longer length, its best `--long-max-tasks` in `--long-modes`)."""
+    tasks = None
+    for position, length in enumerate(args.ruler_lengths.split(",")):
+        run(calibration(args, length, tasks))
+        tasks = kept_tasks(args.run / f"ruler_calibration_{length}.json")
+        longer = position > 0
+        chosen = tasks[: args.long_max_tasks] if longer and args.long_max_tasks else tasks
+        run(leaderboard(args, length, chosen, args.long_modes if longer else args.ruler_modes))
 
 
 def _model(args: argparse.Namespace) -> list[str]:
@@ -85,9 +99,8 @@ def report(args: argparse.Namespace) -> list[str]:
     return [
         sys.executable, "-m", "kvsieve.cli", "report",
         "--niah", str(run / "needle.json"), "--niah", str(run / "passkey.json"), "--bench", str(run / "bench.json"),
-        *(["--ruler", str(run / "ruler.json")] if (run / "ruler.json").is_file() else []),
-        *(["--ruler-calibration", str(run / "ruler_calibration.json")]
-          if (run / "ruler_calibration.json").is_file() else []),
+        *(arg for path in sorted(run.glob("ruler_[0-9]*.json")) for arg in ("--ruler", str(path))),
+        *(arg for path in sorted(run.glob("ruler_calibration_*.json")) for arg in ("--ruler-calibration", str(path))),
         *(["--notes", "docs/STUDIES.md"] if not args.model else []), "--out", str(args.out),
     ]  # fmt: skip
 
@@ -109,6 +122,8 @@ def main() -> None:
     parser.add_argument(
         "--ruler-dtype", default="bfloat16", help="RULER's dtype (default bfloat16: docs/EVALUATION.md)"
     )
+    parser.add_argument("--long-modes", default="question", help="modes after the first RULER length")
+    parser.add_argument("--long-max-tasks", type=int, default=3, help="tasks after the first length (0: all kept)")
     parser.add_argument("--run", type=Path, default=Path("runs/results"), help="folder of the result files")
     parser.add_argument(
         "--out", type=Path, default=Path("docs/RESULTS.md"), help="the report (default docs/RESULTS.md)"
@@ -116,8 +131,7 @@ def main() -> None:
     parser.add_argument("--report-only", action="store_true", help="only redraw the report from --run's files")
     args = parser.parse_args()
     if not args.report_only and args.ruler_lengths:
-        run(calibration(args))
-        run(leaderboard(args, kept_tasks(args.run / "ruler_calibration.json")))
+        ruler_steps(args)
     for step in ([] if args.report_only else commands(args)) + [report(args)]:
         run(step)
 
