@@ -61,6 +61,28 @@ def test_the_kernel_matches_pytorchs_attention(rows, heads, kv_heads, dim, keys,
             assert attended[1][b, :, n:].eq(0).all()
 
 
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_bfloat16_cache_is_read_as_its_float32_widening(ragged, threads):
+    """A bfloat16 cache is widened to float32 as it loads (exactly: bfloat16 is a float32's top half), and the
+    kernel computes in float32: its output is the float32 kernel's on the widened tensors, rounded once to bfloat16,
+    and its probabilities are the same, to the bit."""
+    key, value = (t.bfloat16() for t in cache_views(2, 3, 2176, 64, seed=6))
+    query = torch.randn(2, 9, 1, 64, generator=torch.Generator().manual_seed(7)).bfloat16()
+    lengths = torch.tensor([2176, 700]) if ragged else None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, probs = kernel_attention_probs(query, key, value, None, lengths)
+        wide, wide_probs = kernel_attention_probs(query.float(), key.float(), value.float(), None, lengths)
+    finally:
+        torch.set_num_threads(before)
+    assert out.dtype == torch.bfloat16 and probs.dtype == torch.float32
+    assert torch.equal(out, wide.bfloat16()) and torch.equal(probs, wide_probs)
+    reference = grouped_attention(query.double(), key.double(), value.double(), None, lengths)
+    torch.testing.assert_close(out.double(), reference, rtol=0.01, atol=0.01)  # bfloat16's rounding of the output
+
+
 def test_large_logits_and_a_given_scale():
     """Logits of more than a hundred (a softmax that would overflow unshifted) and a scale other than 1/sqrt(d),
     against float64 attention. A float32 logit of 130 is rounded by up to eps x 130 (1.5e-5), which moves the output
@@ -99,8 +121,8 @@ def test_a_row_reads_only_its_own_keys():
 def test_tensors_the_kernel_does_not_serve_take_pytorchs_attention():
     key, value = cache_views(1, 2, 50, 64)
     query = torch.randn(1, 4, 1, 64)
-    assert supports(query, key, value)
-    assert not supports(query.bfloat16(), key.bfloat16(), value.bfloat16())
+    assert supports(query, key, value) and supports(query.bfloat16(), key.bfloat16(), value.bfloat16())
+    assert not supports(query.half(), key.half(), value.half()) and not supports(query.bfloat16(), key, value)
     assert not supports(torch.randn(1, 4, 3, 64), key, value)  # several queries (a prefill)
     key80, value80 = cache_views(1, 2, 50, 80)
     assert kernel_attention(torch.randn(1, 4, 1, 80), key80, value80, None) is None
@@ -132,9 +154,9 @@ def test_bad_lengths_are_refused():
 
 def test_the_dispatch_takes_the_kernel_where_it_serves_and_pytorch_elsewhere():
     """`decode_attention` / `decode_attention_probs` are the one choice between the kernel and PyTorch: float32 on
-    a CPU gives exactly the kernel's output; with the kernel switched off, a soft-cap (which the kernel lacks) or
-    bfloat16 (which it does not serve), PyTorch's grouped product or SDPA answers, and every answer agrees with
-    PyTorch's attention."""
+    a CPU gives exactly the kernel's output; with the kernel switched off or a soft-cap (which the kernel lacks),
+    PyTorch's grouped product or SDPA answers, and every answer agrees with PyTorch's attention (bfloat16's within
+    its rounding)."""
     from kvsieve.kernels.attention import decode_attention, decode_attention_probs
 
     key, value = cache_views(2, 2, 300, 64, seed=4)

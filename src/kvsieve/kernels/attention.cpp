@@ -17,8 +17,9 @@
 // - `decode_attention_probs` also returns the attention's probabilities, from the same pass (H2O's and A2SF's
 //   per-step scores).
 //
-// Float32 throughout; the arithmetic uses GCC's generic vectors, which the compiler maps onto the machine's vector
-// instructions (the library is built for the machine it runs on).
+// A float32 or bfloat16 cache (bfloat16 keys and values are widened to float32 as they load, which is exact); the
+// arithmetic is float32 throughout, in GCC's generic vectors, which the compiler maps onto the machine's vector
+// instructions (the library is built for the machine it runs on). The output takes the query's dtype.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -65,9 +66,9 @@ inline vec exp_nonpositive(vec x) {
 }
 
 // A query head's DV vectors times a key's, lane by lane (two chains of fused multiply-adds); the dot product is the
-// sum of the result's lanes.
-template <int DV>
-inline vec dot(const vec* q, const float* key) {
+// sum of the result's lanes. T: the cache's element, float or bfloat16 (its bits, `uint16_t`), widened as it loads.
+template <int DV, typename T>
+inline vec dot(const vec* q, const T* key) {
   vec a = q[0] * load(key), b = {};
   for (int c = 1; c < DV; ++c) (c % 2 ? b : a) += q[c] * load(key + c * W);
   return a + b;
@@ -97,8 +98,8 @@ inline vec sums(vec* x) {
 // One chunk of `len` keys of one KV head for HEADS query heads of DV vectors each: the heads' logits (scaled) into
 // `logits` (a row of `stride` per head), then their maximum `m`, sum of exponentials `s` and unnormalised output
 // `o` (HEADS x D).
-template <int DV, int HEADS>
-void chunk_heads(const float* q, const float* k, int64_t k_step, const float* v, int64_t v_step, int64_t len,
+template <int DV, int HEADS, typename T>
+void chunk_heads(const float* q, const T* k, int64_t k_step, const T* v, int64_t v_step, int64_t len,
                  float scale, float* logits, int64_t stride, float* m, float* s, float* o) {
   constexpr int D = DV * W;
   vec qv[HEADS][DV];
@@ -147,31 +148,33 @@ void chunk_heads(const float* q, const float* k, int64_t k_step, const float* v,
 
 // All `heads` query heads of one KV head over one chunk of `len` keys, up to 4 at a time (`logits`: a row of
 // `stride` per head).
-template <int DV>
-void chunk(const float* q, const float* k, int64_t k_step, const float* v, int64_t v_step, int64_t len,
+template <int DV, typename T>
+void chunk(const float* q, const T* k, int64_t k_step, const T* v, int64_t v_step, int64_t len,
            int64_t heads, float scale, float* logits, int64_t stride, float* m, float* s, float* o) {
   constexpr int D = DV * W;
   for (int64_t h = 0; h < heads; h += 4) {
     const int64_t group = std::min<int64_t>(4, heads - h);
-    auto run = group == 4   ? chunk_heads<DV, 4>
-               : group == 3 ? chunk_heads<DV, 3>
-               : group == 2 ? chunk_heads<DV, 2>
-                            : chunk_heads<DV, 1>;
+    auto run = group == 4   ? chunk_heads<DV, 4, T>
+               : group == 3 ? chunk_heads<DV, 3, T>
+               : group == 2 ? chunk_heads<DV, 2, T>
+                            : chunk_heads<DV, 1, T>;
     run(q + h * D, k, k_step, v, v_step, len, scale, logits + h * stride, stride, m + h, s + h, o + h * D);
   }
 }
 
-using ChunkFn = void (*)(const float*, const float*, int64_t, const float*, int64_t, int64_t, int64_t, float, float*,
-                         int64_t, float*, float*, float*);
+template <typename T>
+using ChunkFn = void (*)(const float*, const T*, int64_t, const T*, int64_t, int64_t, int64_t, float, float*, int64_t,
+                         float*, float*, float*);
 
-ChunkFn chunk_for(int64_t dim) {
+template <typename T>
+ChunkFn<T> chunk_for(int64_t dim) {
   switch (dim) {
-    case 16: return chunk<1>;
-    case 32: return chunk<2>;
-    case 64: return chunk<4>;
-    case 96: return chunk<6>;
-    case 128: return chunk<8>;
-    case 256: return chunk<16>;
+    case 16: return chunk<1, T>;
+    case 32: return chunk<2, T>;
+    case 64: return chunk<4, T>;
+    case 96: return chunk<6, T>;
+    case 128: return chunk<8, T>;
+    case 256: return chunk<16, T>;
     default: return nullptr;
   }
 }
@@ -200,16 +203,17 @@ int64_t chunk_size(int64_t lanes, int64_t keys, int64_t threads) {
 at::Tensor attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                   const std::optional<at::Tensor>& lengths, double scale, float* probs) {
   TORCH_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat,
-              "float32 tensors only");
+  const auto kind = key.scalar_type();
+  TORCH_CHECK((kind == at::kFloat || kind == at::kBFloat16) && value.scalar_type() == kind &&
+                  (query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16),
+              "float32 or bfloat16 tensors only, keys and values of one dtype");
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && query.size(2) == 1, "one query per row");
   const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(3);
   const int64_t kv_heads = key.size(1), keys = key.size(2);
   TORCH_CHECK(key.sizes() == value.sizes() && key.size(0) == rows && key.size(3) == dim && heads % kv_heads == 0,
               "query (b, h, 1, d) and key/value (b, g, n, d) with h a multiple of g");
   TORCH_CHECK(key.stride(3) == 1 && value.stride(3) == 1, "keys and values contiguous in d");
-  const ChunkFn run = chunk_for(dim);
-  TORCH_CHECK(run != nullptr, "head dimension ", dim, " is not one of 16, 32, 64, 96, 128, 256");
+  TORCH_CHECK(chunk_for<float>(dim) != nullptr, "head dimension ", dim, " is not one of 16, 32, 64, 96, 128, 256");
   const int64_t group = heads / kv_heads;
   std::vector<int64_t> ends(rows, keys);
   if (lengths.has_value()) {
@@ -224,36 +228,46 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key, const at::Tens
   const int64_t longest = *std::max_element(ends.begin(), ends.end());
   const int64_t size = chunk_size(rows * kv_heads, longest, at::get_num_threads());
   const int64_t chunks = (longest + size - 1) / size;
-  const at::Tensor q = query.contiguous();
-  const auto options = query.options();
+  const at::Tensor q = query.to(at::kFloat).contiguous();  // the query and everything computed: float32
+  const auto options = q.options();
   at::Tensor part_m = at::empty({rows, kv_heads, chunks, group}, options);
   at::Tensor part_s = at::empty({rows, kv_heads, chunks, group}, options);
   at::Tensor part_o = at::empty({rows, kv_heads, chunks, group, dim}, options);
   const float* qp = q.data_ptr<float>();
-  const float* kp = key.data_ptr<float>();
-  const float* vp = value.data_ptr<float>();
   float* pm = part_m.data_ptr<float>();
   float* ps = part_s.data_ptr<float>();
   float* po = part_o.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, rows * kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> logits(group * size);
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t b = unit / (kv_heads * chunks), g = unit / chunks % kv_heads, c = unit % chunks;
-      const int64_t first = c * size, last = std::min(ends[b], first + size);
-      if (first >= last) {  // past this row's keys
-        std::fill(pm + unit * group, pm + (unit + 1) * group, NEG_INF);
-        continue;
+  // Each chunk's partial result, for a cache of elements T (float, or bfloat16's bits widened as they load).
+  auto partials = [&](auto element) {
+    using T = decltype(element);
+    const ChunkFn<T> run = chunk_for<T>(dim);
+    const T* kp = static_cast<const T*>(key.data_ptr());
+    const T* vp = static_cast<const T*>(value.data_ptr());
+    at::parallel_for(0, rows * kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> logits(group * size);
+      for (int64_t unit = begin; unit < end; ++unit) {
+        const int64_t b = unit / (kv_heads * chunks), g = unit / chunks % kv_heads, c = unit % chunks;
+        const int64_t first = c * size, last = std::min(ends[b], first + size);
+        if (first >= last) {  // past this row's keys
+          std::fill(pm + unit * group, pm + (unit + 1) * group, NEG_INF);
+          continue;
+        }
+        run(qp + (b * heads + g * group) * dim, kp + b * key.stride(0) + g * key.stride(1) + first * key.stride(2),
+            key.stride(2), vp + b * value.stride(0) + g * value.stride(1) + first * value.stride(2),
+            value.stride(2), last - first, group, sc, logits.data(), size, pm + unit * group, ps + unit * group,
+            po + unit * group * dim);
+        if (probs != nullptr)  // the chunk's exponentials, relative to its own maximum until the merge
+          for (int64_t h = 0; h < group; ++h)
+            std::copy(logits.data() + h * size, logits.data() + h * size + (last - first),
+                      probs + ((b * heads + g * group + h) * keys) + first);
       }
-      run(qp + (b * heads + g * group) * dim, kp + b * key.stride(0) + g * key.stride(1) + first * key.stride(2),
-          key.stride(2), vp + b * value.stride(0) + g * value.stride(1) + first * value.stride(2), value.stride(2),
-          last - first, group, sc, logits.data(), size, pm + unit * group, ps + unit * group, po + unit * group * dim);
-      if (probs != nullptr)  // the chunk's exponentials, relative to its own maximum until the merge
-        for (int64_t h = 0; h < group; ++h)
-          std::copy(logits.data() + h * size, logits.data() + h * size + (last - first),
-                    probs + ((b * heads + g * group + h) * keys) + first);
-    }
-  });
+    });
+  };
+  if (kind == at::kBFloat16)
+    partials(uint16_t{});
+  else
+    partials(float{});
   at::Tensor out = at::empty({rows, heads, 1, dim}, options);
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -285,7 +299,7 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key, const at::Tens
       }
     }
   });
-  return out;
+  return out.to(query.scalar_type());
 }
 
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -297,7 +311,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, cons
 std::tuple<at::Tensor, at::Tensor> decode_attention_probs(const at::Tensor& query, const at::Tensor& key,
                                                           const at::Tensor& value,
                                                           const std::optional<at::Tensor>& lengths, double scale) {
-  at::Tensor probs = at::empty({query.size(0), query.size(1), key.size(2)}, query.options());
+  at::Tensor probs = at::empty({query.size(0), query.size(1), key.size(2)}, query.options().dtype(at::kFloat));
   at::Tensor out = attend(query, key, value, lengths, scale, probs.data_ptr<float>());
   return {out, probs};
 }

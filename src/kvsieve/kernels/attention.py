@@ -5,9 +5,10 @@ A decoding step's attention reads the whole cache once for one query per row. On
 for it read the cache at a third to a half of the memory's speed (SmolLM2's 30 layers at 2K keys: 7.3 ms of
 products against 2.9 ms to read the keys and values with `sum()`); the kernel reads each key and value once,
 in chunks shared out among PyTorch's threads, and takes the logits of every query head of a KV head from each
-key while it is in the registers (the C++ file says how). It serves float32 caches with head dimensions 16,
-32, 64, 96, 128 or 256, one query per row, with or without each row's key count (the engine's padded batch),
-without a logit soft-cap.
+key while it is in the registers (the C++ file says how). It serves float32 and bfloat16 caches (computing in
+float32: a bfloat16 cache is widened as it loads, so it reads half the bytes and is never copied to float32) with
+head dimensions 16, 32, 64, 96, 128 or 256, one query per row, with or without each row's key count (the engine's
+padded batch: a row reads its own keys only), without a logit soft-cap.
 
 `decode_attention` and `decode_attention_probs` (the latter also returns the probabilities, from the same pass over
 the keys: the per-step scores of H2O, A2SF and TOVA, `kvsieve.attention.AttentionRows`) are the dispatch: the
@@ -30,13 +31,18 @@ from kvsieve.kernels import native
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)
 
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether the kernel serves these tensors: enabled, on a CPU, float32, one query per row, a head dimension it
-    is built for, query heads a multiple of the KV heads, keys and values contiguous in the last dimension."""
+    """Whether the kernel serves these tensors: enabled, on a CPU, float32 or bfloat16 (it computes in float32), one
+    query per row, a head dimension it is built for, query heads a multiple of the KV heads, keys and values
+    contiguous in the last dimension."""
     return (
         fast_paths.current().attention_kernel
         and query.device.type == "cpu"
-        and query.dtype == key.dtype == value.dtype == torch.float32
+        and query.dtype == key.dtype == value.dtype
+        and key.dtype in KERNEL_DTYPES
         and query.shape[2] == 1
         and query.shape[-1] in HEAD_DIMS
         and query.shape[1] % key.shape[1] == 0

@@ -4,6 +4,7 @@
 
 #pragma once
 
+#include <cstdint>
 #include <cstring>
 
 namespace kvsieve_vectors {
@@ -14,6 +15,17 @@ constexpr int W = 16;  // floats per vector
 inline vec load(const float* p) {  // unaligned: rows of the cache and of the weights start anywhere
   vec v;
   std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline vec load(const uint16_t* p) {  // bfloat16 (its bits): a float32's top 16 bits, so a shift widens it exactly
+  typedef unsigned short halves __attribute__((vector_size(32)));
+  typedef unsigned int words __attribute__((vector_size(64)));
+  halves h;
+  std::memcpy(&h, p, sizeof h);
+  const words bits = __builtin_convertvector(h, words) << 16;
+  vec v;
+  std::memcpy(&v, &bits, sizeof v);
   return v;
 }
 
