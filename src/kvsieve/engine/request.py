@@ -45,7 +45,9 @@ class Request:
         where the request stores its prefix state for later requests when a prefix cache is on;
     use_cache: look up and store prefix states (off: the whole prompt runs through the method);
     keep_cache: the cache an answer decoded into stays in its result (`GenerationResult.state`) once it leaves
-        the batch; off (the server, which reads no cache), its entries are not copied out of the batch's tables.
+        the batch; off (the server, which reads no cache), its entries are not copied out of the batch's tables;
+    prefix_cache: the prefix cache this request reads and stores in, where it is not its scheduler's (an evaluation
+        that compares reuse budgets, each a cache of its own, in one decode batch: `kvsieve ruler`).
     """
 
     def __init__(
@@ -59,11 +61,13 @@ class Request:
         use_cache: bool = True,
         select_only: bool = False,
         keep_cache: bool = True,
+        prefix_cache: PrefixCache | None = None,
     ):
         self.prompt, self.spec, self.sampling = prompt, spec, sampling
         self.emit = emit or (lambda event: None)
         self.boundary, self.use_cache, self.select_only = boundary, use_cache, select_only
         self.keep_cache = keep_cache
+        self.prefix_cache = prefix_cache
         self.cancelled = threading.Event()
         self.arrived = time.perf_counter()
         self.slices: PrefillSlices | None = None

@@ -141,7 +141,8 @@ class Scheduler:
             request = self.waiting.popleft()
             if request.cancelled.is_set():
                 continue
-            request.start(self.model, self.tokenizer, self.eos, self.prefix_cache)
+            cache = request.prefix_cache if request.prefix_cache is not None else self.prefix_cache
+            request.start(self.model, self.tokenizer, self.eos, cache)
             self.prefilling.append(request)
             return request
         return None

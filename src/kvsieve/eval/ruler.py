@@ -384,7 +384,8 @@ def _answer_case(
     cache_bytes: int,
     bar: tqdm,
 ) -> list[dict[str, Any]]:
-    """Every configuration of `todo` on `case`, one scheduler (and prefix cache) per (mode, reuse budget); its rows.
+    """Every configuration of `todo` on `case`, in one scheduler, each with the prefix cache of its (mode, reuse
+    budget); its rows.
 
     With `share_prefill`, the context is prefilled once per kind of exact state before any group runs
     (`prefix_cache.fill`): the question mode's exact states and the agnostic mode's compressed ones come from the
@@ -408,36 +409,37 @@ def _answer_case(
         ]
         if entries:
             fill(model, case.prompt.ids[0, : case.boundary].tolist(), entries)
-    rows = []
+    # Every configuration decodes in one batch, each request with its group's prefix cache: one step feeds all of
+    # them (groups decoding one after another would step as many times more, each reading every weight).
+    scheduler = Scheduler(model, tokenizer, max_batch=sum(len(configs) for configs in todo.values()))
+    requests = []
     for group, configs in todo.items():
-        if not configs:
-            continue
-        scheduler = Scheduler(model, tokenizer, prefix_cache=caches[group], max_batch=len(configs))
-        requests = []
         for config in configs:
             spec = spec_at(specs[config.method], config.budget, length)
+            sampling = Sampling(case.max_new_tokens)
             request = Request(
-                case.prompt, spec, Sampling(case.max_new_tokens), boundary=case.boundary, keep_cache=False
+                case.prompt, spec, sampling, boundary=case.boundary, keep_cache=False, prefix_cache=caches[group]
             )
             requests.append((config, request))
             scheduler.add(request)
-        while scheduler.has_work():
-            scheduler.step()
-        for config, request in requests:
-            if request.error is not None:
-                raise request.error
-            result = request.result
-            rows.append(
-                {
-                    "task": case.task, "length": case.length, "index": case.index, "method": config.method,
-                    "budget": config.budget, "mode": config.mode, "prompt_tokens": result.prompt_tokens,
-                    "answer": result.text, "references": case.references,
-                    "score": score(case.task, result.text, case.references),
-                    "kv_length": result.prefill_kv_length, "reuse": request.info.get("cache", "off"),
-                    "ttft_s": result.prefill_seconds,
-                }
-            )  # fmt: skip
-            bar.update(1)
+    while scheduler.has_work():
+        scheduler.step()
+    rows = []
+    for config, request in requests:
+        if request.error is not None:
+            raise request.error
+        result = request.result
+        rows.append(
+            {
+                "task": case.task, "length": case.length, "index": case.index, "method": config.method,
+                "budget": config.budget, "mode": config.mode, "prompt_tokens": result.prompt_tokens,
+                "answer": result.text, "references": case.references,
+                "score": score(case.task, result.text, case.references),
+                "kv_length": result.prefill_kv_length, "reuse": request.info.get("cache", "off"),
+                "ttft_s": result.prefill_seconds,
+            }
+        )  # fmt: skip
+        bar.update(1)
     return rows
 
 
