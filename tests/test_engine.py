@@ -471,3 +471,43 @@ def test_finished_and_cancelled_requests_are_freed_at_once(model):
         assert [ref() for ref in refs] == [None, None]
     finally:
         gc.enable()
+
+
+def test_the_prefills_that_end_in_one_step_join_the_batch_in_one_rebuild(model, monkeypatch):
+    """Without a step budget every waiting request prefills in the first step; they join the batch together, its
+    tables rebuilt once (joining one at a time copied every earlier row's entries again), and each still decodes
+    its own answer."""
+    from kvsieve.engine.batch_tables import BatchTables
+
+    rebuilds = []
+    rebuild = BatchTables.rebuild
+    monkeypatch.setattr(BatchTables, "rebuild", lambda self, caches, spare: rebuilds.append(len(caches)) or rebuild(
+        self, caches, spare))  # fmt: skip
+    scheduler = Scheduler(model, FakeTokenizer(), max_batch=8)
+    sinks = []
+    for i, (name, settings, length, new_tokens) in enumerate(CASES[:5]):
+        sinks.append((sink := Collector(), method(name, settings), make_prompt(length, seed=30 + i), new_tokens))
+        scheduler.add(Request(sinks[-1][2], sinks[-1][1], Sampling(max_new_tokens=new_tokens), sink.emit))
+    scheduler.step()
+    assert rebuilds == [5] and len(scheduler.batch) == 5
+    drain(scheduler)
+    for sink, spec, prompt, new_tokens in sinks:
+        alone = run(model, FakeTokenizer(), prompt, method=spec, sampling=Sampling(max_new_tokens=new_tokens))
+        assert sink.text == alone.text, spec.to_dict()
+
+
+def test_a_request_may_bring_its_own_prefix_cache(model):
+    """`Request(prefix_cache=...)`: the request reads and stores in its own cache, not its scheduler's (RULER's
+    sweep decodes configurations of several reuse budgets in one batch this way)."""
+    from kvsieve.engine.prefix_cache import PrefixCache
+
+    shared, own = PrefixCache(model, 10**9), PrefixCache(model, 10**9)
+    scheduler = Scheduler(model, FakeTokenizer(), prefix_cache=shared)
+    prompt = make_prompt(64, seed=40)
+    mine = Request(prompt, method("full"), Sampling(max_new_tokens=3), boundary=48, prefix_cache=own)
+    theirs = Request(prompt, method("full"), Sampling(max_new_tokens=3), boundary=48)
+    for request in (mine, theirs):
+        scheduler.add(request)
+    drain(scheduler)
+    assert len(own) == 1 and len(shared) == 1  # each stored the prompt's first 48 tokens in its own cache
+    assert mine.info["cache"] == theirs.info["cache"] == "miss" and mine.result.text == theirs.result.text

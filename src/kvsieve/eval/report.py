@@ -169,7 +169,8 @@ def write_report(
     scaling = plot_scaling(report.bench_summary, figures / "scaling.png") if bench_docs else None
     points = report.points()
     quality = f"RULER average / 100 (KV {GLANCE_BUDGET:g} of the prompt)" if ruler_docs else ""
-    pareto = plot_pareto(points, figures / "pareto.png", baseline, quality) if points else None
+    rated = [point for point in points if point["quality"] is not None]
+    pareto = plot_pareto(rated, figures / "pareto.png", baseline, quality) if rated else None
     commands = [command for d in report.documents for command in records.commands_of(d)]
     kinds = ["niah"] * len(niah_docs) + ["ppl"] * len(ppl_docs) + ["bench"] * len(bench_docs)
     kinds += ["ruler"] * len(ruler_docs) + ["ruler-calibration"] * len(calibration_docs)

@@ -158,7 +158,10 @@ class Results:
                 {
                     "method": method,
                     "length": length,
-                    "quality": average / 100 if self.ruler else sum(r["hit"] for r in rows) / len(rows),
+                    # RULER's where it ran (None for a method not on its board), else the probes' hits
+                    "quality": (average / 100 if average is not None else None)
+                    if self.ruler
+                    else sum(r["hit"] for r in rows) / len(rows),
                     "hits": sum(r["hit"] for r in rows),
                     "cases": len(rows),
                     "speedup": cost["speedup"][1],
