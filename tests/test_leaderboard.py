@@ -54,8 +54,11 @@ def test_the_board_compares_every_configuration_on_full_attentions_cases():
     loses = entry[("snapkv", 0.1, "question")]
     assert loses.average == 0.0 and loses.difference == -75.0 and loses.high < 0 and not loses.matches_full
     assert loses.kept == pytest.approx(0.12) and loses.cases == 12
-    assert leaderboard.smallest_matching_budget(board, "snapkv") == 0.5
-    assert leaderboard.smallest_matching_budget(board, "h2o") is None
+    from kvsieve.eval.report_leaderboard import verdict
+
+    assert [verdict(e) for e in board.entries[1:]] == ["loses to", "matches"]
+    better = rows_of("snapkv", 0.25, "question", {"niah": [100] * 6, "qa": [100] * 6})
+    assert verdict(leaderboard.leaderboard(full + better).entries[1]) == "beats"  # +25 on every resample
 
 
 def test_the_report_opens_with_the_leaderboard(tmp_path):
@@ -94,7 +97,10 @@ def test_the_report_opens_with_the_leaderboard(tmp_path):
     assert "| snapkv | 0.5 | question | 0.0 | -50.0 [" in text
     assert "| snapkv | 0.5 | question | 75.0 | +0.0 [+0.0, +0.0] | - | 0.50 |" in text
     assert "| snapkv | 0.1 | agnostic | 50.0 | -25.0 [" in text
-    assert "**snapkv** matches full attention from 0.5 of the prompt with the question and loses to full " in text
+    assert (
+        "**snapkv**: With the question, loses to full attention at 0.1; matches full attention at 0.5. "
+        "Question-agnostic, loses to full attention at 0.1." in text
+    )
     assert "| vt | 0.0 | 6 | no: full attention scores 0.0 < 20" in text
     assert "| niah_single_1 | 100.0 | 6 | yes |" in text
     assert (path.parent / "figures" / "ruler_4096.png").stat().st_size > 5000

@@ -168,9 +168,3 @@ def leaderboard(rows: Sequence[Mapping[str, Any]], tasks: Sequence[str] | None =
         )
     entries.sort(key=lambda e: (e.key != FULL, e.mode != "question", e.method, e.budget or 1.0))
     return Board(entries, reference, [t for t in chosen if any(c[0] == t for c in reference)], incomplete)
-
-
-def smallest_matching_budget(board: Board, method: str, mode: str = "question") -> float | None:
-    """The smallest budget at which `method`'s interval holds zero difference from full attention (None: none)."""
-    budgets = [e.budget for e in board.entries if e.method == method and e.mode == mode and e.matches_full]
-    return min((b for b in budgets if b is not None), default=None)

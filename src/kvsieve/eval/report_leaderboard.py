@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvsieve import figures
-from kvsieve.eval.leaderboard import FULL, Board, Entry, smallest_matching_budget
+from kvsieve.eval.leaderboard import FULL, Board, Entry
 
 SEEDS = ("gemfilter", "critiprefill", "imdc", "a2sf")  # the four papers' presets
 MODE_TITLES = {
@@ -69,36 +69,41 @@ def leaderboard_section(
     return lines
 
 
+def verdict(entry: Entry) -> str:
+    """How an entry compares with full attention on the board's cases: its 90% interval lies above zero (beats),
+    holds it (matches) or lies below it (loses)."""
+    return "beats" if entry.low > 0 else "matches" if entry.matches_full else "loses to"
+
+
 def which_method_when(board: Board, methods: Sequence[str]) -> list[str]:
-    """Per method, the smallest budget at which it cannot be told from full attention in each mode, as sentences
-    read off the board."""
+    """Per method and mode, how it compares with full attention at each budget, as sentences read off the board."""
     sentences = []
     for method in methods:
-        found = {mode: smallest_matching_budget(board, method, mode) for mode in MODE_TITLES}
-        run = {e.mode for e in board.entries if e.method == method}
-        if not run:
-            continue
         parts = []
         for mode in MODE_TITLES:
-            if mode not in run:
+            mine = sorted(
+                (e for e in board.entries if e.method == method and e.mode == mode), key=lambda e: e.budget or 1.0
+            )
+            if not mine:
                 continue
-            budget = found[mode]
-            where = "with the question" if mode == "question" else "question-agnostic"
-            if budget is None and any(e.budget is None for e in board.entries if e.method == method):
-                entry = next(e for e in board.entries if e.method == method and e.mode == mode)
-                verdict = "matches full attention" if entry.matches_full else "does not match full attention"
-                parts.append(f"{verdict} {where}")
-            elif budget is None:
-                parts.append(f"loses to full attention at every budget run {where}")
-            else:
-                parts.append(f"matches full attention from {budget:g} of the prompt {where}")
-        sentences.append(f"**{method}** {' and '.join(parts)}.")
+            by_verdict: dict[str, list[str]] = {}
+            for e in mine:  # a method without a KV budget has one entry, which keeps every KV entry
+                by_verdict.setdefault(verdict(e), []).append("" if e.budget is None else f"{e.budget:g}")
+            where = "With the question" if mode == "question" else "Question-agnostic"
+            said = "; ".join(
+                f"{v} full attention" + (f" at {', '.join(budgets)}" if any(budgets) else "")
+                for v, budgets in by_verdict.items()
+            )
+            parts.append(f"{where}, {said}")
+        if parts:
+            sentences.append(f"**{method}**: {'. '.join(parts)}.")
     return [
         "",
         "### Which method when",
         "",
-        'Read off the table above ("matches": the 90% interval holds zero difference from full attention on these '
-        "cases; a wider case set may still separate them):",
+        'Read off the table above, budgets as shares of the prompt ("matches": the 90% interval holds zero '
+        'difference from full attention on these cases, which a wider case set may still separate; "beats" and '
+        '"loses to": the interval lies above or below zero):',
         "",
         *(f"- {s}" for s in sentences),
     ]
