@@ -445,3 +445,15 @@ def test_int8_weights_on_cuda_decode_as_their_dequantized_weights():
     prompt, spec, sampling = make_prompt(100), method("h2o", {"evict.budget": 48}), Sampling(12)
     ours = run(quantized, FakeTokenizer(), prompt, method=spec, sampling=sampling)
     assert ours.tokens == run(twin, FakeTokenizer(), prompt, method=spec, sampling=sampling).tokens
+
+
+def test_choosing_the_kept_entries_reads_nothing_back_to_the_host():
+    """`keep_indices` (every compression's, eviction's and chunked feed's choice) protects the sinks and the recent
+    tail without a boolean-mask index, whose size a GPU would have to send back to the host (a stall per layer)."""
+    from kvsieve.compress.scorers import keep_indices
+
+    scores = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    with CaptureAudit() as audit:
+        kept = keep_indices(scores, 20, sinks=4, recent=6)
+    assert audit.offenders == [] and audit.seen > 5
+    assert kept[:, :4].tolist() == [[0, 1, 2, 3]] * 3 and kept[:, -6:].tolist() == [list(range(44, 50))] * 3

@@ -139,12 +139,10 @@ def keep_indices(scores: torch.Tensor, budget: int, sinks: int = 0, recent: int 
     kv_heads, n = scores.shape
     if budget >= n:
         return torch.arange(n, device=scores.device).expand(kv_heads, n)
-    protected = torch.zeros(n, dtype=torch.bool, device=scores.device)
-    protected[: min(sinks, n)] = True
-    if recent > 0:
-        protected[max(n - recent, 0) :] = True
-    ranked = torch.where(protected, float("inf"), scores.float())  # not a mask index, which reads its size back
-    age = torch.arange(n, device=scores.device).expand(kv_heads, n)
+    position = torch.arange(n, device=scores.device)
+    protected = (position < sinks) | (position >= n - recent) if recent > 0 else position < sinks
+    ranked = scores.float().masked_fill(protected, float("inf"))  # not a mask index, which reads its size back
+    age = position.expand(kv_heads, n)
     return torch.topk(newest_first(ranked, age, budget), budget, dim=1).indices.sort(dim=1).values
 
 
