@@ -36,8 +36,6 @@ namespace {
 using namespace kvsieve_vectors;
 
 typedef int8_t bytes16 __attribute__((vector_size(16)));
-typedef uint16_t halves16 __attribute__((vector_size(32)));
-typedef uint32_t words16 __attribute__((vector_size(64)));
 typedef int32_t ints16 __attribute__((vector_size(64)));
 constexpr int MAX_ROWS = 8;       // input rows multiplied at once (a decoding batch)
 // Bytes of the weight prefetched ahead of the loads where two weight rows are read at once. Where one is (up to four
@@ -59,14 +57,7 @@ inline vec widen(const int8_t* p) {
   return __builtin_convertvector(i, vec);
 }
 
-inline vec widen(const at::BFloat16* p) {  // a bfloat16 is the upper half of a float32's bits
-  halves16 h;
-  std::memcpy(&h, p, sizeof h);
-  const words16 bits = __builtin_convertvector(h, words16) << 16;
-  vec v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
-}
+inline vec widen(const at::BFloat16* p) { return load(reinterpret_cast<const uint16_t*>(p)); }  // vectors.h
 
 inline float scalar(float w) { return w; }
 inline float scalar(int8_t w) { return static_cast<float>(w); }

@@ -18,7 +18,8 @@ inline vec load(const float* p) {  // unaligned: rows of the cache and of the we
   return v;
 }
 
-inline vec load(const uint16_t* p) {  // bfloat16 (its bits): a float32's top 16 bits, so a shift widens it exactly
+inline vec load(const uint16_t* p) {  // bfloat16 (its bits): a float32's top 16 bits, so a shift widens it exactly;
+  // the attention's bfloat16 caches and the products' bfloat16 weights both load through here
   typedef unsigned short halves __attribute__((vector_size(32)));
   typedef unsigned int words __attribute__((vector_size(64)));
   halves h;
