@@ -192,8 +192,8 @@ class CompressRun:
 
     def observers(self, prior: PrefixSums | None = None) -> list[Observer]:
         """Score observers for the feed's last pass (a prompt, or a chunked feed's last chunk), continuing
-        the `prior` sums of a stored prefix."""
-        return score_observers(self.config.policy, self.scores, prior)
+        the `prior` sums of a stored prefix; none for a run that `hold`s, which prunes nothing."""
+        return [] if self.held else score_observers(self.config.policy, self.scores, prior)
 
     def resolve_budget(self, tokens: int) -> None:
         """Take a fractional budget of `tokens` prompt tokens rather than of the entries the cache holds
@@ -313,10 +313,6 @@ class EvictRun(InPlaceEviction):
         """Observers for the feed's last pass: they start the running scores from the prompt (or last chunk),
         continuing the `prior` sums of a stored prefix."""
         return score_observers(self.config.policy, self.scores, prior)
-
-    def resolve_budget(self, tokens: int) -> None:
-        """Take a fractional budget of `tokens` prompt tokens rather than of the entries the cache holds."""
-        self._resolve(tokens)
 
     def hold(self, entries: int) -> None:
         """The budget is the `entries` the cache will hold after this pass: new tokens appended to a context
