@@ -50,11 +50,11 @@ def ruler_sections(report: Results, root: Path) -> list[str]:
             "at its registered budget (not the row's), where the bench ran it."
         )
         methods = list(dict.fromkeys(e.method for e in board.entries if e.method != "full"))
-        seeds = [m for m in board_sections.SEEDS if m in methods]
-        seeds += [m for m in methods if m not in board_sections.SEEDS]
+        seeds_first = [m for m in board_sections.SEEDS if m in methods]
+        seeds_first += [m for m in methods if m not in board_sections.SEEDS]
         lines += [
             *board_sections.leaderboard_section(board, figure, root, speedup, title, label),
-            *board_sections.which_method_when(board, seeds),
+            *board_sections.which_method_when(board, seeds_first),
             *calibrated,
         ]
     return lines

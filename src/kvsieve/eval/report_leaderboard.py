@@ -49,7 +49,7 @@ def leaderboard_section(
         "each task): an interval that holds 0 cannot be told from full attention on these cases. `KV kept` is the "
         "cache's entries after the prefill over the prompt's tokens, measured per answer and averaged (a budget "
         "is a share of the prompt; the agnostic mode keeps the question's entries on top of the compressed "
-        f"context, the chunked feed its sinks and last chunk). {speedup_label}",
+        f"context). {speedup_label}",
         "",
         f"![RULER average against the KV share kept]({figure.relative_to(root).as_posix()})",
         "",

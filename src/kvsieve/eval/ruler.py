@@ -387,7 +387,7 @@ def _answer_case(
     """Every configuration of `todo` on `case`, in one scheduler, each with the prefix cache of its (mode, reuse
     budget); its rows.
 
-    With `share_prefill`, the context is prefilled once per kind of exact state before any group runs
+    With `share_prefill`, the context is prefilled once per kind of exact state before any request runs
     (`prefix_cache.fill`): the question mode's exact states and the agnostic mode's compressed ones come from the
     same passes, so every configuration that continues a stored prefix runs only the question."""
     from kvsieve.decode import Sampling
@@ -400,28 +400,18 @@ def _answer_case(
         (mode, reuse): PrefixCache(model, cache_bytes, reuse) if share_prefill or mode == "agnostic" else None
         for mode, reuse in todo
     }
-    if share_prefill:
-        entries = [
-            (caches[group], spec)
-            for group, configs in todo.items()
-            for spec in (spec_at(specs[c.method], c.budget, length) for c in configs)
-            if fillable(spec)
-        ]
-        if entries:
-            fill(model, case.prompt.ids[0, : case.boundary].tolist(), entries)
+    jobs = [(caches[group], c, spec_at(specs[c.method], c.budget, length)) for group, cs in todo.items() for c in cs]
+    if share_prefill and (entries := [(cache, spec) for cache, _, spec in jobs if fillable(spec)]):
+        fill(model, case.prompt.ids[0, : case.boundary].tolist(), entries)
     # Every configuration decodes in one batch, each request with its group's prefix cache: one step feeds all of
     # them (groups decoding one after another would step as many times more, each reading every weight).
-    scheduler = Scheduler(model, tokenizer, max_batch=sum(len(configs) for configs in todo.values()))
+    scheduler = Scheduler(model, tokenizer, max_batch=len(jobs))
     requests = []
-    for group, configs in todo.items():
-        for config in configs:
-            spec = spec_at(specs[config.method], config.budget, length)
-            sampling = Sampling(case.max_new_tokens)
-            request = Request(
-                case.prompt, spec, sampling, boundary=case.boundary, keep_cache=False, prefix_cache=caches[group]
-            )
-            requests.append((config, request))
-            scheduler.add(request)
+    for cache, config, spec in jobs:
+        sampling = Sampling(case.max_new_tokens)
+        request = Request(case.prompt, spec, sampling, boundary=case.boundary, keep_cache=False, prefix_cache=cache)
+        requests.append((config, request))
+        scheduler.add(request)
     while scheduler.has_work():
         scheduler.step()
     rows = []
@@ -444,17 +434,16 @@ def _answer_case(
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
-    """Per (method, budget, mode): the RULER average (mean over tasks of each task's mean score, 0-100), each task's
-    mean, the cases, and the mean share of the prompt's KV entries kept."""
-    summary = {}
-    for key in dict.fromkeys((r["method"], r["budget"], r["mode"]) for r in rows):
-        mine = [r for r in rows if (r["method"], r["budget"], r["mode"]) == key]
-        tasks = {t: [r["score"] for r in mine if r["task"] == t] for t in dict.fromkeys(r["task"] for r in mine)}
-        per_task = {t: sum(s) / len(s) for t, s in tasks.items()}
-        summary[key] = {
-            "average": sum(per_task.values()) / len(per_task),
-            "tasks": per_task,
+    """Per (method, budget, mode), over the cases it answered: the RULER average (`leaderboard.ruler_average`), the
+    cases, and the mean share of the prompt's KV entries kept (`leaderboard.kept_share`). A quick look after a run;
+    the leaderboard compares configurations on the same cases."""
+    from kvsieve.eval.leaderboard import by_config, kept_share, ruler_average
+
+    return {
+        key: {
+            "average": ruler_average({case: row["score"] for case, row in mine.items()}),
             "cases": len(mine),
-            "kept": sum(min(1.0, r["kv_length"] / r["prompt_tokens"]) for r in mine) / len(mine),
+            "kept": sum(kept_share(row) for row in mine.values()) / len(mine),
         }
-    return summary
+        for key, mine in by_config(rows).items()
+    }
