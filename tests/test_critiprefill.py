@@ -8,12 +8,13 @@ import pytest
 import torch
 from conftest import FakeTokenizer, make_prompt
 
-from kvsieve import GemFilter, Sampling
+from kvsieve import GemFilter, Sampling, fast_paths
 from kvsieve.attention import attention_hooks, bottom_right_causal_mask, dense_attention
 from kvsieve.attention.critiprefill import (
     BlockSelection,
     CritiPrefill,
     candidate_blocks,
+    candidate_mask,
     criticality_scores,
     select_blocks,
     sparse_attention,
@@ -21,6 +22,7 @@ from kvsieve.attention.critiprefill import (
 )
 from kvsieve.engine.offline import run
 from kvsieve.errors import KvsieveError
+from kvsieve.kernels import block_sparse
 from kvsieve.models import with_cache
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -191,15 +193,22 @@ def test_scores_are_zero_outside_candidate_blocks_and_rows_sum_to_one():
         torch.testing.assert_close(total, torch.ones_like(total) if n else torch.zeros_like(total))
 
 
+def test_candidate_mask_marks_the_blocks_before_each_segment():
+    for q_len, k_len, segment, block in [(50, 67, 8, 4), (96, 96, 16, 4), (70, 93, 16, 4)]:
+        counts = candidate_blocks(q_len, k_len, segment, block)
+        mask = candidate_mask(q_len, k_len, segment, block, range(1, len(counts)), k_len // block, torch.device("cpu"))
+        assert mask.sum(-1).tolist() == counts[1:]
+        assert all(mask[i, : counts[i + 1]].all() for i in range(len(counts) - 1))
+
+
 def test_select_blocks_ignores_non_candidates_even_on_ties():
     scores = torch.zeros(1, 1, 2, 6)  # all tied at 0, as after a softmax underflow
-    indices = select_blocks(scores, [2, 4], 2)
+    candidates = torch.arange(6) < torch.tensor([[2], [4]])
+    indices = select_blocks(scores, candidates, 2)
     assert indices[0, 0, 0].tolist() == [0, 1]
     assert set(indices[0, 0, 1].tolist()) <= {0, 1, 2, 3}
     scores[0, 0, 1] = torch.tensor([0.1, 0.5, 0.05, 0.3, 9.0, 9.0])
-    assert select_blocks(scores, [2, 4], 2)[0, 0, 1].tolist() == [1, 3]  # sorted ascending
-    with pytest.raises(KvsieveError, match="at least 3 candidate"):
-        select_blocks(scores, [2, 4], 3)
+    assert select_blocks(scores, candidates, 2)[0, 0, 1].tolist() == [1, 3]  # sorted ascending
 
 
 def test_layer_fusion_uses_alpha_for_the_current_layer_and_resets_per_pass():
@@ -264,6 +273,68 @@ def test_sparse_output_equals_dense_attention_restricted_to_the_mask(q_len, k_le
     kernel_out = CritiPrefill(segment, block, budget).begin()(1, query, key, value, scaling)
     torch.testing.assert_close(kernel_out, out)
     assert not torch.allclose(out, dense_attention(query, key, value, scaling), atol=1e-4)  # really pruned
+
+
+FLEX_CASES = [
+    # q_len, k_len, segment, block, budget, dense_prefix
+    *[(*case, 0) for case in SPARSE_CASES],  # GQA; unaligned offset; a short last segment
+    (96, 96, 16, 4, 8, 32),  # dense prefix segments before the sparse ones
+]
+
+
+@pytest.mark.parametrize(("q_len", "k_len", "segment", "block", "budget", "dense_prefix"), FLEX_CASES)
+@pytest.mark.parametrize("tile", [8, 128])
+def test_flex_block_mask_equals_the_gathered_path(q_len, k_len, segment, block, budget, dense_prefix, tile):
+    """FlexAttention over the BlockMask (uncompiled here) computes what the gathered SDPA path computes, with tiles
+    smaller than a segment (several row and key tiles, full and partial) and larger (one tile)."""
+    query, key, value = _qkv(q_len, k_len, heads=6, kv_heads=2, seed=k_len)
+    config = CritiPrefill(segment, block, budget, dense_prefix=dense_prefix)
+    selection = _sparse_selection(config.begin(), query, key)
+    assert selection.first > 0 or dense_prefix == 0
+    gathered = sparse_attention(query, key, value, selection, 0.3)
+    allowed = selection.allowed_blocks()
+    out = block_sparse.segment_block_attention(query, key, value, allowed, segment, block, 0.3, False, tile)
+    torch.testing.assert_close(out, gathered, atol=2e-6, rtol=1e-5)
+
+
+def test_flex_with_every_block_allowed_is_full_attention():
+    query, key, value = _qkv(70, 93)
+    allowed = torch.ones(1, 2, math.ceil(70 / 16), math.ceil(93 / 4), dtype=torch.bool)
+    out = block_sparse.segment_block_attention(query, key, value, allowed, 16, 4, None, False, 8)
+    torch.testing.assert_close(out, dense_attention(query, key, value, None), atol=2e-6, rtol=1e-5)
+
+
+def test_flex_block_mask_lists_only_the_tiles_a_segment_attends():
+    """Row tile t lists key tile j as full where all its keys precede the tile and are allowed, partial where the
+    causal edge or the selection crosses it, and not at all where nothing is allowed."""
+    allowed = torch.tensor([[True, True, True, True], [True, False, False, True]]).view(1, 1, 2, 4)
+    mask = block_sparse.block_mask(allowed, 16, 32, heads=2, segment=8, block=8, tile=8)
+    full = [mask.full_kv_indices[0, 1, t, : mask.full_kv_num_blocks[0, 1, t]].tolist() for t in range(2)]
+    partial = [mask.kv_indices[0, 1, t, : mask.kv_num_blocks[0, 1, t]].tolist() for t in range(2)]
+    assert full == [[0, 1], [0]]  # row tile 0 (keys 16..23) sees blocks 0, 1 whole; row tile 1 skips 1 and 2
+    assert partial == [[2], [3]]  # the diagonal tiles
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_flex_kernel_equals_the_gathered_path(dtype):
+    """The fused kernel CUDA runs, compiled here for the CPU: same output as the gathered path, also in bfloat16
+    (where both round their inputs and outputs alike)."""
+    query, key, value = (x.to(dtype) for x in _qkv(100, 100, heads=6, kv_heads=2, seed=1))
+    selection = _sparse_selection(CritiPrefill(16, 4, 12).begin(), query, key)
+    gathered = sparse_attention(query, key, value, selection, None)
+    allowed = selection.allowed_blocks()
+    out = block_sparse.segment_block_attention(query, key, value, allowed, 16, 4, None, True, 8)
+    tolerance = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out, gathered, **tolerance)
+
+
+def test_flex_serves_cuda_only_with_whole_tiles(monkeypatch):
+    query = torch.zeros(1, 2, 4, 8)
+    assert not block_sparse.serves(query, 512)  # the CPU keeps the gathered path
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda")))
+    assert block_sparse.serves(query, 512) and not block_sparse.serves(query, 500)
+    with fast_paths.using(flex_attention=False):
+        assert not block_sparse.serves(query, 512)
 
 
 @pytest.mark.parametrize(("q_len", "k_len", "segment", "block", "budget"), SPARSE_CASES)

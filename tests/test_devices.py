@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from conftest import FakeTokenizer, build_model, make_prompt
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvsieve import REGISTRY, KvsieveError, Sampling, fast_paths, method, run
 from kvsieve.attention import attention_hooks
+from kvsieve.eval.host_reads import HostReadAudit, audit_prefill
 from kvsieve.pipeline import prefill
 from kvsieve.prompt import Prompt
 from kvsieve.select.scoring import filter_layer_qk
@@ -228,44 +228,6 @@ def test_an_unprepared_model_is_refused_with_the_fix():
         run(model, FakeTokenizer(), make_prompt(40), method=method("snapkv"), sampling=Sampling(2))
 
 
-# Operators that read a tensor back to the host (or make one from host data) and so cannot be recorded in a CUDA
-# graph: a capture fails on them, and the batch then decodes eagerly.
-HOST_READS = {
-    "aten._local_scalar_dense",  # .item(), int(t), bool(t), .tolist()
-    "aten.is_nonzero",
-    "aten.equal",
-    "aten.nonzero",
-    "aten.masked_select",
-    "aten._unique2",
-    "aten.unique_consecutive",
-    "aten.unique_dim",
-    "aten.lift_fresh",  # torch.tensor(python data): a host-to-device copy on CUDA
-}
-
-
-class CaptureAudit(TorchDispatchMode):
-    """Records the operators a step runs that a CUDA graph cannot record: `HOST_READS`, indexing by a boolean
-    mask (its size depends on the data) and `repeat_interleave` without its output size."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.offenders: list[str] = []
-        self.seen = 0  # operators run under the audit
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        self.seen += 1
-        name = str(func.overloadpacket)  # e.g. "aten.nonzero"
-        indices = [t for arg in args if isinstance(arg, list | tuple) for t in arg if isinstance(t, torch.Tensor)]
-        if (
-            name in HOST_READS
-            or (name.startswith("aten.index") and any(t.dtype == torch.bool for t in indices))
-            or (name == "aten.repeat_interleave" and kwargs.get("output_size") is None)
-        ):
-            self.offenders.append(str(func))
-        return func(*args, **kwargs)
-
-
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_the_static_step_as_a_gpu_records_it_reads_nothing_back_to_the_host(arch, monkeypatch, single_thread):
     """What a CUDA graph records for a batch (`StaticStep._forward`: the forward pass, the evicting rows' per-step
@@ -293,11 +255,11 @@ def test_the_static_step_as_a_gpu_records_it_reads_nothing_back_to_the_host(arch
         done = prefill(model, make_prompt(n, seed=n), method=method(name, settings), reserve=8)
         layers = [(layer.keys, layer.values) for layer in done.prefilled.cache.layers]
         batch.add(Row(5, done.prefilled.next_position, done.state.evict), wrap_cache(model, layers))
-    audits: list[CaptureAudit] = []
+    audits: list[HostReadAudit] = []
     forward = static_step.StaticStep._forward
 
     def audited(step):
-        with CaptureAudit() as audit:
+        with HostReadAudit() as audit:
             audits.append(audit)
             return forward(step)
 
@@ -311,7 +273,7 @@ def test_the_static_step_as_a_gpu_records_it_reads_nothing_back_to_the_host(arch
 
 def test_the_capture_audit_catches_a_host_read_and_a_mask():
     x = torch.arange(6.0)
-    with CaptureAudit() as audit:
+    with HostReadAudit() as audit:
         x.sum().item()
         x[x > 2]
         torch.tensor([1, 2])
@@ -453,7 +415,37 @@ def test_choosing_the_kept_entries_reads_nothing_back_to_the_host():
     from kvsieve.compress.scorers import keep_indices
 
     scores = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
-    with CaptureAudit() as audit:
+    with HostReadAudit() as audit:
         kept = keep_indices(scores, 20, sinks=4, recent=6)
     assert audit.offenders == [] and audit.seen > 5
     assert kept[:, :4].tolist() == [[0, 1, 2, 3]] * 3 and kept[:, -6:].tolist() == [list(range(44, 50))] * 3
+
+
+PREFILL_AUDITS = [
+    ("full", {}),
+    ("fm", {"feed.chunk": 64, "feed.memory": 64}),
+    ("im", {"feed.chunk": 64, "feed.memory": 64}),
+    ("imdc", {"feed.chunk": 64, "feed.memory": 64}),
+    ("gemfilter", {"select.k": 64}),
+    ("critiprefill", {"attention.segment": 32, "attention.block": 8, "attention.budget": 32}),
+    ("snapkv", {"compress.budget": 64}),
+]
+
+
+@pytest.mark.parametrize(("name", "settings"), PREFILL_AUDITS, ids=[name for name, _ in PREFILL_AUDITS])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_prefill_reads_nothing_back_to_the_host_inside_a_layer(arch, name, settings, single_thread):
+    """Every prefill path (the chunked feeds, GemFilter's selection pass, CritiPrefill's plan, a one-shot
+    compression) runs under an audit of every operator: none inside a decoder layer reads back to the host, and
+    outside the layers nothing reads back per chunk: on llama nothing at all; on gemma3 only transformers' own
+    sliding cache layers' constructors (a CPU tensor each, once per prefill), as many for a prompt twice as long."""
+    model = build_model(arch, num_layers=4, max_positions=512)
+    spec = method(name, settings)
+    audits = [audit_prefill(model, make_prompt(n, seed=n), spec) for n in (200, 400)]
+    assert [audit.reads_in_layers for audit in audits] == [[], []]
+    assert audits[0].reads_outside == audits[1].reads_outside  # none that grows with the chunks
+    if arch == "llama":
+        assert audits[0].reads_outside == []
+    chunked = name in ("fm", "im", "imdc")
+    assert audits[1].passes > audits[0].passes > 2 if chunked else audits[0].passes <= 2
+    assert audits[0].passes <= audits[0].layer_calls <= 4 * audits[0].passes and audits[0].operators_per_layer > 10

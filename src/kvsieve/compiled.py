@@ -35,11 +35,14 @@ RECOMPILES = 32
 
 
 class Compiled:
-    """`function` compiled by inductor (`dynamic=True`, `options`) at its first call; `__call__` returns None once
+    """`function` compiled by inductor (`dynamic`, `options`) at its first call; `__call__` returns None once
     compiling has failed (the caller then runs the eager code)."""
 
-    def __init__(self, name: str, function: Callable[..., Any], options: dict[str, Any] | None = None):
+    def __init__(
+        self, name: str, function: Callable[..., Any], options: dict[str, Any] | None = None, dynamic: bool = True
+    ):
         self.name = name
+        self.dynamic = dynamic
         # Dynamo keeps compiled code per code object: a copy of `function`'s keeps this instance's apart from any
         # other compilation of the same function (another options set, a test's own), so `bound` finds its own.
         self.function = _with_code(function, function.__code__.replace())
@@ -88,7 +91,7 @@ class Compiled:
         try:
             with warnings.catch_warnings():  # inductor's own use of APIs torch deprecates is not the caller's concern
                 warnings.simplefilter("ignore", DeprecationWarning)
-                compiled = torch.compile(self.function, dynamic=True, options=self.options)
+                compiled = torch.compile(self.function, dynamic=self.dynamic, options=self.options)
                 out = compiled(*args)
         except Exception as error:  # no C++ compiler, an unsupported platform: the eager code still works
             self.failed = True

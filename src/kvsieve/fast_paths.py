@@ -1,9 +1,11 @@
-"""Which fast paths the decoding steps take: one set of switches, read once from the environment.
+"""Which fast paths the decoding steps and the prefill take: one set of switches, read once from the environment.
 
     attention_kernel  KVSIEVE_ATTENTION_KERNEL  on   the CPU's C++ decoding attention (`kernels.attention`)
     fused_products    KVSIEVE_FUSED_PRODUCTS    on   the CPU's C++ few-row products (`kernels.products`)
     compiled_steps    KVSIEVE_COMPILED_STEPS    off  decoding steps compiled by torch.compile (`engine.static_step`)
     cuda_graphs       KVSIEVE_CUDA_GRAPHS       on   on CUDA, the static decoding step captured as a CUDA graph
+    flex_attention    KVSIEVE_FLEX_ATTENTION    on   on CUDA, CritiPrefill's block-sparse prefill as one FlexAttention
+                                                     kernel (`kernels.block_sparse`)
 
 The environment gives this process's defaults (`0`/`1`, `false`/`true`, `off`/`on`). `configure(...)` changes
 them in the process (the CLI's `--compile-steps`) and `using(...)` for a block; neither writes the environment.
@@ -31,6 +33,7 @@ class FastPaths:
     fused_products: bool = True
     compiled_steps: bool = False
     cuda_graphs: bool = True
+    flex_attention: bool = True
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] = os.environ) -> FastPaths:

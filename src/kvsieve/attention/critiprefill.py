@@ -61,6 +61,7 @@ import torch.nn.functional as F
 
 from kvsieve.attention.dense import bottom_right_causal_mask, dense_attention
 from kvsieve.errors import KvsieveError
+from kvsieve.kernels import block_sparse
 from kvsieve.spec import component, option
 
 if TYPE_CHECKING:
@@ -89,32 +90,31 @@ class BlockSelection:
     def num_sparse(self) -> int:
         return self.indices.shape[2]
 
-    def mask(self) -> torch.Tensor:
-        """Boolean (b, kv_heads, q_len, k_len): True where a query attends a key.
-
-        Built independently of `sparse_attention` (scatter instead of gather), so tests can
-        compare the two. Dense rows are the bottom-right causal mask.
-        """
+    def allowed_blocks(self) -> torch.Tensor:
+        """Boolean (b, kv_heads, segments, ceil(k_len / block)): which key blocks each query segment may attend,
+        before causality. Dense segments: every block. A sparse segment s: its chosen blocks and the blocks of
+        its local window (those from n_s on, n_s = p_s // block). This table is the kernel's block mask
+        (`kvsieve.kernels.block_sparse`); the gathered path reads `indices` instead."""
         b, kv_heads, m, _ = self.indices.shape
         device = self.indices.device
-        causal = bottom_right_causal_mask(self.q_len, self.k_len, device)
-        mask = causal.expand(b, kv_heads, self.q_len, self.k_len).clone()
-        if m == 0:
-            return mask
-        offset = self.k_len - self.q_len
-        keys = torch.arange(self.k_len, device=device)
-        blocks = torch.zeros(b, kv_heads, m, self.k_len // self.block, dtype=torch.bool, device=device)
-        blocks.scatter_(-1, self.indices, True)
-        selected = blocks.repeat_interleave(self.block, dim=-1)  # (b, kv, m, n_blocks * block)
-        selected = F.pad(selected, (0, self.k_len - selected.shape[-1]))
-        for i in range(m):
-            s = self.first + i
-            start = offset + s * self.segment  # p_s, position of the segment's first query
-            local = keys >= (start // self.block) * self.block
-            rows = slice(s * self.segment, (s + 1) * self.segment)
-            allowed = selected[:, :, i, None, :] | local
-            mask[:, :, rows] = allowed & causal[rows]
-        return mask
+        n_blocks = -(-self.k_len // self.block)
+        table = torch.ones(b, kv_heads, -(-self.q_len // self.segment), n_blocks, dtype=torch.bool, device=device)
+        if m:
+            chosen = torch.zeros(b, kv_heads, m, n_blocks, dtype=torch.bool, device=device).scatter_(
+                -1, self.indices, True
+            )
+            segments = range(self.first, self.first + m)
+            window = ~candidate_mask(self.q_len, self.k_len, self.segment, self.block, segments, n_blocks, device)
+            table[:, :, self.first : self.first + m] = chosen | window
+        return table
+
+    def mask(self) -> torch.Tensor:
+        """Boolean (b, kv_heads, q_len, k_len): True where a query attends a key (`allowed_blocks` spread over the
+        rows and keys, within the bottom-right causal mask). Built by scatter, independently of the gathered
+        `sparse_attention`, so tests can compare the two."""
+        rows = torch.arange(self.q_len, device=self.indices.device) // self.segment
+        spread = self.allowed_blocks()[:, :, rows].repeat_interleave(self.block, dim=-1)[..., : self.k_len]
+        return spread & bottom_right_causal_mask(self.q_len, self.k_len, self.indices.device)
 
 
 def candidate_blocks(q_len: int, k_len: int, segment: int, block: int) -> list[int]:
@@ -122,6 +122,17 @@ def candidate_blocks(q_len: int, k_len: int, segment: int, block: int) -> list[i
     offset = k_len - q_len
     n_segments = -(-q_len // segment)
     return [(offset + s * segment) // block for s in range(n_segments)]
+
+
+def candidate_mask(
+    q_len: int, k_len: int, segment: int, block: int, segments: range, n_blocks: int, device: torch.device
+) -> torch.Tensor:
+    """Boolean (len(segments), n_blocks): block j is a candidate of segment s (j < n_s, `candidate_blocks`).
+
+    Computed on `device` from the shapes (no list copied to it: on CUDA that copy waits for the stream).
+    """
+    firsts = (k_len - q_len) + torch.arange(segments.start, segments.stop, device=device) * segment
+    return torch.arange(n_blocks, device=device) < torch.div(firsts, block, rounding_mode="floor")[:, None]
 
 
 def sparse_segments(q_len: int, k_len: int, segment: int, block: int, budget: int, dense_prefix: int = 0) -> range:
@@ -169,24 +180,19 @@ def criticality_scores(query: torch.Tensor, key: torch.Tensor, segment: int, blo
     with_kmax = (reps @ k_max.transpose(-1, -2)).reshape(shape).mean(dim=3)  # mean(qmax.kmax, qmin.kmax)
     with_kmin = (reps @ k_min.transpose(-1, -2)).reshape(shape).mean(dim=3)  # mean(qmax.kmin, qmin.kmin)
     raw = torch.maximum(with_kmax, with_kmin).mean(dim=2)  # (b, kv, n_seg, n_blk), group mean
-    counts = torch.tensor(candidate_blocks(q_len, k_len, segment, block), device=raw.device)
-    valid = torch.arange(n_blocks, device=raw.device) < counts[:, None]  # (n_seg, n_blk)
+    valid = candidate_mask(q_len, k_len, segment, block, range(n_segments), n_blocks, raw.device)
     probs = torch.softmax(raw.masked_fill(~valid, float("-inf")), dim=-1)
     return probs.nan_to_num(0.0)  # segments with no candidate block: all -inf -> NaN -> 0
 
 
-def select_blocks(scores: torch.Tensor, candidates: list[int] | torch.Tensor, top: int) -> torch.Tensor:
+def select_blocks(scores: torch.Tensor, candidates: torch.Tensor, top: int) -> torch.Tensor:
     """Algorithm 2, line 8: the `top` best candidate blocks of each row, ascending block ids.
 
-    scores (..., n_segments, n_blocks); candidates: n_s per row (blocks >= n_s are never chosen,
-    even when scores tie at 0). Every row needs at least `top` candidates.
+    scores (..., n_segments, n_blocks); candidates (n_segments, n_blocks) bool (`candidate_mask`): other blocks are
+    never chosen, even when scores tie at 0. Every row needs at least `top` candidates: `sparse_segments` lists only
+    such segments (checking it here would read the device back to the host in every layer).
     """
-    listed = candidates.tolist() if isinstance(candidates, torch.Tensor) else list(candidates)
-    if min(listed, default=top) < top:
-        raise KvsieveError(f"select_blocks needs at least {top} candidate blocks per segment; got {listed}.")
-    counts = torch.tensor(listed, device=scores.device)
-    valid = torch.arange(scores.shape[-1], device=scores.device) < counts[:, None]
-    masked = scores.masked_fill(~valid, float("-inf"))
+    masked = scores.masked_fill(~candidates, float("-inf"))
     return torch.topk(masked, top, dim=-1).indices.sort(dim=-1).values
 
 
@@ -195,7 +201,9 @@ def sparse_attention(
 ) -> torch.Tensor:
     """Algorithm 2: dense prefix segments, batched sparse segments, dense last segment.
 
-    query (b, h, q, d); key/value (b, kv_heads, k, d) -> (b, h, q, d).
+    query (b, h, q, d); key/value (b, kv_heads, k, d) -> (b, h, q, d). Where the kernels seam serves it (CUDA,
+    `kvsieve.kernels.block_sparse.serves`) the whole pass is one FlexAttention kernel over `allowed_blocks`;
+    elsewhere the sparse segments' keys are gathered and run as one batched SDPA call, between two dense calls.
     """
     b, heads, q_len, d = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
@@ -205,6 +213,10 @@ def sparse_attention(
     lo, hi = selection.first * seg, (selection.first + m) * seg  # query rows of the sparse segments
     if m == 0:
         return dense_attention(query, key, value, scaling)
+    if block_sparse.serves(query, seg):
+        fused = block_sparse.segment_block_attention(query, key, value, selection.allowed_blocks(), seg, blk, scaling)
+        if fused is not None:
+            return fused
     out = query.new_empty(b, heads, q_len, d)
     if lo > 0:
         out[:, :, :lo] = dense_attention(
@@ -343,9 +355,9 @@ class CritiPrefillRun:
         if fuse:
             scores = c.alpha * scores + (1 - c.alpha) * previous
         self.layer, self.scores = layer, scores
-        counts = candidate_blocks(q_len, k_len, c.segment, c.block)[segments.start : segments.stop]
+        candidates = candidate_mask(q_len, k_len, c.segment, c.block, segments, scores.shape[-1], scores.device)
         rows = scores[:, :, segments.start : segments.stop]
-        indices = select_blocks(rows, counts, c.budget // c.block)
+        indices = select_blocks(rows, candidates, c.budget // c.block)
         return BlockSelection(q_len, k_len, c.segment, c.block, segments.start, indices, scores)
 
     def __call__(
@@ -362,6 +374,7 @@ __all__ = [
     "CritiPrefillRun",
     "BlockSelection",
     "candidate_blocks",
+    "candidate_mask",
     "criticality_scores",
     "select_blocks",
     "sparse_attention",

@@ -7,6 +7,10 @@ kernel or holds a fallback.
     a step's linear products `products.linear` (`FusedLinear`)          `products.cpp`   `F.linear`, a traced row
     a steady row's eviction  `eviction.steady_eviction`                 `eviction.cpp`   the same function's tensors
 
+One prefill operator has a fused kernel on CUDA: block-sparse attention (`block_sparse.segment_block_attention`,
+PyTorch's FlexAttention over a BlockMask), which `block_sparse.serves` chooses for CritiPrefill's sparse layers; where
+it does not serve, CritiPrefill gathers the selected keys for SDPA (`kvsieve.attention.critiprefill.sparse_attention`).
+
 `native` builds the C++ operators into one library at their first use (`native.load`; `native.warm_up` before a
 server answers). The switches that turn the kernels off are settings (`kvsieve.fast_paths`), read by the dispatches;
 the compiled and CUDA-captured decoding steps, which run these same operators inside one graph, are the engine's

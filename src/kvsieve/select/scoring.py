@@ -107,8 +107,7 @@ def top_k_with_tail(scores: torch.Tensor, k: int, tail_len: int, block: int = 1)
         starts = torch.topk(means, whole).indices * block
         chosen = (starts[:, None] + torch.arange(block, device=scores.device)).flatten()
     if need > chosen.numel():
-        rest = body.clone()
-        rest[chosen] = float("-inf")
+        rest = body.index_fill(0, chosen, float("-inf"))
         chosen = torch.cat([chosen, torch.topk(rest, need - chosen.numel()).indices])
     tail = torch.arange(body_len, n, device=scores.device)
     return torch.cat([chosen, tail]).sort().values
