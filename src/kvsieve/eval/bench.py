@@ -193,7 +193,8 @@ def plot_scaling(summary: list[dict], path: Path, title: str = "") -> Path:
     if not summary:
         raise KvsieveError("No benchmark rows to plot yet.")
     panels = [("ttft_s", "time to first token (s)"), ("decode_tokens_per_s", "decode tokens/s"), ("peak_mb", "peak MB")]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    panels = [(key, label) for key, label in panels if any(s[key][1] > 0 for s in summary)]  # a prefill-only run
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2))
     for method in dict.fromkeys(s["method"] for s in summary):
         mine = sorted((s for s in summary if s["method"] == method), key=lambda s: s["length"])
         lengths = [s["length"] for s in mine]
