@@ -88,10 +88,10 @@ $(GUIDELLM_VENV)/.installed: Makefile
 results: $(STAMP)
 	$(BIN)/python benchmarks/results.py
 
-# docs/gemma3/RESULTS.md: Gemma 3 270M (the gemma extra): RULER's leaderboard at 4K (full attention on all 13 tasks,
-# 5 cases each; then the leaderboard's presets at 0.25 of the prompt, both modes, on the tasks it keeps) and at 16K
-# (the tasks kept at 4K calibrated again; the best 3 of those, with the question), the probes at 4K and 16K, and the
-# bench at 16K. About 3 hours on 2 cores (docs/EVALUATION.md, "RULER").
+# docs/gemma3/RESULTS.md: Gemma 3 270M (the gemma extra): the probes at 4K and 16K and the bench at 16K, opened by
+# RULER's leaderboard once benchmarks/results.py has its files (under runs/gemma3): at 4K full attention on all 13
+# tasks, 5 cases each, then the leaderboard's presets at 0.25 of the prompt, both modes, on the tasks it keeps; at
+# 16K the tasks kept at 4K calibrated again and the best 3 of those run with the question. About 3 hours on 2 cores (docs/EVALUATION.md, "RULER").
 GEMMA_METHODS := full,gemfilter,snapkv,a2sf,imdc,critiprefill
 results-gemma: $(GEMMA_STAMP)
 	$(BIN)/python benchmarks/results.py --model gemma3-270m --methods $(GEMMA_METHODS) --lengths 4096,16384 \

@@ -66,3 +66,26 @@ def test_the_checker_finds_a_missing_file_and_a_missing_heading(tmp_path):
         "```\n[in code](nowhere.md)\n```\n## Here\n"
     )
     assert broken(page) == ["missing.md: no such file", "other.md#nope: no heading with that anchor"]
+
+
+def linked_files() -> set[Path]:
+    """Every file a page links (README.md and every page under docs/)."""
+    return {(page.parent / target.partition("#")[0]).resolve() for page in documents() for target in links(page)}
+
+
+def test_every_figure_under_docs_is_shown_on_a_page():
+    figures = [p for p in (ROOT / "docs").rglob("*") if p.suffix in (".png", ".svg", ".jpg")]
+    unlinked = sorted(str(p.relative_to(ROOT)) for p in figures if p.resolve() not in linked_files())
+    assert figures and not unlinked, f"figures no page links (link them, or remove them): {unlinked}"
+
+
+def test_every_result_file_is_in_the_results_index():
+    """docs/results/README.md (benchmarks/results_index.py) lists every result file, with its command."""
+    folder = ROOT / "docs" / "results"
+    index = folder / "README.md"
+    listed = {(folder / target).resolve() for target in links(index)}
+    files = {p.resolve() for p in folder.rglob("*") if p.is_file() and p != index}
+    missing = sorted(str(p.relative_to(ROOT)) for p in files - listed)
+    assert not missing, (
+        f"result files missing from docs/results/README.md (python benchmarks/results_index.py): {missing}"
+    )

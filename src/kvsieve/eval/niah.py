@@ -127,8 +127,9 @@ def _grid(rows: list[dict], method: str) -> tuple[list[int], list[float], list[l
     return lengths, depths, [[score.get((n, d), float("nan")) for n in lengths] for d in depths]
 
 
-def plot_heatmaps(document: dict[str, Any], folder: Path, prefix: str = "niah") -> list[Path]:
-    """One heatmap PNG per method plus `{prefix}_all.png` with every method side by side."""
+def plot_heatmaps(document: dict[str, Any], folder: Path, prefix: str = "niah", each: bool = True) -> list[Path]:
+    """`{prefix}_all.png`, every method's heatmap side by side (the last path returned), after one PNG per method
+    where `each` (`kvsieve niah --plots`; a report shows the combined one only)."""
     plt = figures.pyplot()
 
     rows = document["rows"]
@@ -155,7 +156,7 @@ def plot_heatmaps(document: dict[str, Any], folder: Path, prefix: str = "niah") 
         return image
 
     paths = []
-    for method in methods:
+    for method in methods if each else ():
         fig, ax = plt.subplots(figsize=(5, 3.6))
         image = draw(ax, method)
         fig.colorbar(image, ax=ax, label="ROUGE-1 recall")

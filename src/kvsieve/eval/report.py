@@ -163,7 +163,7 @@ def write_report(
             shutil.copyfile(source, target)
         copied.append(target)
     heatmaps = {
-        d["settings"]["probe"]: niah.plot_heatmaps(d, figures, prefix=d["settings"]["probe"])[-1]
+        d["settings"]["probe"]: niah.plot_heatmaps(d, figures, prefix=d["settings"]["probe"], each=False)[-1]
         for d in report.niah_docs
     }
     scaling = plot_scaling(report.bench_summary, figures / "scaling.png") if bench_docs else None

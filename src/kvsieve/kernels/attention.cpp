@@ -76,7 +76,7 @@ inline vec dot(const vec* q, const T* key) {
 
 // The lane sums of W vectors: lane j of the result is the sum of x[j]'s lanes (x is overwritten). A tree of shuffles
 // (W - 1 additions of whole vectors) instead of W horizontal sums of W - 1 scalar additions each, which took most of
-// the attention's time (issue 26). Each level adds neighbouring groups of lanes of two vectors and interleaves the
+// the attention's time (docs/STUDIES.md, "Decoding near the memory limit"). Each level adds neighbouring groups of lanes of two vectors and interleaves the
 // pairs' partial sums: after level `g` a vector holds 2g keys' sums, W / 2g lanes each.
 inline vec sums(vec* x) {
   static_assert(W == 16, "the shuffles below are written for 16 lanes");
@@ -199,7 +199,7 @@ int64_t chunk_size(int64_t lanes, int64_t keys, int64_t threads) {
 // attends to its first lengths[b] keys (all n without). Returns (b, h, 1, d): query head i reads KV head i / (h/g).
 // Where `probs` is given ((b, h, n) float32, contiguous) it receives each query head's attention over the keys (the
 // softmax, 0 past the row's length): the chunks' exponentials, rescaled once the chunks are merged, so the keys are
-// read once for both (H2O's and A2SF's per-step scores, issue 26).
+// read once for both (H2O's and A2SF's per-step scores).
 at::Tensor attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                   const std::optional<at::Tensor>& lengths, double scale, float* probs) {
   TORCH_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(), "CPU tensors only");
