@@ -8,7 +8,9 @@ its time includes Algorithm 1 (estimation), the block selection and the sparse a
 lengths where no segment has more candidate blocks than the budget it falls back to dense (the
 "sparse segments" column says how many of the segments ran sparse). Dense and CritiPrefill
 alternate within every repeat, so machine noise hits both alike; the speedup is the ratio of
-medians. The thread count is PyTorch's default unless --threads is given.
+medians. The thread count is PyTorch's default unless --threads is given. `--flex` adds the fused kernel CUDA runs
+(FlexAttention over the BlockMask, `kvsieve.kernels.block_sparse`, compiled by inductor for this device), on the
+same selection: whether it beats the gathered path here.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from kvsieve.attention.critiprefill import CritiPrefill, sparse_segments
 from kvsieve.attention.dense import dense_attention
+from kvsieve.kernels import block_sparse
 
 
 def _timed(fn) -> float:
@@ -53,6 +56,14 @@ def bench_length(
         "dense": lambda: dense_attention(query, key, value, None),
         "critiprefill": lambda: kernel.begin()(layer, query, key, value, None),
     }
+    if args.flex and kernel.begin().select(layer, query, key) is not None:
+
+        def flex() -> torch.Tensor:
+            selection = kernel.begin().select(layer, query, key)
+            allowed = selection.allowed_blocks()
+            return block_sparse.segment_block_attention(query, key, value, allowed, kernel.segment, kernel.block, None)
+
+        runs["flex"] = flex
     with torch.inference_mode():
         for fn in runs.values():  # warm-up
             fn()
@@ -63,7 +74,14 @@ def bench_length(
         error = (runs["critiprefill"]() - runs["dense"]()).abs().max().item()
     sparse = len(sparse_segments(length, length, kernel.segment, kernel.block, kernel.budget))
     dense_s, sparse_s = _summary(times["dense"]), _summary(times["critiprefill"])
+    flex = {}
+    if "flex" in times:
+        flex = {
+            "flex": _summary(times["flex"]),
+            "flex_speedup": dense_s["median_s"] / _summary(times["flex"])["median_s"],
+        }
     return {
+        **flex,
         "length": length,
         "segments": -(-length // kernel.segment),
         "sparse_segments": sparse,
@@ -87,6 +105,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: PyTorch's choice)")
+    parser.add_argument("--flex", action="store_true", help="also time the FlexAttention kernel (compiled here)")
     parser.add_argument("--out", type=Path, help="also write the results as JSON")
     args = parser.parse_args()
     if args.threads:
@@ -113,6 +132,11 @@ def main() -> None:
             f"{d['min_s']:8.4f} / {d['median_s']:8.4f} / {d['max_s']:8.4f} | "
             f"{c['min_s']:11.4f} / {c['median_s']:9.4f} / {c['max_s']:9.4f} | "
             f"{row['speedup']:7.2f}x {row['max_abs_diff_vs_dense']:10.3g}"
+            + (
+                f" | flex median {row['flex']['median_s']:.4f} s, {row['flex_speedup']:.2f}x dense"
+                if "flex" in row
+                else ""
+            )
         )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

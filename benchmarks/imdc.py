@@ -101,7 +101,7 @@ def main() -> None:
     args = parser.parse_args()
     from kvsieve import Sampling, generate, load_model
     from kvsieve.data import prompt_case
-    from kvsieve.eval.scoring import contains
+    from kvsieve.eval.grading import contains
 
     configs = args.configs.split(",")
     parts = args.parts.split(",")

@@ -33,8 +33,8 @@ from kvsieve.attention import attention_hooks
 from kvsieve.attention.accumulate import accumulation_weights
 from kvsieve.decode import Sampling, TextStream, eos_token_ids
 from kvsieve.engine.batch import DecodeBatch, Row
+from kvsieve.eval.grading import contains, rouge1_recall
 from kvsieve.eval.niah import prompt_case
-from kvsieve.eval.scoring import contains, rouge1_recall
 from kvsieve.feed.full import FullPrefill
 from kvsieve.registry import method
 from kvsieve.spec import parse_settings

@@ -377,7 +377,7 @@ def chat(args: argparse.Namespace) -> dict[str, Any]:
     context, a question the state never saw), against the same prompts with the cache bypassed
     ("cache": false: the whole prompt through the method, as `kvsieve generate` runs it)."""
     from kvsieve.data import prompt_case
-    from kvsieve.eval.scoring import contains
+    from kvsieve.eval.grading import contains
 
     tokenizer = _essays()[0]
     rows = []

@@ -17,10 +17,10 @@ import kvsieve.engine.offline
 from kvsieve.errors import KvsieveError
 from kvsieve.eval import bench as bench_module
 from kvsieve.eval import niah, records
+from kvsieve.eval.grading import contains, rouge1_recall
 from kvsieve.eval.methods import build_specs, check_lengths, parse_names
 from kvsieve.eval.perplexity import continuation_nll, run_perplexity
 from kvsieve.eval.report import write_report
-from kvsieve.eval.scoring import contains, rouge1_recall
 from kvsieve.registry import REGISTRY, method
 
 TEMPLATE = (
@@ -479,7 +479,7 @@ def test_report_shows_the_optional_kvpress_comparison(tmp_path):
 def test_cli_ctrl_c_keeps_finished_cases_and_says_how_to_resume(model, chat_tokenizer, tmp_path, monkeypatch, capsys):
     from kvsieve import cli
 
-    monkeypatch.setattr(cli, "_load", lambda args: (model, chat_tokenizer))
+    monkeypatch.setattr(cli.options, "load", lambda args: (model, chat_tokenizer))
     out, plots = tmp_path / "niah.json", tmp_path / "plots"
     argv = ["niah", "--methods", "full", "--lengths", "160", "--depths", "0.25,0.75", "--max-new-tokens", "4"]
     argv += ["--out", str(out), "--plots", str(plots)]

@@ -171,7 +171,7 @@ def test_warm_up_builds_the_kernels_a_decoding_step_calls(monkeypatch):
     loads: list[bool] = []
     monkeypatch.setattr(native, "load", lambda: loads.append(True) or True)
     with fast_paths.using(fused_products=False, attention_kernel=False):
-        assert native.warm_up(model) == 0.0 and loads == []
+        assert native.build_kernels(model) == 0.0 and loads == []
     with fast_paths.using(fused_products=False):  # either kernel on: the library is loaded
-        native.warm_up(model)
+        native.build_kernels(model)
     assert loads == [True]

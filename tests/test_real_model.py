@@ -39,7 +39,7 @@ def test_short_passkey_is_answered(smollm, select):
 def test_needle_answered_with_critiprefill(smollm):
     from kvsieve import CritiPrefill
     from kvsieve.data import needle_case
-    from kvsieve.eval.scoring import contains
+    from kvsieve.eval.grading import contains
 
     model, tokenizer = smollm
     case = needle_case(tokenizer, 2000, 0.5)  # 2K tokens in segments of 256: segments 3 to 6 of 8 run sparse

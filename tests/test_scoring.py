@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvsieve.eval.scoring import contains, rouge1_recall
+from kvsieve.eval.grading import contains, rouge1_recall
 
 SANDWICH = "eat a sandwich and sit in Dolores Park on a sunny day"  # 12 words, "a" twice
 

@@ -226,6 +226,20 @@ def test_the_moved_kernel_modules_answer_under_their_old_names(old, new):
     sys.modules.pop(old, None)
     with pytest.warns(FutureWarning, match=new.replace(".", r"\.")):
         module = importlib.import_module(old)
-    from kvsieve.kernels.native import warm_up
+    from kvsieve.kernels.native import build_kernels
 
-    assert module.warm_up is warm_up
+    assert module.warm_up is build_kernels
+
+
+def test_the_answer_grading_module_answers_under_its_old_name():
+    """`kvsieve.eval.scoring` is `kvsieve.eval.grading` (`kvsieve.select.scoring` scores attention): the old name
+    imports with a warning and hands out the same functions."""
+    import importlib
+    import sys
+
+    from kvsieve.eval import grading
+
+    sys.modules.pop("kvsieve.eval.scoring", None)
+    with pytest.warns(FutureWarning, match=r"kvsieve\.eval\.grading"):
+        module = importlib.import_module("kvsieve.eval.scoring")
+    assert module.rouge1_recall is grading.rouge1_recall and module.contains is grading.contains

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from kvsieve import registry
 from kvsieve.attention import ATTENTION_NAME, attention_hooks
 from kvsieve.compress.cache import compose_kept, kv_entries, resolve_budget, wrap_cache
 from kvsieve.compress.stages import (
@@ -31,7 +32,6 @@ from kvsieve.feed import Feed, FeedOutput, PromptState
 from kvsieve.feed.full import FullPrefill
 from kvsieve.models import architecture
 from kvsieve.prompt import Prompt
-from kvsieve.registry import method as lookup
 from kvsieve.select import Selector
 from kvsieve.spec import MethodSpec, warn_renamed
 
@@ -174,7 +174,7 @@ def prefill(
     request on a prefix answers as every later one does. `prompt_logits` keeps the logits of every prompt position
     (`FeedOutput.logits`): only a dense one-pass feed of the whole prompt computes them (`spec.prompt_logprobs`).
     """
-    spec = lookup(method) if isinstance(method, str) else method
+    spec = registry.method(method) if isinstance(method, str) else method
     feed = spec.feed or FullPrefill()
     _check_run(model, spec, feed, prompt, reserve, prefix, keep, store_with, prompt_logits)
     state = RunState(

@@ -46,7 +46,7 @@ from kvsieve.compress.stages import EvictRun
 from kvsieve.engine.batch_tables import BatchTables
 from kvsieve.engine.static_step import StaticStep, steady
 from kvsieve.errors import KvsieveError
-from kvsieve.kernels.native import warm_up as warm_up_products
+from kvsieve.kernels.native import build_kernels
 from kvsieve.models import with_cache
 
 SPARE = 128  # columns of room for new tokens when the tables are (re)allocated
@@ -82,10 +82,10 @@ def compiled_steps_enabled(model: PreTrainedModel) -> bool:
 
 def warm_up(model: PreTrainedModel) -> float:
     """Build now what `model`'s CPU decoding steps will run, so that no request waits for it; seconds spent:
-    the C++ kernels (`kvsieve.kernels.native.warm_up`) and, with compiled steps on, the step's two graphs (one row,
-    and several: a short prompt's steps through a batch of one row, then of two)."""
+    the C++ kernels (`kvsieve.kernels.native.build_kernels`) and, with compiled steps on, the step's two graphs (one
+    row, and several: a short prompt's steps through a batch of one row, then of two)."""
     start = time.perf_counter()
-    warm_up_products(model)
+    build_kernels(model)
     if compiled_steps_enabled(model):
         batch = DecodeBatch(model)
         with torch.no_grad():

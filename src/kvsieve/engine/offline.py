@@ -12,6 +12,7 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from kvsieve import registry
 from kvsieve.compress.stages import Compress, Evict
 from kvsieve.decode import Sampling
 from kvsieve.engine.events import Event, GenerationResult, Text
@@ -20,7 +21,6 @@ from kvsieve.engine.scheduler import Scheduler
 from kvsieve.errors import KvsieveError
 from kvsieve.feed import Feed
 from kvsieve.prompt import Prompt, build_prompt
-from kvsieve.registry import method as lookup
 from kvsieve.select import Selector
 from kvsieve.spec import MethodSpec
 
@@ -35,7 +35,7 @@ def resolve_method(method: MethodSpec | str | None, stages: dict[str, Any]) -> M
             f"Give either a method or stage objects, not both (got method and {', '.join(given)}); "
             "change a method's stages with its settings instead, e.g. method.with_setting('compress.budget', 512)."
         )
-    return lookup(method)
+    return registry.method(method)
 
 
 def run(

@@ -19,8 +19,8 @@ from kvsieve import figures
 from kvsieve.data import PROBES, prompt_case
 from kvsieve.errors import KvsieveError
 from kvsieve.eval import records
+from kvsieve.eval.grading import contains, rouge1_recall
 from kvsieve.eval.methods import check_lengths, specs_from_settings
-from kvsieve.eval.scoring import contains, rouge1_recall
 from kvsieve.models import architecture
 from kvsieve.spec import MethodSpec
 

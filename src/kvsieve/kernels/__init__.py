@@ -11,7 +11,7 @@ One prefill operator has a fused kernel on CUDA: block-sparse attention (`block_
 PyTorch's FlexAttention over a BlockMask), which `block_sparse.serves` chooses for CritiPrefill's sparse layers; where
 it does not serve, CritiPrefill gathers the selected keys for SDPA (`kvsieve.attention.critiprefill.sparse_attention`).
 
-`native` builds the C++ operators into one library at their first use (`native.load`; `native.warm_up` before a
+`native` builds the C++ operators into one library at their first use (`native.load`; `native.build_kernels` before a
 server answers). The switches that turn the kernels off are settings (`kvsieve.fast_paths`), read by the dispatches;
 the compiled and CUDA-captured decoding steps, which run these same operators inside one graph, are the engine's
 (`kvsieve.engine.static_step`). To add a kernel: its C++ file here (listed in `native.SOURCES`, with a fake for

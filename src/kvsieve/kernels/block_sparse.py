@@ -16,8 +16,9 @@ back to the host), so a layer's attention is one kernel launch plus a few small 
 Where it runs (`serves`): on CUDA, with the switch `flex_attention` on (`kvsieve.fast_paths`), for segments that are
 whole multiples of FLEX_TILE (the kernel's tile; CritiPrefill's default segment 512 with block 32 gives 128 x 128
 tiles). Elsewhere CritiPrefill gathers each segment's keys and calls SDPA (`kvsieve.attention.critiprefill`): on the
-CPU FlexAttention's compiled kernel has not been measured faster, and its uncompiled form builds the whole score
-matrix. Tests run this module on the CPU, uncompiled and compiled, against the gathered path.
+CPU FlexAttention's compiled kernel measured 3.6x slower than that at 8K (docs/PERFORMANCE.md, "On a GPU"), and its
+uncompiled form builds the whole score matrix. Tests run this module on the CPU, uncompiled and compiled, against the
+gathered path.
 """
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ def load() -> bool:
     return _loaded
 
 
-def warm_up(model: torch.nn.Module) -> float:
+def build_kernels(model: torch.nn.Module) -> float:
     """Build and load now the C++ kernels that `model`'s decoding steps on a CPU call; seconds spent. A server calls
     it before serving, so that no request waits for the compiler (about 8 s on a machine that has not built them,
     nothing after). Nothing is built where they are not used (a GPU, both kernels off)."""

@@ -11,12 +11,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import Request
+from fastapi import Request as HttpRequest
 from transformers import PreTrainedTokenizerBase
 
 from kvsieve.decode import TokenLogprob
 from kvsieve.engine.events import Event, Failed, Finished, Text
-from kvsieve.engine.request import Request as Job
+from kvsieve.engine.request import Request
 from kvsieve.errors import KvsieveError
 from kvsieve.serve.openai_types import CLIENT_CLOSED, ApiError, Reply, finish_reason, logprobs_object, sse, usage
 
@@ -28,7 +28,7 @@ class ClientGone(Exception):
 class RequestEvents:
     """The engine's events for one request, handed from the engine thread to the event loop."""
 
-    def __init__(self, request: Request):
+    def __init__(self, request: HttpRequest):
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
         self._request = request
@@ -82,8 +82,8 @@ def logprobs_of(
 
 async def stream_chunks(
     tokenizer: PreTrainedTokenizerBase,
-    request: Request,
-    job: Job,
+    request: HttpRequest,
+    job: Request,
     events: RequestEvents,
     reply: Reply,
     include_usage: bool,

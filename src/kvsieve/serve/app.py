@@ -15,14 +15,15 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI
+from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
 from kvsieve.engine.events import Failed, Finished, Text
-from kvsieve.engine.request import Request as Job
+from kvsieve.engine.request import Request
 from kvsieve.serve.answers import ClientGone, Echo, RequestEvents, as_api_error, logprobs_of, stream_chunks
 from kvsieve.serve.engine_thread import EngineThread
 from kvsieve.serve.metrics import CONTENT_TYPE, CountRequests, Metrics
@@ -73,17 +74,17 @@ def create_app(
     app.add_middleware(CountRequests, metrics=metrics)
 
     @app.exception_handler(ApiError)
-    async def api_error(request: Request, error: ApiError) -> JSONResponse:
+    async def api_error(request: HttpRequest, error: ApiError) -> JSONResponse:
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: HttpRequest, error: StarletteHTTPException) -> JSONResponse:
         codes = {404: "not_found", 405: "method_not_allowed"}
         message = f"{request.method} {request.url.path}: {error.detail}"
         return await api_error(request, ApiError(error.status_code, message, code=codes.get(error.status_code)))
 
     @app.exception_handler(Exception)
-    async def server_error(request: Request, error: Exception) -> JSONResponse:
+    async def server_error(request: HttpRequest, error: Exception) -> JSONResponse:
         log.exception("unexpected error")
         return await api_error(request, ApiError(500, f"Internal error: {error!r}", type="server_error"))
 
@@ -113,19 +114,19 @@ def create_app(
         return JSONResponse(front.model_card())
 
     @app.post("/tokenize", dependencies=[Depends(front.authorize)])
-    async def tokenize(request: Request) -> JSONResponse:
+    async def tokenize(request: HttpRequest) -> JSONResponse:
         return JSONResponse(await front.tokenize(request))
 
     @app.post("/detokenize", dependencies=[Depends(front.authorize)])
-    async def detokenize(request: Request) -> JSONResponse:
+    async def detokenize(request: HttpRequest) -> JSONResponse:
         return JSONResponse(await front.detokenize(request))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(front.authorize)])
-    async def chat_completions(request: Request) -> Response:
+    async def chat_completions(request: HttpRequest) -> Response:
         return await front.serve(request, chat=True)
 
     @app.post("/v1/completions", dependencies=[Depends(front.authorize)])
-    async def completions(request: Request) -> Response:
+    async def completions(request: HttpRequest) -> Response:
         return await front.serve(request, chat=False)
 
     return app
@@ -147,7 +148,7 @@ class Front:
         self.metrics = metrics
         self.relay = Relay(upstream, metrics, self.first_event) if upstream is not None else None  # --upstream
 
-    def authorize(self, request: Request) -> None:
+    def authorize(self, request: HttpRequest) -> None:
         if self.config.api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -173,7 +174,7 @@ class Front:
                 param="model", code="model_not_found",
             )  # fmt: skip
 
-    async def tokenize(self, request: Request) -> dict[str, Any]:
+    async def tokenize(self, request: HttpRequest) -> dict[str, Any]:
         """vLLM's /tokenize: the ids a completion prompt or chat messages become (the chat template applied)."""
         body = parse_body(await read_body(request, self.config.max_body_bytes), TokenizeRequest)
         self.check_model(body.model)
@@ -183,14 +184,14 @@ class Front:
             prompt = await run_in_threadpool(completion_prompt, self.tokenizer, body.prompt, self.config.vocab_size)
         return {"count": len(prompt.ids), "max_model_len": self.config.max_positions, "tokens": prompt.ids}
 
-    async def detokenize(self, request: Request) -> dict[str, Any]:
+    async def detokenize(self, request: HttpRequest) -> dict[str, Any]:
         """vLLM's /detokenize: the text of token ids (ids outside the vocabulary: 400)."""
         body = parse_body(await read_body(request, self.config.max_body_bytes), DetokenizeRequest)
         self.check_model(body.model)
         ids = completion_prompt(self.tokenizer, body.tokens, self.config.vocab_size).ids
         return {"prompt": self.tokenizer.decode(ids)}
 
-    async def serve(self, request: Request, chat: bool) -> Response:
+    async def serve(self, request: HttpRequest, chat: bool) -> Response:
         arrived = time.perf_counter()
         body = parse_body(
             await read_body(request, self.config.max_body_bytes), ChatRequest if chat else CompletionRequest
@@ -214,7 +215,7 @@ class Front:
         reply = Reply(chat, new_id("chatcmpl" if chat else "cmpl"), self.config.model_name, len(prompt.ids))
         if self.relay is not None:
             return await self.relay.answer(request, body, spec, prompt, sampling, events, reply, arrived)
-        job = Job(
+        job = Request(
             as_prompt(prompt),
             spec,
             sampling,
@@ -268,7 +269,7 @@ class Front:
         ]
         return JSONResponse(completion_object(chat, reply.id, reply.model, choices, use, info))
 
-    async def first_event(self, job: Job, events: RequestEvents) -> Any:
+    async def first_event(self, job: Request, events: RequestEvents) -> Any:
         """Submit `job` to the engine and wait for its first event (the prefill's, or the selection's); None where
         the client left first (the job is cancelled). A failure cancels the job and is raised as its API error."""
         self.engine.submit(job)

@@ -12,12 +12,12 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from fastapi import Request
+from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvsieve.decode import Sampling
 from kvsieve.engine.events import Selected
-from kvsieve.engine.request import Request as Job
+from kvsieve.engine.request import Request
 from kvsieve.serve.metrics import Metrics
 from kvsieve.serve.openai_types import (
     CLIENT_CLOSED,
@@ -39,12 +39,12 @@ class Relay:
     """Answers requests through `upstream`; `first_event` submits a request to this server's engine and waits for
     its first event (the front's, shared with the requests it answers itself)."""
 
-    def __init__(self, upstream: Upstream, metrics: Metrics, first_event: Callable[[Job, Any], Awaitable[Any]]):
+    def __init__(self, upstream: Upstream, metrics: Metrics, first_event: Callable[[Request, Any], Awaitable[Any]]):
         self.upstream, self.metrics, self.first_event = upstream, metrics, first_event
 
     async def answer(
         self,
-        request: Request,
+        request: HttpRequest,
         body: ChatRequest | CompletionRequest,
         spec: MethodSpec,
         prompt: PromptIds,
@@ -66,7 +66,7 @@ class Relay:
                 param="kvsieve",
                 code="invalid_method",
             )
-        job = Job(as_prompt(prompt), spec, sampling, events.emit, select_only=True)
+        job = Request(as_prompt(prompt), spec, sampling, events.emit, select_only=True)
         selected = await self.first_event(job, events)
         if selected is None:
             return Response(status_code=CLIENT_CLOSED)
@@ -95,7 +95,7 @@ class Relay:
 
     async def _stream(
         self,
-        request: Request,
+        request: HttpRequest,
         first: UpstreamPiece | None,
         pieces: AsyncGenerator[UpstreamPiece, None],
         reply: Reply,

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from fastapi import Request
 from transformers import PreTrainedTokenizerBase
 
+from kvsieve import registry
 from kvsieve.decode import Sampling
 from kvsieve.errors import KvsieveError
 from kvsieve.pipeline import positions_needed
-from kvsieve.registry import method as lookup_method
 from kvsieve.serve.openai_types import ApiError, ChatRequest, CompletionRequest, KvsieveOptions
 from kvsieve.serve.prompts import PromptIds
 from kvsieve.spec import MethodSpec, json_type_error
@@ -52,7 +52,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 def method_of(options: KvsieveOptions, config: ServeConfig) -> MethodSpec:
     """The request's method: its `kvsieve.method` (or the server's) with `kvsieve.set` applied."""
     try:
-        base = lookup_method(options.method) if options.method is not None else config.default_spec
+        base = registry.method(options.method) if options.method is not None else config.default_spec
         for path, value in options.set.items():
             if (problem := json_type_error(base, path, value)) is not None:
                 raise KvsieveError(problem)

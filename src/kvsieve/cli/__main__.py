@@ -1,0 +1,7 @@
+"""`python -m kvsieve.cli`: the command line, as the `kvsieve` script runs it."""
+
+import sys
+
+from kvsieve.cli import main
+
+sys.exit(main())
