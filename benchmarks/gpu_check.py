@@ -33,8 +33,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from kvsieve import method
 from kvsieve.eval import bench, records
 from kvsieve.eval.report_sections import machine_line, spread
+from kvsieve.loading import resolve_dtype
 from kvsieve.memory import PeakWatch
-from kvsieve.models import prepare, resolve_dtype
+from kvsieve.models import prepare
 from kvsieve.pipeline import prefill
 from kvsieve.prompt import Prompt
 

@@ -25,7 +25,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from kvsieve.models import DEFAULT_MODEL, converted_default_dir
+from kvsieve.loading import DEFAULT_MODEL, converted_default_dir
 from kvsieve.serve.processes import kvsieve_server, llama_server
 
 

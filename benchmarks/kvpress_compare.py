@@ -101,7 +101,7 @@ def peak_worker(library: str, press: str, length: int, ratio: float, window: int
     from kvsieve import SnapKV, StreamingLLM
     from kvsieve.data import prompt_case
     from kvsieve.eval.bench import peak_watch
-    from kvsieve.models import converted_default_dir, load_model
+    from kvsieve.loading import converted_default_dir, load_model
 
     model, tokenizer = load_model()
     _, prompt = prompt_case(tokenizer, "needle", length, 0.5)
@@ -177,7 +177,7 @@ def main() -> None:
     from kvsieve import SnapKV, StreamingLLM
     from kvsieve.data import prompt_case
     from kvsieve.eval.records import machine
-    from kvsieve.models import converted_default_dir, load_model
+    from kvsieve.loading import converted_default_dir, load_model
 
     ours, tokenizer = load_model()
     theirs = AutoModelForCausalLM.from_pretrained(

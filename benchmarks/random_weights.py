@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from kvsieve.models import resolve_dtype
+from kvsieve.loading import resolve_dtype
 
 
 def main() -> None:

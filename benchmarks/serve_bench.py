@@ -117,7 +117,7 @@ def _essays() -> tuple[Any, list[int]]:
     from transformers import AutoTokenizer
 
     from kvsieve.data import haystack_ids
-    from kvsieve.models import converted_default_dir
+    from kvsieve.loading import converted_default_dir
 
     tokenizer = AutoTokenizer.from_pretrained(converted_default_dir(), local_files_only=True)
     return tokenizer, haystack_ids(tokenizer)

@@ -302,7 +302,7 @@ def pytest_configure(config):
 
     builder = threading.Thread(target=build)  # the compiler runs beside the conversion (10 s and 16 s, cold)
     builder.start()
-    if not (kvsieve.models.converted_default_dir() / "config.json").is_file():
+    if not (kvsieve.loading.converted_default_dir() / "config.json").is_file():
         try:
             kvsieve.load_model()
         except kvsieve.KvsieveError:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-import kvsieve.models
+import kvsieve.loading
 from kvsieve.cli import main
 from kvsieve.data import passkey_case
 
@@ -18,14 +18,14 @@ def default_model_loaded_once(smollm, monkeypatch):
     Each command would load it again (half a second, some 25 times); loading itself, offline from the
     converted cache, is tested in test_real_model. Any other model, device or dtype loads as usual.
     """
-    load = kvsieve.models.load_model
+    load = kvsieve.loading.load_model
 
     def load_model(name_or_path=None, *, device=None, dtype=None, quantize=None):
         if name_or_path is None and device is None and dtype is None and quantize in (None, "none"):
             return smollm
         return load(name_or_path, device=device, dtype=dtype, quantize=quantize)
 
-    monkeypatch.setattr(kvsieve.models, "load_model", load_model)
+    monkeypatch.setattr(kvsieve.loading, "load_model", load_model)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from kvsieve.data import passkey_case
-from kvsieve.models import DEFAULT_MODEL
+from kvsieve.loading import DEFAULT_MODEL
 from kvsieve.serve import ServerThread, create_server
 from kvsieve.serve.processes import llama_server
 

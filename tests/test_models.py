@@ -8,10 +8,10 @@ from conftest import HEAD_DIM, HEADS, KV_HEADS, VOCAB, build_model, make_prompt,
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import kvsieve
-import kvsieve.models
+import kvsieve.loading
 from kvsieve import KvsieveError, architecture, load_model, prepare
 from kvsieve.attention import ATTENTION_NAME
-from kvsieve.models import resolve_device, resolve_dtype
+from kvsieve.loading import resolve_device, resolve_dtype
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -82,16 +82,16 @@ class _NoHub:
 
 @pytest.mark.parametrize("bad", ["/nonexistent", "/nope/model.gguf", "./nope", "~/kvsieve-nope", "nope.gguf"])
 def test_load_model_missing_path_never_reaches_the_hub(bad, monkeypatch):
-    monkeypatch.setattr(kvsieve.models, "AutoModelForCausalLM", _NoHub)
-    monkeypatch.setattr(kvsieve.models, "AutoTokenizer", _NoHub)
+    monkeypatch.setattr(kvsieve.loading, "AutoModelForCausalLM", _NoHub)
+    monkeypatch.setattr(kvsieve.loading, "AutoTokenizer", _NoHub)
     with pytest.raises(KvsieveError, match="does not exist") as info:
         load_model(bad)
     assert f"'{bad}'" in str(info.value)
 
 
 def test_load_model_missing_pathlike_object_is_a_path(tmp_path, monkeypatch):
-    monkeypatch.setattr(kvsieve.models, "AutoModelForCausalLM", _NoHub)
-    monkeypatch.setattr(kvsieve.models, "AutoTokenizer", _NoHub)
+    monkeypatch.setattr(kvsieve.loading, "AutoModelForCausalLM", _NoHub)
+    monkeypatch.setattr(kvsieve.loading, "AutoTokenizer", _NoHub)
     missing = tmp_path / "org" / "model"  # a Path is never a hub id, even without a leading '/'
     with pytest.raises(KvsieveError, match="does not exist"):
         load_model(missing)
@@ -107,10 +107,10 @@ def test_load_model_sends_plain_names_to_transformers(monkeypatch):
             calls.append((args, kwargs))
             raise OSError("not in the cache")
 
-    monkeypatch.setattr(kvsieve.models, "AutoTokenizer", Recorder)
-    monkeypatch.setattr(kvsieve.models, "AutoModelForCausalLM", Recorder)
-    monkeypatch.setattr(kvsieve.models.huggingface_hub.constants, "HF_HUB_CACHE", "/some/hf/cache")
-    monkeypatch.setattr(kvsieve.models.huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(kvsieve.loading, "AutoTokenizer", Recorder)
+    monkeypatch.setattr(kvsieve.loading, "AutoModelForCausalLM", Recorder)
+    monkeypatch.setattr(kvsieve.loading.huggingface_hub.constants, "HF_HUB_CACHE", "/some/hf/cache")
+    monkeypatch.setattr(kvsieve.loading.huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(KvsieveError) as info:
         load_model("kvsieve-test/absent-model", device="cpu")
     assert calls == [(("kvsieve-test/absent-model",), {})]
@@ -177,8 +177,8 @@ def test_resolve_device_rejects_garbage(garbage):
 
 @pytest.mark.parametrize("bad", ["float8", "gpu"])
 def test_load_model_checks_options_before_loading(bad, tmp_path, monkeypatch):
-    monkeypatch.setattr(kvsieve.models, "AutoModelForCausalLM", _NoHub)
-    monkeypatch.setattr(kvsieve.models, "AutoTokenizer", _NoHub)
+    monkeypatch.setattr(kvsieve.loading, "AutoModelForCausalLM", _NoHub)
+    monkeypatch.setattr(kvsieve.loading, "AutoTokenizer", _NoHub)
     options = {"dtype": bad} if bad == "float8" else {"device": bad}
     with pytest.raises(KvsieveError, match=bad):
         load_model(tmp_path, **options)

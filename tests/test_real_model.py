@@ -6,7 +6,7 @@ from conftest import word_level_tokenizer
 
 from kvsieve import GemFilter, Sampling, generate, load_model, method
 from kvsieve.data import haystack_ids, haystack_text, passkey_case
-from kvsieve.models import converted_default_dir
+from kvsieve.loading import converted_default_dir
 from kvsieve.prompt import build_prompt
 
 pytestmark = pytest.mark.real_model  # `smollm` (conftest): the default model, loaded offline once

@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from kvsieve.data import passkey_case
-from kvsieve.models import DEFAULT_MODEL
+from kvsieve.loading import DEFAULT_MODEL
 from kvsieve.serve import ServerThread, create_server
 
 pytestmark = pytest.mark.real_model  # `smollm` (conftest): the default model, loaded offline once

@@ -24,7 +24,8 @@ from kvsieve.engine.offline import generate, run
 from kvsieve.errors import KvsieveError
 from kvsieve.feed.chunked import ChunkedPrefill
 from kvsieve.feed.full import FullPrefill
-from kvsieve.models import architecture, load_model, prepare
+from kvsieve.loading import load_model
+from kvsieve.models import architecture, prepare
 from kvsieve.pipeline import RunState, StageRecord
 from kvsieve.prompt import Prompt, build_prompt
 from kvsieve.registry import REGISTRY, method, register

@@ -213,7 +213,7 @@ def load(args: argparse.Namespace, warm_steps: bool = False):
     from kvsieve import fast_paths
     from kvsieve.engine.batch import warm_up
     from kvsieve.kernels.native import build_kernels
-    from kvsieve.models import load_model
+    from kvsieve.loading import load_model
 
     if args.compile_steps:
         fast_paths.configure(compiled_steps=True)

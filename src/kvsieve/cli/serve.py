@@ -15,7 +15,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     requests run as one batch, with long prefills sliced between them; the states of recent prompt prefixes are
     reused exactly (the method still sees the whole prompt)."""
     from kvsieve.engine.prefix_cache import parse_bytes, parse_reuse_budget
-    from kvsieve.models import DEFAULT_MODEL
+    from kvsieve.loading import DEFAULT_MODEL
     from kvsieve.serve import create_server
 
     spec = options.spec_of(args)  # a bad method fails before the model loads

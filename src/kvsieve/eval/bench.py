@@ -69,7 +69,7 @@ def measure(config: BenchConfig) -> dict:
     from kvsieve.data import prompt_case
     from kvsieve.decode import Sampling
     from kvsieve.engine.offline import run
-    from kvsieve.models import load_model
+    from kvsieve.loading import load_model
 
     spec = MethodSpec.from_dict(config.spec)  # validate before any work
     model, tokenizer = load_model(config.model, device=config.device, dtype=config.dtype, quantize=config.quantize)

@@ -91,7 +91,7 @@ def llama_server_binary() -> Path:
 def llama_server(*args: str, port: int | None = None, context: int = 8192) -> Iterator[str]:
     """llama-server on the default model's GGUF (the very file kvsieve's default model is converted from),
     with `context` positions and one slot per `--parallel` (ARGS), on a free port; yields its base URL."""
-    from kvsieve.models import default_gguf
+    from kvsieve.loading import default_gguf
 
     port = port or free_port()
     command = [
