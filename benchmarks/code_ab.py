@@ -1,7 +1,8 @@
 """The same `kvsieve bench` configurations under two source trees, interleaved: whether a change made a method slower.
 
 Each (repeat, method, tree) runs in its own process (`kvsieve.eval.bench`'s worker, as `kvsieve bench` runs it) with
-PYTHONPATH set to that tree's src/, the trees alternating within every repeat, so a noisy machine hits both alike;
+PYTHONPATH set to that tree's src/, the two trees back to back and which goes first alternating, so a noisy machine
+(or whatever the second of two runs pays) hits both alike;
 the ratio after/before is taken within a repeat. Make the "before" tree with `git worktree add ../before REV`.
 
     python benchmarks/code_ab.py --before ../before/src --methods critiprefill,gemfilter --length 8000 --repeats 3
@@ -48,7 +49,8 @@ def main() -> None:
     for repeat in range(args.repeats):
         for name in args.methods.split(","):
             config = BenchConfig(method(name).to_dict(), args.length, args.decode_tokens)
-            for tree, source in trees.items():
+            order = list(trees.items()) if (repeat + len(rows)) % 2 == 0 else list(trees.items())[::-1]
+            for tree, source in order:  # which tree goes first alternates, so neither always runs second
                 row = {**worker(source, config), "tree": tree, "repeat": repeat}
                 rows.append(row)
                 print(f"r{repeat} {name} {tree}: TTFT {row['ttft_s']:.2f} s, peak {row['peak_mb']:.0f} MB", flush=True)

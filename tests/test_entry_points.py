@@ -119,14 +119,14 @@ def test_a_command_builds_the_kernels_before_the_prompt_is_timed(tiny_folder, tm
     import kvsieve.kernels.native
 
     order, generate = [], kvsieve.engine.offline.generate
-    monkeypatch.setattr(kvsieve.kernels.native, "warm_up", lambda model: order.append("kernels") or 10.4)
+    monkeypatch.setattr(kvsieve.kernels.native, "build_kernels", lambda model: order.append("kernels") or 10.4)
     monkeypatch.setattr(kvsieve.engine.offline, "generate", lambda *a, **k: order.append("prompt") or generate(*a, **k))
     context = tmp_path / "context.txt"
     context.write_text("the pass key is hello world")
     assert main(["generate", "--model", str(tiny_folder), "-c", str(context), "--max-new-tokens", "2"]) == 0
     assert order == ["kernels", "prompt"]
     assert "built the CPU's C++ decoding kernels in 10.4 s (once per machine)" in capsys.readouterr().err
-    monkeypatch.setattr(kvsieve.kernels.native, "warm_up", lambda model: 0.01)  # built before: nothing said
+    monkeypatch.setattr(kvsieve.kernels.native, "build_kernels", lambda model: 0.01)  # built before: nothing said
     assert main(["generate", "--model", str(tiny_folder), "-c", str(context), "--max-new-tokens", "2"]) == 0
     assert "kernels" not in capsys.readouterr().err
 
