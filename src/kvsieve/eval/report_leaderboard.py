@@ -38,7 +38,8 @@ def leaderboard_section(
     """The leaderboard table (with `speedup(method)`, the time-to-first-token speedup from a bench run) and its
     figure."""
     tasks = ", ".join(f"`{t}`" for t in board.tasks)
-    samples = len(board.cases) // max(len(board.tasks), 1)
+    counts = [sum(1 for case in board.cases if case[0] == task) for task in board.tasks]
+    samples = f"{min(counts)}" if min(counts, default=0) == max(counts, default=0) else f"{min(counts)}-{max(counts)}"
     lines = [
         "",
         f"## {title}",
