@@ -23,6 +23,7 @@ gathered path.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -103,9 +104,17 @@ def block_mask(
         full_order,
         BLOCK_SIZE=(q_tile, kv_tile),
         mask_mod=mask_mod,
-        seq_lengths=(q_len, k_len),
-        compute_q_blocks=False,
+        **_supported(seq_lengths=(q_len, k_len), compute_q_blocks=False),
     )
+
+
+_FROM_KV_BLOCKS = set(inspect.signature(BlockMask.from_kv_blocks).parameters)
+
+
+def _supported(**keywords: object) -> dict[str, object]:
+    """The keywords this PyTorch's `BlockMask.from_kv_blocks` takes: the sequence lengths and skipping the backward
+    pass's indices came in later releases than the oldest torch kvsieve supports, which works out both itself."""
+    return {name: value for name, value in keywords.items() if name in _FROM_KV_BLOCKS}
 
 
 def segment_block_attention(
