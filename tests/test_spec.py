@@ -243,16 +243,3 @@ def test_the_answer_grading_module_answers_under_its_old_name():
     with pytest.warns(FutureWarning, match=r"kvsieve\.eval\.grading"):
         module = importlib.import_module("kvsieve.eval.scoring")
     assert module.rouge1_recall is grading.rouge1_recall and module.contains is grading.contains
-
-
-def test_the_loading_functions_answer_at_their_old_home():
-    """`kvsieve.models` is the architecture adapter; loading moved to `kvsieve.loading` (CHANGELOG.md). The old
-    names still answer, with a warning naming the new one."""
-    import kvsieve.loading
-    import kvsieve.models
-
-    for name in kvsieve.models.MOVED_TO_LOADING:
-        with pytest.warns(FutureWarning, match=rf"kvsieve\.loading\.{name}"):
-            assert getattr(kvsieve.models, name) is getattr(kvsieve.loading, name)
-    with pytest.raises(AttributeError):
-        kvsieve.models.no_such_name  # noqa: B018

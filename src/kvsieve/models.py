@@ -16,7 +16,6 @@ from transformers import Cache, PreTrainedModel
 from kvsieve.attention import ATTENTION_NAME
 from kvsieve.errors import KvsieveError
 from kvsieve.kernels.products import fuse_linears
-from kvsieve.spec import warn_renamed
 
 # Decoder layouts whose attention follows Llama's: q/k/v projections (or Phi-3's fused qkv), RoPE from
 # `model.model.rotary_emb` (Gemma 3: one per layer kind), and attention through transformers' AttentionInterface.
@@ -205,17 +204,3 @@ def prepare(model: PreTrainedModel) -> PreTrainedModel:
     if model.config._attn_implementation != ATTENTION_NAME:
         model.set_attn_implementation(ATTENTION_NAME)
     return fuse_linears(model).eval()
-
-
-MOVED_TO_LOADING = ("load_model", "resolve_device", "resolve_dtype", "default_gguf", "converted_default_dir",
-                    "DEFAULT_MODEL", "PackagedModel")  # fmt: skip
-
-
-def __getattr__(name: str) -> object:
-    """The loading functions' old home, for one release (CHANGELOG.md): they are `kvsieve.loading`'s."""
-    if name in MOVED_TO_LOADING:
-        from kvsieve import loading
-
-        warn_renamed("kvsieve.models", name, f"kvsieve.loading.{name}")
-        return getattr(loading, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
