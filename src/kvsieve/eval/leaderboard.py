@@ -55,7 +55,7 @@ def calibration(rows: Iterable[Mapping[str, Any]], keep_at: float = KEEP_AT) -> 
     result = {}
     for task, values in scores.items():
         mean = sum(values) / len(values)
-        kept = mean >= keep_at
+        kept = round(mean, 9) >= keep_at  # RULER's scores are shares x 100: 20.0 must not arrive as 19.999...
         why = "" if kept else f"full attention scores {mean:.1f} < {keep_at:g}: the task measures no method here"
         result[task] = {"score": mean, "cases": len(values), "kept": kept, "why": why}
     return result
