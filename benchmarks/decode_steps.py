@@ -3,7 +3,7 @@
 `kvsieve bench` decodes until EOS (at most 32 tokens), so methods that stop at different steps
 are timed over different counts, and every run loads its own model. This script prefills one
 needle prompt per method and then times exactly `--steps` greedy steps on it (EOS ignored), through
-the engine's decoding batch (`kvsieve.engine.batch.DecodeBatch`, what `kvsieve generate`, `run` and
+the engine's decoding batch (`kvsieve.engine.DecodeBatch`, what `kvsieve generate`, `run` and
 the server step), with the methods interleaved inside every repeat. It reports the time per step
 (one token for each of `--batches` rows), tokens/s and the ratio to the first method in the same
 repeat (min / median / max over repeats). For eviction methods it also times the eviction itself
@@ -69,9 +69,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from kvsieve import fast_paths, load_model, prepare
 from kvsieve.compress.cache import wrap_cache
 from kvsieve.data import prompt_case
-from kvsieve.engine.batch import DecodeBatch, Row
+from kvsieve.engine import DecodeBatch, PrefillResult, Row, prefill
 from kvsieve.eval.bench import spread as bench_spread
-from kvsieve.pipeline import PrefillResult, prefill
 from kvsieve.prompt import Prompt
 from kvsieve.quantize import quantize
 from kvsieve.registry import method

@@ -31,12 +31,12 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from kvsieve import method
+from kvsieve.engine import prefill
 from kvsieve.eval import bench, records
 from kvsieve.eval.report_sections import machine_line, spread
 from kvsieve.loading import resolve_dtype
 from kvsieve.memory import PeakWatch
 from kvsieve.models import prepare
-from kvsieve.pipeline import prefill
 from kvsieve.prompt import Prompt
 
 CONFIGS = Path(__file__).parent / "configs"

@@ -32,7 +32,7 @@ from kvsieve import load_model
 from kvsieve.attention import attention_hooks
 from kvsieve.attention.accumulate import accumulation_weights
 from kvsieve.decode import Sampling, TextStream, eos_token_ids
-from kvsieve.engine.batch import DecodeBatch, Row
+from kvsieve.engine import Continuation
 from kvsieve.eval.grading import contains, rouge1_recall
 from kvsieve.eval.niah import prompt_case
 from kvsieve.feed.full import FullPrefill
@@ -66,16 +66,13 @@ def greedy(model, tokenizer, cache, prefilled, evict, sampling: Sampling) -> Tex
     """The greedy answer on `cache` (prefilled, compressed or with `evict` started), through the engine's
     decoding step."""
     answer = TextStream(tokenizer, sampling, eos_token_ids(model, tokenizer))
-    batch, logits = DecodeBatch(model), prefilled.last_logits
+    stepping, logits = Continuation(model, cache, prefilled.next_position, evict), prefilled.last_logits
     with torch.no_grad():
         while True:
             answer.add(int(torch.argmax(logits)))
             if answer.finish is not None:
                 return answer
-            if not len(batch):
-                batch.add(Row(answer.tokens[-1], prefilled.next_position, evict), cache)
-            batch.rows[0].token = answer.tokens[-1]
-            logits = batch.step()[0]
+            logits = stepping.feed(answer.tokens[-1])
 
 
 def main() -> None:

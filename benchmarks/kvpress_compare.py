@@ -62,7 +62,7 @@ def kvpress_run(model, ids: torch.Tensor, press) -> tuple[float, list[torch.Tens
 def kvsieve_run(model, prompt, method, budget: int) -> tuple[float, list[torch.Tensor], object]:
     """Prefill `prompt` and compress with kvsieve; same outputs as kvpress_run."""
     from kvsieve.compress.stages import Compress
-    from kvsieve.pipeline import prefill
+    from kvsieve.engine import prefill
     from kvsieve.spec import MethodSpec
 
     start = time.perf_counter()

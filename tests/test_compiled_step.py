@@ -21,8 +21,8 @@ from kvsieve.compiled import Compiled
 from kvsieve.compress.cache import wrap_cache
 from kvsieve.engine import static_step as static_step_module
 from kvsieve.engine.batch import SPARE, DecodeBatch, Row, warm_up
+from kvsieve.engine.pipeline import PrefillResult, prefill
 from kvsieve.models import architecture
-from kvsieve.pipeline import PrefillResult, prefill
 from kvsieve.quantize import quantize
 
 # The float32 model's step is compiled once per worker process (about 10 s with an empty inductor cache): the

@@ -225,7 +225,7 @@ def test_a_prompt_of_two_rows_is_refused(make_model):
 
 def test_one_position_rule_composes_selection_with_the_later_stages():
     from kvsieve import ChunkedPrefill, Evict, StreamingLLM
-    from kvsieve.pipeline import positions_needed
+    from kvsieve.engine.pipeline import positions_needed
 
     reencode = Evict(StreamingLLM(reencode=True), 16)
     assert positions_needed({"evict": reencode}, 8, 1000) == 16 + 1  # budget + interval, not the stream's length

@@ -26,8 +26,8 @@ from torch.overrides import TorchFunctionMode
 
 from kvsieve import REGISTRY, KvsieveError, Sampling, fast_paths, method, run
 from kvsieve.attention import attention_hooks
+from kvsieve.engine.pipeline import prefill
 from kvsieve.eval.host_reads import HostReadAudit, audit_prefill
-from kvsieve.pipeline import prefill
 from kvsieve.prompt import Prompt
 from kvsieve.select.scoring import filter_layer_qk
 

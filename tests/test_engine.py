@@ -140,10 +140,10 @@ def test_rows_of_different_lengths_ignore_whatever_their_padding_holds(model):
     values) never reaches its logits, which equal the row decoded alone; each row's new entry lands at its own
     column. (The tables start as zeros: a NaN of never written memory would survive a 0 attention weight.)"""
     from kvsieve.engine.batch import Row
-    from kvsieve.pipeline import prefill
+    from kvsieve.engine.pipeline import prefill
 
     prompts = [make_prompt(n, seed=n) for n in (30, 50)]
-    done = [prefill(model, p, method="full", reserve=4) for p in prompts]
+    done = [prefill(model, p, reserve=4) for p in prompts]
     alone = []
     for d in done:
         single = DecodeBatch(model)
@@ -185,7 +185,7 @@ def test_static_steps_give_the_ordinary_steps_logits_and_leave_the_same_caches(a
     sliding layers' rings wrap round in the static steps, a short row's ring fills during them, and the
     evictions stay on the global layers."""
     from kvsieve.engine.batch import SPARE, Row
-    from kvsieve.pipeline import prefill
+    from kvsieve.engine.pipeline import prefill
 
     model = build_model(arch, num_layers=3, max_positions=512)
     steps = SPARE + 20
@@ -240,7 +240,7 @@ def test_a_steady_static_step_reads_and_writes_the_same_memory_and_numbers(model
     where the previous one left them; only their contents change. Rows: full attention, two H2O rows (scored
     together) and TOVA."""
     from kvsieve.engine.batch import Row
-    from kvsieve.pipeline import prefill
+    from kvsieve.engine.pipeline import prefill
 
     batch = DecodeBatch(model, static=True)
     for name, settings, n in [STATIC_CASES[0], STATIC_CASES[3], STATIC_CASES[6], STATIC_CASES[5]]:
@@ -274,7 +274,7 @@ def test_evicting_rows_score_from_the_steps_own_attention(model, monkeypatch):
     import kvsieve.compress.policy as policy
     import kvsieve.kernels.attention as attention
     from kvsieve.engine.batch import Row
-    from kvsieve.pipeline import prefill
+    from kvsieve.engine.pipeline import prefill
 
     second_pass, kernel_pass = [], []
     counted = policy.attention_probs
@@ -326,7 +326,7 @@ def test_a_dropped_static_step_is_freed_at_once(model, name, settings):
     import weakref
 
     from kvsieve.engine.batch import Row
-    from kvsieve.pipeline import prefill
+    from kvsieve.engine.pipeline import prefill
 
     batch = DecodeBatch(model, static=True)
     for _ in range(2):
@@ -511,3 +511,36 @@ def test_a_request_may_bring_its_own_prefix_cache(model):
     drain(scheduler)
     assert len(own) == 1 and len(shared) == 1  # each stored the prompt's first 48 tokens in its own cache
     assert mine.info["cache"] == theirs.info["cache"] == "miss" and mine.result.text == theirs.result.text
+
+
+def test_prefill_takes_a_spec_and_says_how_to_look_a_name_up(make_model):
+    """Below the entry points a method is a MethodSpec: a preset's name is refused with the lookup to use."""
+    from kvsieve.engine import prefill
+
+    with pytest.raises(KvsieveError, match=r"kvsieve.method\('snapkv'\)"):
+        prefill(make_model("llama", num_layers=1), make_prompt(8), method="snapkv")
+
+
+def test_teacher_forcing_in_one_pass_equals_feeding_token_by_token(make_model):
+    """`forced_logits` runs the targets of a method without eviction as one pass on the cache; the engine's decoding
+    step fed the same tokens one by one (`Continuation`) predicts the same next tokens. With an eviction rule the
+    cache stays at its budget while it is fed."""
+    from kvsieve import method
+    from kvsieve.engine import Continuation, forced_logits, prefill
+
+    model = make_model("llama", num_layers=2)
+    prompt, targets = make_prompt(30, seed=3), [5, 9, 2, 7, 11, 4]
+    one_pass = forced_logits(model, prefill(model, prompt, reserve=8), targets)
+    stepping = Continuation.after(model, prefill(model, prompt, reserve=8))
+    with torch.no_grad():
+        by_token = torch.stack([stepping.feed(t) for t in targets[:-1]])
+    assert one_pass.shape == (len(targets), model.config.vocab_size)
+    torch.testing.assert_close(one_pass[1:], by_token, atol=1e-4, rtol=1e-4)
+    assert stepping.position == prompt.length + len(targets) - 1
+
+    done = prefill(model, prompt, method=method("h2o", {"evict.budget": 16}), reserve=8)
+    evicting = Continuation.after(model, done)
+    with torch.no_grad():
+        for token in targets:
+            evicting.feed(token)
+    assert done.kv_length == 16 and evicting.entries == 16

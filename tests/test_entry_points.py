@@ -115,12 +115,12 @@ def test_generate_ignore_eos_flag(tiny_folder, tmp_path, capsys, monkeypatch):
 def test_a_command_builds_the_kernels_before_the_prompt_is_timed(tiny_folder, tmp_path, capsys, monkeypatch):
     """The CPU kernels' first build (about 11 s on a fresh machine) happens after loading, before the prompt, so
     it is never counted in a time to first token; it says so on stderr when it took over a second."""
-    import kvsieve.engine.offline
+    import kvsieve.engine
     import kvsieve.kernels.native
 
-    order, generate = [], kvsieve.engine.offline.generate
+    order, generate = [], kvsieve.engine.generate
     monkeypatch.setattr(kvsieve.kernels.native, "build_kernels", lambda model: order.append("kernels") or 10.4)
-    monkeypatch.setattr(kvsieve.engine.offline, "generate", lambda *a, **k: order.append("prompt") or generate(*a, **k))
+    monkeypatch.setattr(kvsieve.engine, "generate", lambda *a, **k: order.append("prompt") or generate(*a, **k))
     context = tmp_path / "context.txt"
     context.write_text("the pass key is hello world")
     assert main(["generate", "--model", str(tiny_folder), "-c", str(context), "--max-new-tokens", "2"]) == 0

@@ -13,12 +13,13 @@ import pytest
 import torch
 from conftest import word_level_tokenizer
 
-import kvsieve.engine.offline
+import kvsieve.engine
+from kvsieve import registry
 from kvsieve.errors import KvsieveError
 from kvsieve.eval import bench as bench_module
 from kvsieve.eval import niah, records
 from kvsieve.eval.grading import contains, rouge1_recall
-from kvsieve.eval.methods import build_specs, check_lengths, parse_names
+from kvsieve.eval.methods import check_lengths
 from kvsieve.eval.perplexity import continuation_nll, run_perplexity
 from kvsieve.eval.report import write_report
 from kvsieve.registry import REGISTRY, method
@@ -70,7 +71,7 @@ def grid(model, tokenizer, out, methods=("full", "gemfilter"), lengths=(160, 200
 def count_generate_calls(monkeypatch, fail_after: int | None = None) -> list[int]:
     """Wrap the pipeline's run: count calls, optionally raise KeyboardInterrupt at call `fail_after`."""
     calls: list[int] = []
-    real = kvsieve.engine.offline.run
+    real = kvsieve.engine.run
 
     def wrapped(*args, **kwargs):
         calls.append(1)
@@ -78,7 +79,7 @@ def count_generate_calls(monkeypatch, fail_after: int | None = None) -> list[int
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(kvsieve.engine.offline, "run", wrapped)
+    monkeypatch.setattr(kvsieve.engine, "run", wrapped)
     return calls
 
 
@@ -195,18 +196,18 @@ def test_every_method_name_runs_in_a_grid(model, chat_tokenizer, tmp_path):
 
 
 def test_parse_names_and_settings_apply_where_the_field_exists():
-    assert parse_names("full, h2o") == ["full", "h2o"]
+    assert registry.parse_names("full, h2o") == ["full", "h2o"]
     with pytest.raises(KvsieveError, match="listed twice"):
-        parse_names("full,full")
+        registry.parse_names("full,full")
     with pytest.raises(KvsieveError, match="No methods"):
-        parse_names(" , ")
+        registry.parse_names(" , ")
     with pytest.raises(KvsieveError, match="Unknown method.*pyramid"):
-        parse_names("full,pyramid")
-    specs = build_specs("snapkv,h2o", [("compress.budget", "0.25")])
+        registry.parse_names("full,pyramid")
+    specs = registry.methods("snapkv,h2o", [("compress.budget", "0.25")])
     assert specs["snapkv"].compress.budget == 0.25 and specs["h2o"].evict.budget == 1024
     with pytest.raises(KvsieveError, match="No listed method"):
-        build_specs("full,h2o", [("compress.budget", "0.25")])
-    added = build_specs("full,snapkv", [("evict.budget", "64"), ("evict", "tova")])  # a stage, then its field
+        registry.methods("full,h2o", [("compress.budget", "0.25")])
+    added = registry.methods("full,snapkv", [("evict.budget", "64"), ("evict", "tova")])  # a stage, then its field
     assert added["full"].evict.budget == 64 and added["snapkv"].evict.policy.name == "tova"
 
 

@@ -15,7 +15,7 @@ import torch
 from conftest import Decoder, FakeTokenizer, make_prompt
 from transformers import DynamicCache
 
-from kvsieve import Sampling, run
+from kvsieve import Sampling, method, run
 from kvsieve.attention import attention_hooks
 from kvsieve.compress.cache import DecodeBuffer, compaction
 from kvsieve.compress.policies.a2sf import A2SF
@@ -26,8 +26,8 @@ from kvsieve.compress.policies.streaming import StreamingLLM
 from kvsieve.compress.policies.tova import TOVA
 from kvsieve.compress.stages import Evict
 from kvsieve.decode import extend, next_token
+from kvsieve.engine.pipeline import prefill
 from kvsieve.errors import KvsieveError
-from kvsieve.pipeline import prefill
 from kvsieve.spec import MethodSpec
 
 POLICIES = [H2O(), A2SF(alpha=0.5), A2SF(alpha=0.2, recent=4), StreamingLLM(), LocalWindow(), TOVA(), KNorm()]
@@ -106,7 +106,7 @@ def test_decoding_without_eviction_writes_in_place_and_equals_the_plain_cache(ma
     (a growing DynamicCache concatenates every layer every step), and the tokens are the plain cache's."""
     model = make_model("llama", num_layers=2)
     prompt, steps = make_prompt(40), 12
-    done = prefill(model, prompt, method=name, reserve=steps)
+    done = prefill(model, prompt, method=method(name), reserve=steps)
     cache, position = done.prefilled.cache, done.prefilled.next_position
     tokens = [next_token(done.prefilled.last_logits, Sampling(), None)]
     with torch.no_grad():  # the plain cache: a DynamicCache that concatenates every step

@@ -25,7 +25,7 @@ from kvsieve.compress.policies.a2sf import A2SF
 from kvsieve.compress.policies.h2o import H2O
 from kvsieve.compress.scorers import accumulated_attention
 from kvsieve.compress.stages import Compress, Evict
-from kvsieve.pipeline import prefill
+from kvsieve.engine.pipeline import prefill
 from kvsieve.spec import MethodSpec
 
 

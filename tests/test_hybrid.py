@@ -20,9 +20,9 @@ from transformers import AutoModelForCausalLM, Cohere2Config
 import kvsieve
 from kvsieve import REGISTRY, KvsieveError, Sampling, method, run
 from kvsieve.compress.cache import WindowBuffer, is_windowed
+from kvsieve.engine.pipeline import prefill
 from kvsieve.feed import PromptState
 from kvsieve.models import architecture
-from kvsieve.pipeline import prefill
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

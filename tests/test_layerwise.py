@@ -18,9 +18,9 @@ from kvsieve.compress.policies.h2o import H2O
 from kvsieve.compress.policies.snapkv import SnapKV
 from kvsieve.compress.policies.streaming import StreamingLLM
 from kvsieve.compress.stages import Compress, Evict
+from kvsieve.engine.pipeline import prefill
 from kvsieve.feed.chunked import ChunkedPrefill
 from kvsieve.feed.full import FullPrefill
-from kvsieve.pipeline import prefill
 from kvsieve.spec import MethodSpec
 
 LAYERS = 3

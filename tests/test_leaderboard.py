@@ -68,12 +68,12 @@ def test_the_board_compares_every_configuration_on_full_attentions_cases():
 def test_the_report_opens_with_the_leaderboard(tmp_path):
     """`kvsieve report --ruler FILE --ruler-calibration FILE`: the leaderboard (with its figure, the paired
     intervals and which method when) comes before the commands; the calibration lists the dropped task and why."""
+    from kvsieve import registry
     from kvsieve.eval import records
-    from kvsieve.eval.methods import build_specs
     from kvsieve.eval.report import write_report
 
     def document(rows, methods):
-        specs = {name: spec.to_dict() for name, spec in build_specs(methods).items()}
+        specs = {name: spec.to_dict() for name, spec in registry.methods(methods).items()}
         settings = {"methods": specs, "budgets": [0.1, 0.5], "samples": 6, "seed": 42, "model": None,
                     "dtype": "bfloat16", "device": "cpu"}  # fmt: skip
         return {"kind": "ruler", "schema": 1, "command": "kvsieve ruler ...", "commands": ["kvsieve ruler ..."],

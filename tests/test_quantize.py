@@ -18,8 +18,8 @@ from conftest import FakeTokenizer, build_model, make_prompt
 
 import kvsieve.kernels.products as products
 from kvsieve import KvsieveError, Sampling, method, run
+from kvsieve.engine.pipeline import prefill
 from kvsieve.kernels.products import int8_linear, kernel_product
-from kvsieve.pipeline import prefill
 from kvsieve.quantize import Int8Linear, quantize
 
 

@@ -18,10 +18,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvsieve
-from kvsieve.engine import prefix_cache
+from kvsieve import engine, registry
 from kvsieve.errors import KvsieveError
 from kvsieve.eval import ruler
-from kvsieve.eval.methods import build_specs
 from kvsieve.eval.report import write_report
 from kvsieve.prompt import build_task_prompt
 
@@ -82,11 +81,11 @@ def test_scores_are_rulers_metrics():
 def test_the_sweep_runs_every_configuration_and_sharing_the_prefill_changes_no_answer(
     model, tokenizer, cases_folder, tmp_path, monkeypatch
 ):
-    specs = build_specs("full,snapkv,h2o,gemfilter,streaming,critiprefill")
+    specs = registry.methods("full,snapkv,h2o,gemfilter,streaming,critiprefill")
     options = dict(tasks=["vt"], samples=1, budgets=[0.25, 0.5], cases=cases_folder, say=lambda _: None)
     passes = []
-    fill = prefix_cache.fill
-    monkeypatch.setattr(prefix_cache, "fill", lambda *args: passes.append(fill(*args)) or passes[-1])
+    fill = engine.fill_prefix_caches
+    monkeypatch.setattr(engine, "fill_prefix_caches", lambda *args: passes.append(fill(*args)) or passes[-1])
     shared = ruler.run_ruler(model, tokenizer, specs, [LENGTH], tmp_path / "shared.json", **options)
     alone = ruler.run_ruler(model, tokenizer, specs, [LENGTH], tmp_path / "alone.json", share_prefill=False, **options)
     configs = ruler.configurations(specs, [0.25, 0.5], ruler.MODES)
@@ -128,7 +127,7 @@ def test_the_sweep_runs_every_configuration_and_sharing_the_prefill_changes_no_a
 
 
 def test_a_rerun_resumes_and_other_settings_are_refused(model, tokenizer, cases_folder, tmp_path):
-    specs = build_specs("full,snapkv")
+    specs = registry.methods("full,snapkv")
     out = tmp_path / "ruler.json"
     options = dict(tasks=["vt"], samples=1, budgets=[0.5], modes=["question"], cases=cases_folder, say=print)
     first = ruler.run_ruler(model, tokenizer, specs, [LENGTH], out, **options)
@@ -152,7 +151,7 @@ def test_tasks_that_cannot_run_offline_are_skipped_saying_why(monkeypatch):
 
 
 def test_bad_input_is_refused_with_what_to_do(model, tokenizer, cases_folder, tmp_path):
-    specs = build_specs("full")
+    specs = registry.methods("full")
     run = lambda **kw: ruler.run_ruler(model, tokenizer, specs, [LENGTH], tmp_path / "r.json", tasks=["vt"], **kw)  # noqa: E731
     with pytest.raises(KvsieveError, match=r"Budgets are shares of the prompt in \(0, 1\)"):
         run(budgets=[0.5, 1.5])

@@ -185,8 +185,8 @@ def test_a_peak_watch_sees_what_a_step_allocates_and_the_batch_counts_its_tables
     reset at `start`); freed before the next stretch, it does not show there. DecodeBatch.nbytes: its tables, none once
     its one row has left without keeping its entries."""
     from kvsieve.engine.batch import DecodeBatch, Row
+    from kvsieve.engine.pipeline import prefill
     from kvsieve.memory import PeakWatch
-    from kvsieve.pipeline import prefill
 
     watch = PeakWatch(torch.device("cpu"))
     assert watch.measures  # Linux: /proc/self/clear_refs resets the resident high-water mark

@@ -197,8 +197,8 @@ def test_a_renamed_field_keeps_its_old_name_for_one_release_with_a_warning():
 def test_renamed_names_of_the_python_api_warn_and_still_work():
     """`attention_hooks(kernel=...)` (now `prefill=`), `RunState.kernel` (now `attention`) and the classes
     `pipeline.Prefill` (`PrefillResult`) and `feed.Prefilled` (`FeedOutput`) answer under their old names too."""
+    import kvsieve.engine.pipeline as pipeline
     import kvsieve.feed as feed
-    import kvsieve.pipeline as pipeline
     from kvsieve.attention import Hooks, _active, attention_hooks
 
     def attend(layer, query, key, value, scaling):
@@ -212,6 +212,17 @@ def test_renamed_names_of_the_python_api_warn_and_still_work():
         assert pipeline.Prefill is pipeline.PrefillResult
     with pytest.warns(FutureWarning, match="FeedOutput"):
         assert feed.Prefilled is feed.FeedOutput
+
+
+def test_the_moved_pipeline_module_answers_its_old_path_warning():
+    """`kvsieve.pipeline` moved under `kvsieve.engine`; the old path gives the same objects for one release."""
+    import kvsieve.pipeline as old
+    from kvsieve import engine
+
+    with pytest.warns(FutureWarning, match="'pipeline.prefill' is now called 'engine.prefill'"):
+        assert old.prefill is engine.prefill
+    with pytest.raises(AttributeError):
+        old.no_such_name  # noqa: B018
 
 
 @pytest.mark.parametrize(

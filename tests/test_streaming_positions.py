@@ -23,9 +23,9 @@ from kvsieve.compress.policies.snapkv import SnapKV
 from kvsieve.compress.policies.streaming import StreamingLLM
 from kvsieve.compress.stages import Compress, Evict
 from kvsieve.decode import extend
+from kvsieve.engine.pipeline import prefill
 from kvsieve.errors import KvsieveError
 from kvsieve.feed.chunked import ChunkedPrefill
-from kvsieve.pipeline import prefill
 from kvsieve.prompt import Prompt
 from kvsieve.spec import MethodSpec
 

@@ -19,14 +19,12 @@ from kvsieve.compress.policies.streaming import StreamingLLM
 from kvsieve.compress.policies.tova import TOVA
 from kvsieve.compress.stages import Compress, Evict
 from kvsieve.decode import Sampling
-from kvsieve.engine.events import GenerationResult
-from kvsieve.engine.offline import generate, run
+from kvsieve.engine import GenerationResult, RunState, StageRecord, generate, run
 from kvsieve.errors import KvsieveError
 from kvsieve.feed.chunked import ChunkedPrefill
 from kvsieve.feed.full import FullPrefill
 from kvsieve.loading import load_model
 from kvsieve.models import architecture, prepare
-from kvsieve.pipeline import RunState, StageRecord
 from kvsieve.prompt import Prompt, build_prompt
 from kvsieve.registry import REGISTRY, method, register
 from kvsieve.select.gemfilter import GemFilter

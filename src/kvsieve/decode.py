@@ -3,7 +3,7 @@
 What decoding shares: the sampling options (`Sampling`) and the choice of a token from logits
 (`adjust`, `next_token`), the answer's text and end (`TextStream`), log-probabilities, and running
 tokens on a cache (`extend`). The decoding step and its loop are the engine's
-(`kvsieve.engine.batch.DecodeBatch`), which steps every running request of a batch together.
+(`kvsieve.engine.DecodeBatch`), which steps every running request of a batch together.
 
 Positions continue from the feed's logical position, which can differ from the cache length
 (after GemFilter or compression), so position ids are always passed explicitly. Under an

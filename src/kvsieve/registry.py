@@ -12,7 +12,9 @@ evaluations and `kvsieve methods` pick it up from the registry.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
+from typing import Any
 
 from kvsieve.attention.critiprefill import CritiPrefill
 from kvsieve.compress.policies.a2sf import A2SF
@@ -50,6 +52,39 @@ def method(name: str | MethodSpec, settings=()) -> MethodSpec:
     else:
         raise KvsieveError(f"Unknown method '{name}'; choose one of: {', '.join(REGISTRY)} (see `kvsieve methods`).")
     return spec.with_settings(settings)
+
+
+def parse_names(text: str | Sequence[str]) -> list[str]:
+    """Comma-separated method names, checked against the registry, duplicates refused."""
+    names = [m.strip() for m in text.split(",")] if isinstance(text, str) else list(text)
+    names = [m for m in names if m]
+    if not names:
+        raise KvsieveError(f"No methods given; choose from {', '.join(REGISTRY)}.")
+    if unknown := [m for m in names if m not in REGISTRY]:
+        raise KvsieveError(f"Unknown method(s) {', '.join(unknown)}; choose from {', '.join(REGISTRY)}.")
+    if len(set(names)) != len(names):
+        raise KvsieveError(f"Methods are listed twice in '{','.join(names)}'; list each once.")
+    return names
+
+
+def methods(names: str | Sequence[str], settings: Iterable[tuple[str, Any]] = ()) -> dict[str, MethodSpec]:
+    """{name: spec} for the listed presets, each setting applied where the method has the field.
+
+    What an evaluation's `--methods snapkv,h2o --set compress.budget=512` means: a setting applies to every listed
+    method that has that field and must apply to at least one, so this changes SnapKV's compression and leaves
+    H2O's eviction budget alone."""
+    settings = list(settings)
+    # Whole stages first (`--set evict=a2sf`), so that their fields (`evict.budget`) exist for the rest.
+    stages = [(p, v) for p, v in settings if "." not in p]
+    settings = [(p, v) for p, v in settings if "." in p]
+    specs = {name: method(name, stages) for name in parse_names(names)}
+    for path, _ in settings:
+        if not any(spec.has(path) for spec in specs.values()):
+            raise KvsieveError(
+                f"No listed method ({', '.join(specs)}) has the field '{path}'; see `kvsieve methods` for each "
+                "method's fields."
+            )
+    return {name: spec.with_settings([(p, v) for p, v in settings if spec.has(p)]) for name, spec in specs.items()}
 
 
 register(MethodSpec("full", "full attention, one-pass prefill (the baseline)", feed=FullPrefill()))

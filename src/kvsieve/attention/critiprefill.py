@@ -304,7 +304,7 @@ class CritiPrefill:
         return self.tag
 
     def check_model(self, arch: Architecture) -> None:
-        """Refuse settings this model cannot have (called by `kvsieve.pipeline.prefill`)."""
+        """Refuse settings this model cannot have (called by `kvsieve.engine.pipeline.prefill`)."""
         if self.dense_layers > arch.num_layers:
             raise KvsieveError(
                 f"CritiPrefill dense_layers={self.dense_layers}, but this model has {arch.num_layers} layers; "

@@ -14,7 +14,7 @@ from kvsieve.errors import KvsieveError
 
 def cmd_generate(args: argparse.Namespace) -> None:
     """Generate from a long context (file or stdin) and a question; the answer streams to stdout."""
-    from kvsieve.engine.offline import generate
+    from kvsieve.engine import generate
 
     spec = options.spec_of(args)  # a bad name or setting fails before the model loads
     sampling = options.sampling_of(args)
@@ -34,7 +34,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def cmd_inspect(args: argparse.Namespace) -> None:
     """Run GemFilter's selection and print the prompt with the kept tokens highlighted."""
-    from kvsieve.pipeline import select_tokens
+    from kvsieve.engine import select_tokens
     from kvsieve.prompt import build_prompt
 
     spec = options.spec_of(args)

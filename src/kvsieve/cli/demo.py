@@ -14,7 +14,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     entries side by side."""
     from kvsieve.data import needle_case
     from kvsieve.decode import Sampling
-    from kvsieve.engine.offline import generate
+    from kvsieve.engine import generate
     from kvsieve.eval.grading import contains, rouge1_recall
 
     specs = options.specs_of(args)

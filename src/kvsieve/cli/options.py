@@ -125,10 +125,10 @@ def spec_of(args: argparse.Namespace):
 
 
 def specs_of(args: argparse.Namespace):
-    from kvsieve.eval.methods import build_specs
+    from kvsieve import registry
     from kvsieve.spec import parse_settings
 
-    return build_specs(args.methods, parse_settings(args.set))
+    return registry.methods(args.methods, parse_settings(args.set))
 
 
 def add_prompt(parser: argparse.ArgumentParser) -> None:
@@ -209,9 +209,9 @@ def load(args: argparse.Namespace, warm_steps: bool = False):
     """The model and tokenizer, with what its CPU decoding steps call built before anything is timed: the C++
     kernels, on a machine that has not built them (about 11 s, once), would otherwise be counted in the first
     prompt's time to first token. `warm_steps` (a server): with --compile-steps, the decoding step's graphs too
-    (`kvsieve.engine.batch.warm_up`); a one-shot command's step compiles at its first token instead."""
+    (`kvsieve.engine.warm_up`); a one-shot command's step compiles at its first token instead."""
     from kvsieve import fast_paths
-    from kvsieve.engine.batch import warm_up
+    from kvsieve.engine import warm_up
     from kvsieve.kernels.native import build_kernels
     from kvsieve.loading import load_model
 
@@ -233,7 +233,7 @@ def load_off_main_thread(args: argparse.Namespace):
     and libgomp then stops spinning and puts workers to sleep after every parallel region. Measured on the
     2-core VM: one int8 decoding step in the engine thread took 53.8 ms after loading in the main thread and
     27.2 ms after loading in a thread that ended (docs/STUDIES.md, decoding). The CPU kernels are built and, with
-    --compile-steps, the decoding step (`kvsieve.engine.batch.warm_up`) compiled there too, before the
+    --compile-steps, the decoding step (`kvsieve.engine.warm_up`) compiled there too, before the
     server answers anything."""
     loaded: dict[str, object] = {}
 

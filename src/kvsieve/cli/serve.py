@@ -14,7 +14,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     Requests choose a method with the body field {"kvsieve": {"method": NAME, "set": {...}}}; decoding steps of all
     requests run as one batch, with long prefills sliced between them; the states of recent prompt prefixes are
     reused exactly (the method still sees the whole prompt)."""
-    from kvsieve.engine.prefix_cache import parse_bytes, parse_reuse_budget
+    from kvsieve.engine import parse_bytes, parse_reuse_budget
     from kvsieve.loading import DEFAULT_MODEL
     from kvsieve.serve import create_server
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from kvsieve.decode import TokenLogprob
-from kvsieve.pipeline import RunState, StageRecord
+from kvsieve.engine.pipeline import RunState, StageRecord
 
 
 @dataclass

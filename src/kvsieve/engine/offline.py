@@ -70,13 +70,7 @@ def run(
     emit = _text_to(stream) if stream is not None else None
     scheduler = Scheduler(model, tokenizer, max_batch=max_batch)
     requests = [Request(p, spec, sampling, emit) for p in prompts]
-    for request in requests:
-        scheduler.add(request)
-    while scheduler.has_work():
-        scheduler.step()
-    for request in requests:
-        if request.error is not None:
-            raise request.error
+    scheduler.run_to_end(requests)
     if sampling.n > 1:  # each prompt's n answers, sampled from its one prefill
         results = [[answer.result for answer in (request, *request.forks)] for request in requests]
     else:

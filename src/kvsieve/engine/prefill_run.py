@@ -14,8 +14,8 @@ from transformers import PreTrainedModel
 
 from kvsieve.decode import Sampling
 from kvsieve.engine.events import Selected
+from kvsieve.engine.pipeline import PrefillResult, prefill, select_tokens
 from kvsieve.engine.prefix_cache import BLOCK, PrefixCache, prefix_key, reuse_compress, reuse_tail
-from kvsieve.pipeline import PrefillResult, prefill, select_tokens
 from kvsieve.prompt import Prompt
 from kvsieve.spec import MethodSpec
 

@@ -19,9 +19,9 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from kvsieve.compress.stages import Compress, accumulating
+from kvsieve.engine.pipeline import prefix_states
 from kvsieve.errors import KvsieveError
 from kvsieve.feed import PromptState
-from kvsieve.pipeline import prefix_states
 from kvsieve.spec import MethodSpec
 
 BLOCK = 16  # tokens: a stored state cut shorter is cut to a multiple of this (no 3-token "hits")
@@ -103,7 +103,7 @@ def fillable(spec: MethodSpec) -> bool:
     return reuse_tail(spec) is not None and spec.select is None
 
 
-def fill(model: PreTrainedModel, ids: list[int], entries: list[tuple[PrefixCache, MethodSpec]]) -> int:
+def fill_prefix_caches(model: PreTrainedModel, ids: list[int], entries: list[tuple[PrefixCache, MethodSpec]]) -> int:
     """Store in each entry's cache the state of `ids` that its method would store there (`prefix_key`,
     `reuse_compress` at the cache's reuse budget), prefilling `ids` once per kind of exact state rather than once
     per entry; the number of prefills run.

@@ -30,10 +30,10 @@ from kvsieve.decode import Sampling, prompt_logprobs
 from kvsieve.engine.batch import Row
 from kvsieve.engine.events import Event, Failed, GenerationResult, Selected, Started, json_safe
 from kvsieve.engine.output import Output
+from kvsieve.engine.pipeline import PrefillResult, StageRecord
 from kvsieve.engine.prefill_run import prefill_tokens, prefill_with_reuse, select_stage_only
 from kvsieve.engine.prefix_cache import PrefixCache
 from kvsieve.engine.slices import PrefillSlices
-from kvsieve.pipeline import PrefillResult, StageRecord
 from kvsieve.prompt import Prompt
 from kvsieve.spec import MethodSpec
 

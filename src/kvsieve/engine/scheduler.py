@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Sequence
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -60,6 +61,18 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+
+    def run_to_end(self, requests: Sequence[Request]) -> None:
+        """Add `requests`, then step until every request here has ended; raise the first failed one's error.
+
+        What `run` (the library) and the evaluations do; the server steps by itself between its HTTP events."""
+        for request in requests:
+            self.add(request)
+        while self.has_work():
+            self.step()
+        for request in requests:
+            if request.error is not None:
+                raise request.error
 
     def has_room(self) -> bool:
         """Whether a request added now could start at the next step (fewer than max_batch in all)."""

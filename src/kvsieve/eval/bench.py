@@ -68,7 +68,7 @@ def measure(config: BenchConfig) -> dict:
     """Run one configuration in this process and return its timings and memory."""
     from kvsieve.data import prompt_case
     from kvsieve.decode import Sampling
-    from kvsieve.engine.offline import run
+    from kvsieve.engine import run
     from kvsieve.loading import load_model
 
     spec = MethodSpec.from_dict(config.spec)  # validate before any work

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kvsieve.engine import prefill
 from kvsieve.models import architecture
-from kvsieve.pipeline import prefill
 
 # Operators that read a tensor back to the host, or copy host data in, and so stall a CUDA stream (and cannot be
 # recorded in a CUDA graph).
@@ -129,7 +129,7 @@ class PrefillAudit:
 
 
 def audit_prefill(model: torch.nn.Module, prompt: torch.Tensor, spec: object) -> PrefillAudit:
-    """Run `kvsieve.pipeline.prefill(model, prompt, method=spec)` under a `HostReadAudit` and report it."""
+    """Run `kvsieve.engine.prefill(model, prompt, method=spec)` under a `HostReadAudit` and report it."""
     audit = HostReadAudit()
     with torch.no_grad(), audit.watch(model), audit:
         prefill(model, prompt, method=spec)

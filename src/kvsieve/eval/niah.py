@@ -54,7 +54,7 @@ def run_grid(
     Lengths are prompt tokens (context + template + question); depths are in [0, 1].
     """
     from kvsieve.decode import Sampling
-    from kvsieve.engine.offline import run
+    from kvsieve.engine import run
 
     if probe not in PROBES:
         raise KvsieveError(f"Unknown probe '{probe}'; choose from {', '.join(PROBES)}.")

@@ -25,13 +25,11 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvsieve.decode import extend
-from kvsieve.engine.batch import DecodeBatch, Row
+from kvsieve.engine import forced_logits, prefill
 from kvsieve.errors import KvsieveError
 from kvsieve.eval import records
 from kvsieve.eval.methods import check_lengths
 from kvsieve.models import architecture
-from kvsieve.pipeline import prefill
 from kvsieve.prompt import Prompt
 from kvsieve.spec import MethodSpec
 
@@ -48,18 +46,8 @@ def continuation_nll(model: PreTrainedModel, ids: torch.Tensor, context_len: int
     targets = ids[0, context_len:].to(model.device)
     with torch.no_grad():
         done = prefill(model, prompt, method=spec, reserve=tokens)
-        cache, position = done.prefilled.cache, done.prefilled.next_position
-        logits = [done.prefilled.last_logits[None]]
-        evict = done.state.evict
-        if tokens > 1 and evict is None:
-            logits.append(extend(model, cache, targets[None, :-1], position, logits_to_keep=tokens - 1))
-        elif tokens > 1:  # token by token through the engine's decoding step, each target fed as the next token
-            batch = DecodeBatch(model)
-            batch.add(Row(int(targets[0]), position, evict), cache)
-            for i in range(tokens - 1):
-                batch.rows[0].token = int(targets[i])
-                logits.append(batch.step())
-        nll = torch.nn.functional.cross_entropy(torch.cat(logits).float(), targets).item()
+        logits = forced_logits(model, done, targets)
+        nll = torch.nn.functional.cross_entropy(logits.float(), targets).item()
     return {
         "nll": nll,
         "ppl": math.exp(nll),

@@ -21,7 +21,7 @@ Configurations: each preset at each budget, a share of the prompt set on the pre
   with the question) is the ceiling of both.
 
 The sweep shares its expensive part through the engine's prefix cache: before a case's configurations run, its
-context is prefilled once per kind of exact state (`prefix_cache.fill`), which stores the state every question-mode
+context is prefilled once per kind of exact state (`fill_prefix_caches`), which stores the state every question-mode
 configuration that continues a stored prefix starts from and every agnostic configuration's compressed one; each
 configuration then runs only its question (reuse never changes an answer, `engine.prefix_cache`). GemFilter stores
 its own selection pass; chunked feeds and CritiPrefill's attention plan their own prefill. `kvsieve.eval.leaderboard`
@@ -250,7 +250,7 @@ def configurations(specs: Mapping[str, MethodSpec], budgets: Sequence[float], mo
     """Every (preset, budget, mode) a sweep runs: presets with a KV budget at each budget, the others once (full
     attention, the ceiling of both modes, in question mode); the agnostic mode for presets whose context a scorer
     can compress without the question (`reuse_compress`)."""
-    from kvsieve.engine.prefix_cache import reuse_compress
+    from kvsieve.engine import reuse_compress
 
     configs = []
     for mode in modes:
@@ -388,12 +388,10 @@ def _answer_case(
     budget); its rows.
 
     With `share_prefill`, the context is prefilled once per kind of exact state before any request runs
-    (`prefix_cache.fill`): the question mode's exact states and the agnostic mode's compressed ones come from the
+    (`fill_prefix_caches`): the question mode's exact states and the agnostic mode's compressed ones come from the
     same passes, so every configuration that continues a stored prefix runs only the question."""
     from kvsieve.decode import Sampling
-    from kvsieve.engine.prefix_cache import PrefixCache, fill, fillable
-    from kvsieve.engine.request import Request
-    from kvsieve.engine.scheduler import Scheduler
+    from kvsieve.engine import PrefixCache, Request, Scheduler, fill_prefix_caches, fillable
 
     length = case.prompt.length
     caches = {
@@ -402,22 +400,18 @@ def _answer_case(
     }
     jobs = [(caches[group], c, spec_at(specs[c.method], c.budget, length)) for group, cs in todo.items() for c in cs]
     if share_prefill and (entries := [(cache, spec) for cache, _, spec in jobs if fillable(spec)]):
-        fill(model, case.prompt.ids[0, : case.boundary].tolist(), entries)
+        fill_prefix_caches(model, case.prompt.ids[0, : case.boundary].tolist(), entries)
     # Every configuration decodes in one batch, each request with its group's prefix cache: one step feeds all of
     # them (groups decoding one after another would step as many times more, each reading every weight).
     scheduler = Scheduler(model, tokenizer, max_batch=len(jobs))
-    requests = []
-    for cache, config, spec in jobs:
-        sampling = Sampling(case.max_new_tokens)
-        request = Request(case.prompt, spec, sampling, boundary=case.boundary, keep_cache=False, prefix_cache=cache)
-        requests.append((config, request))
-        scheduler.add(request)
-    while scheduler.has_work():
-        scheduler.step()
+    requests = [
+        (config, Request(case.prompt, spec, Sampling(case.max_new_tokens), boundary=case.boundary, keep_cache=False,
+                         prefix_cache=cache))
+        for cache, config, spec in jobs
+    ]  # fmt: skip
+    scheduler.run_to_end([request for _, request in requests])
     rows = []
     for config, request in requests:
-        if request.error is not None:
-            raise request.error
         result = request.result
         rows.append(
             {

@@ -15,8 +15,7 @@ from fastapi import Request as HttpRequest
 from transformers import PreTrainedTokenizerBase
 
 from kvsieve.decode import TokenLogprob
-from kvsieve.engine.events import Event, Failed, Finished, Text
-from kvsieve.engine.request import Request
+from kvsieve.engine import Event, Failed, Finished, Request, Text
 from kvsieve.errors import KvsieveError
 from kvsieve.serve.openai_types import CLIENT_CLOSED, ApiError, Reply, finish_reason, logprobs_object, sse, usage
 

@@ -22,8 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import PreTrainedTokenizerBase
 
-from kvsieve.engine.events import Failed, Finished, Text
-from kvsieve.engine.request import Request
+from kvsieve.engine import Failed, Finished, Request, Text
 from kvsieve.serve.answers import ClientGone, Echo, RequestEvents, as_api_error, logprobs_of, stream_chunks
 from kvsieve.serve.engine_thread import EngineThread
 from kvsieve.serve.metrics import CONTENT_TYPE, CountRequests, Metrics

@@ -24,10 +24,7 @@ from collections.abc import Callable
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvsieve.engine.events import Event, Failed, Finished, Selected, Started, Text
-from kvsieve.engine.prefix_cache import PrefixCache
-from kvsieve.engine.request import Request
-from kvsieve.engine.scheduler import Scheduler
+from kvsieve.engine import Event, Failed, Finished, PrefixCache, Request, Scheduler, Selected, Started, Text
 from kvsieve.memory import PeakWatch, model_bytes, release_freed, resident_bytes
 from kvsieve.serve.metrics import Metrics
 from kvsieve.serve.openai_types import ApiError

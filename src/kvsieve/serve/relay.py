@@ -16,8 +16,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvsieve.decode import Sampling
-from kvsieve.engine.events import Selected
-from kvsieve.engine.request import Request
+from kvsieve.engine import Request, Selected
 from kvsieve.serve.metrics import Metrics
 from kvsieve.serve.openai_types import (
     CLIENT_CLOSED,

@@ -13,8 +13,8 @@ from transformers import PreTrainedTokenizerBase
 
 from kvsieve import registry
 from kvsieve.decode import Sampling
+from kvsieve.engine import positions_needed
 from kvsieve.errors import KvsieveError
-from kvsieve.pipeline import positions_needed
 from kvsieve.serve.openai_types import ApiError, ChatRequest, CompletionRequest, KvsieveOptions
 from kvsieve.serve.prompts import PromptIds
 from kvsieve.spec import MethodSpec, json_type_error
