@@ -67,10 +67,10 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from kvsieve import fast_paths, load_model, prepare
-from kvsieve.compress.cache import wrap_cache
 from kvsieve.data import prompt_case
 from kvsieve.engine import DecodeBatch, PrefillResult, Row, prefill
 from kvsieve.eval.bench import spread as bench_spread
+from kvsieve.kv.cache import wrap_cache
 from kvsieve.prompt import Prompt
 from kvsieve.quantize import quantize
 from kvsieve.registry import method

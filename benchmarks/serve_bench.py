@@ -463,8 +463,8 @@ def step(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from kvsieve import Prompt, load_model
-    from kvsieve.compress.cache import wrap_cache
     from kvsieve.engine import DecodeBatch, Row, prefill
+    from kvsieve.kv.cache import wrap_cache
 
     model, _ = load_model()
     ids = torch.tensor([essay_ids(args.prompt_tokens, 0)])

@@ -18,10 +18,10 @@ from conftest import WINDOW, build_model, make_prompt
 
 from kvsieve import fast_paths, method
 from kvsieve.compiled import Compiled
-from kvsieve.compress.cache import wrap_cache
 from kvsieve.engine import static_step as static_step_module
 from kvsieve.engine.batch import SPARE, DecodeBatch, Row, warm_up
 from kvsieve.engine.pipeline import PrefillResult, prefill
+from kvsieve.kv.cache import wrap_cache
 from kvsieve.models import architecture
 from kvsieve.quantize import quantize
 

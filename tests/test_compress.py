@@ -22,9 +22,9 @@ from kvsieve import (
     run,
 )
 from kvsieve.attention import attention_hooks
-from kvsieve.compress.cache import resolve_budget
 from kvsieve.compress.scorers import accumulated_attention, keep_indices, window_attention
 from kvsieve.errors import KvsieveError
+from kvsieve.kv.cache import resolve_budget
 from kvsieve.models import with_cache
 from kvsieve.registry import method
 

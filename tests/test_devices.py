@@ -236,11 +236,11 @@ def test_the_static_step_as_a_gpu_records_it_reads_nothing_back_to_the_host(arch
     test captures it; this one keeps a host read from reaching it unnoticed on machines without a GPU. Rows: full
     attention, two H2O rows (scored together), A2SF, TOVA and StreamingLLM, all steady; on gemma3 the sliding
     layers' rings (prompts past their window) as well."""
-    from kvsieve.compress import cache as buffers
-    from kvsieve.compress.cache import wrap_cache
+    from kvsieve.kv import cache as buffers
     from kvsieve.engine import static_step
     from kvsieve.engine.batch import DecodeBatch, Row
     from kvsieve.kernels import native
+    from kvsieve.kv.cache import wrap_cache
 
     monkeypatch.setattr(native, "load", lambda: False)  # products, attention and eviction in PyTorch's operators
     evictions = []
@@ -306,8 +306,8 @@ def test_cuda_graph_steps_give_the_eager_steps_logits(dtype, arch):
     wrapping round their window inside the recorded step."""
     import copy
 
-    from kvsieve.compress.cache import wrap_cache
     from kvsieve.engine.batch import SPARE, DecodeBatch, Row
+    from kvsieve.kv.cache import wrap_cache
 
     assert torch.cuda.is_available(), "the gpu tests need CUDA (run them with `make test-gpu` on a GPU machine)"
     model = model_in(dtype, arch=arch, device="cuda")
@@ -351,8 +351,8 @@ def test_compiled_cuda_graph_steps_give_the_eager_steps_logits(dtype, arch, monk
     fused kernels round less often than eager ones, no further from the float32 model's logits than eager is."""
     import copy
 
-    from kvsieve.compress.cache import wrap_cache
     from kvsieve.engine.batch import SPARE, DecodeBatch, Row
+    from kvsieve.kv.cache import wrap_cache
 
     assert torch.cuda.is_available(), "the gpu tests need CUDA (run them with `make test-gpu` on a GPU machine)"
     model = model_in(dtype, arch=arch, device="cuda")

@@ -20,13 +20,13 @@ import torch
 from conftest import FakeTokenizer, build_model, make_prompt
 
 from kvsieve import Sampling, fast_paths, method, run
-from kvsieve.compress.cache import wrap_cache
 from kvsieve.engine import prefill_run
 from kvsieve.engine.batch import DecodeBatch
 from kvsieve.engine.events import Failed, Finished, Started, Text
 from kvsieve.engine.request import Request
 from kvsieve.engine.scheduler import Scheduler
 from kvsieve.errors import KvsieveError
+from kvsieve.kv.cache import wrap_cache
 
 CASES = [
     # first: decodes alone in buffers (H2O's recent half needs the entries back in time order), then joins the batch
@@ -477,7 +477,7 @@ def test_the_prefills_that_end_in_one_step_join_the_batch_in_one_rebuild(model, 
     """Without a step budget every waiting request prefills in the first step; they join the batch together, its
     tables rebuilt once (joining one at a time copied every earlier row's entries again), and each still decodes
     its own answer."""
-    from kvsieve.engine.batch_tables import BatchTables
+    from kvsieve.kv.tables import BatchTables
 
     rebuilds = []
     rebuild = BatchTables.rebuild

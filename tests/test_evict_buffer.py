@@ -17,7 +17,6 @@ from transformers import DynamicCache
 
 from kvsieve import Sampling, method, run
 from kvsieve.attention import attention_hooks
-from kvsieve.compress.cache import DecodeBuffer, compaction
 from kvsieve.compress.policies.a2sf import A2SF
 from kvsieve.compress.policies.h2o import H2O
 from kvsieve.compress.policies.knorm import KNorm
@@ -28,6 +27,7 @@ from kvsieve.compress.stages import Evict
 from kvsieve.decode import extend, next_token
 from kvsieve.engine.pipeline import prefill
 from kvsieve.errors import KvsieveError
+from kvsieve.kv.cache import DecodeBuffer, compaction
 from kvsieve.spec import MethodSpec
 
 POLICIES = [H2O(), A2SF(alpha=0.5), A2SF(alpha=0.2, recent=4), StreamingLLM(), LocalWindow(), TOVA(), KNorm()]

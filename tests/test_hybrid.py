@@ -19,9 +19,9 @@ from transformers import AutoModelForCausalLM, Cohere2Config
 
 import kvsieve
 from kvsieve import REGISTRY, KvsieveError, Sampling, method, run
-from kvsieve.compress.cache import WindowBuffer, is_windowed
 from kvsieve.engine.pipeline import prefill
 from kvsieve.feed import PromptState
+from kvsieve.kv.cache import WindowBuffer, is_windowed
 from kvsieve.models import architecture
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -18,7 +18,6 @@ from transformers import AutoModelForCausalLM
 import kvsieve
 from kvsieve import Sampling, run
 from kvsieve.attention import attention_hooks
-from kvsieve.compress.cache import DecodeBuffer
 from kvsieve.compress.policies.snapkv import SnapKV
 from kvsieve.compress.policies.streaming import StreamingLLM
 from kvsieve.compress.stages import Compress, Evict
@@ -26,6 +25,7 @@ from kvsieve.decode import extend
 from kvsieve.engine.pipeline import prefill
 from kvsieve.errors import KvsieveError
 from kvsieve.feed.chunked import ChunkedPrefill
+from kvsieve.kv.cache import DecodeBuffer
 from kvsieve.prompt import Prompt
 from kvsieve.spec import MethodSpec
 

@@ -4,6 +4,7 @@
 - `policies/`: one module per policy: SnapKV, H2O, A2SF, StreamingLLM, local window, TOVA, KNorm;
 - `scorers.py`: the shared scoring functions (window attention, accumulated attention with a
   forgetting factor, top-k with protected positions), used by compress, eviction and chunked feeds;
-- `cache.py`: budgets and the per-KV-head gather that frees memory;
 - `stages.py`: `Compress` (once, after prefill) and `Evict` (while decoding), each with a per-run state.
+
+Where the entries live and how they move (buffers, tables, in-place eviction, re-encoded positions) is `kvsieve.kv`.
 """

@@ -18,8 +18,8 @@ attention is done (as kvpress's forward hooks do). The uncompressed cache of all
 never exists at once, and the prefill's peak falls by the bytes the pruning removes.
 
 While decoding in the engine's batch, `EvictRun` keeps the cache in preallocated buffers (`DecodeBuffer`; its
-in-buffer half is `compress.in_place`): new entries are written in place and an eviction moves at most `interval`
-entries per KV head. StreamingLLM's re-encoded positions are `compress.reencoding`.
+in-buffer half is `kv.in_place`): new entries are written in place and an eviction moves at most `interval`
+entries per KV head. StreamingLLM's re-encoded positions are `kv.reencoding`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,12 @@ import torch
 from transformers import Cache
 
 from kvsieve.attention import AccumulatedScores, AttentionRows, Finisher, Observer
-from kvsieve.compress.cache import (
+from kvsieve.compress.policies.a2sf import A2SF
+from kvsieve.compress.policies.snapkv import SnapKV
+from kvsieve.compress.policy import Policy, observed_scores
+from kvsieve.compress.scorers import accumulated_attention, keep_indices
+from kvsieve.errors import KvsieveError
+from kvsieve.kv.cache import (
     EntryTables,
     budgeted_layers,
     is_windowed,
@@ -40,13 +45,8 @@ from kvsieve.compress.cache import (
     prune_layer,
     resolve_budget,
 )
-from kvsieve.compress.in_place import InPlaceEviction
-from kvsieve.compress.policies.a2sf import A2SF
-from kvsieve.compress.policies.snapkv import SnapKV
-from kvsieve.compress.policy import Policy, observed_scores
-from kvsieve.compress.reencoding import Reencoding
-from kvsieve.compress.scorers import accumulated_attention, keep_indices
-from kvsieve.errors import KvsieveError
+from kvsieve.kv.in_place import InPlaceEviction
+from kvsieve.kv.reencoding import Reencoding
 from kvsieve.spec import component, option
 
 BUDGET_HELP = "KV entries kept per layer and KV head: a count (1024) or a fraction of the prompt (0.25)"

@@ -2,7 +2,7 @@
 
 Requests differ in cache length (per layer, after their own compression), logical position,
 method and eviction budget. The batch keeps every running request's cache in one key and one
-value table (`engine.batch_tables`), (layers, rows, kv_heads, capacity, head_dim): row b's entries of
+value table (`kv.tables`), (layers, rows, kv_heads, capacity, head_dim): row b's entries of
 layer j are columns 0 .. n - 1 of `table[j, b]`, padded on the right up to the longest row. Each row's cache layers are
 `DecodeBuffer`s over its slices of the tables. A hybrid model's sliding layers are kept apart, in ring tables as
 wide as their window (`WindowBuffer`: a step's entry replaces the oldest once the window is full), so the global
@@ -43,10 +43,10 @@ from transformers import Cache, DynamicCache, PreTrainedModel
 from kvsieve import fast_paths
 from kvsieve.attention import AttentionRows, attention_hooks
 from kvsieve.compress.stages import EvictRun
-from kvsieve.engine.batch_tables import BatchTables
 from kvsieve.engine.static_step import StaticStep, steady
 from kvsieve.errors import KvsieveError
 from kvsieve.kernels.native import build_kernels
+from kvsieve.kv.tables import BatchTables
 from kvsieve.models import with_cache
 
 SPARE = 128  # columns of room for new tokens when the tables are (re)allocated
@@ -109,7 +109,7 @@ class DecodeBatch:
         ordinary step); on CUDA with graphs, every captured step's but where a row evicts (captured uncompiled);
         None: `compiled_steps_enabled(model)`."""
         self.model = model
-        self.tables = BatchTables(model)  # every row's cache, in shared tables (`engine.batch_tables`)
+        self.tables = BatchTables(model)  # every row's cache, in shared tables (`kv.tables`)
         self.compiled = compiled_steps_enabled(model) if compiled is None else compiled
         self.static = (cuda_graphs_enabled(model) or self.compiled) if static is None else static
         self.capture = cuda_graphs_enabled(model)  # off for good once a capture has failed

@@ -13,11 +13,11 @@ from collections.abc import Sequence
 import torch
 from transformers import Cache, PreTrainedModel
 
-from kvsieve.compress.cache import kv_entries
 from kvsieve.compress.stages import EvictRun
 from kvsieve.decode import extend
 from kvsieve.engine.batch import DecodeBatch, Row
 from kvsieve.engine.pipeline import PrefillResult
+from kvsieve.kv.cache import kv_entries
 
 
 class Continuation:

@@ -17,7 +17,6 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from kvsieve.attention import ATTENTION_NAME, attention_hooks
-from kvsieve.compress.cache import compose_kept, kv_entries, resolve_budget, wrap_cache
 from kvsieve.compress.stages import (
     Compress,
     CompressRun,
@@ -29,6 +28,7 @@ from kvsieve.compress.stages import (
 from kvsieve.errors import KvsieveError
 from kvsieve.feed import Feed, FeedOutput, PromptState
 from kvsieve.feed.full import FullPrefill
+from kvsieve.kv.cache import compose_kept, kv_entries, resolve_budget, wrap_cache
 from kvsieve.models import architecture
 from kvsieve.prompt import Prompt
 from kvsieve.select import Selector

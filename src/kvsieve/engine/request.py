@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
 
-from kvsieve.compress.cache import wrap_cache
 from kvsieve.decode import Sampling, prompt_logprobs
 from kvsieve.engine.batch import Row
 from kvsieve.engine.events import Event, Failed, GenerationResult, Selected, Started, json_safe
@@ -34,6 +33,7 @@ from kvsieve.engine.pipeline import PrefillResult, StageRecord
 from kvsieve.engine.prefill_run import prefill_tokens, prefill_with_reuse, select_stage_only
 from kvsieve.engine.prefix_cache import PrefixCache
 from kvsieve.engine.slices import PrefillSlices
+from kvsieve.kv.cache import wrap_cache
 from kvsieve.prompt import Prompt
 from kvsieve.spec import MethodSpec
 

@@ -23,12 +23,12 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvsieve.compress.cache import kv_entries
 from kvsieve.decode import eos_token_ids
 from kvsieve.engine.batch import DecodeBatch
 from kvsieve.engine.prefix_cache import PrefixCache
 from kvsieve.engine.request import Request
 from kvsieve.errors import KvsieveError
+from kvsieve.kv.cache import kv_entries
 
 log = logging.getLogger("kvsieve.engine")
 

@@ -58,11 +58,11 @@ from collections.abc import Callable
 
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
 
 from kvsieve.attention import NO_HOOKS, AttentionRows, Hooks, Observer, attention_hooks
 from kvsieve.compiled import Compiled
 from kvsieve.compress.stages import EvictRun, observe_attention_rows, observe_rows
+from kvsieve.kv.tables import ScatterLayer
 from kvsieve.models import with_cache
 
 log = logging.getLogger("kvsieve.engine")
@@ -107,36 +107,6 @@ def step_guards(entries: list) -> list[bool]:
 # graph runs (one row, full attention at 2K, fast memory phase, alternated stretch by stretch: 19.5 -> 18.8 ms,
 # docs/STUDIES.md).
 compiled_steps = Compiled("decoding step", model_step, options={"guard_filter_fn": step_guards, "size_asserts": False})
-
-
-class _ScatterLayer(DynamicLayer):
-    """Layer j of the static step's cache: writes each row's new entry at its column `columns[j, row]` of the
-    layer's tables (the global tables, or a hybrid model's rings for a sliding layer) and hands the attention the
-    tables' whole capacity.
-
-    The entries go into the whole tables with one `index_put_` (table slot, row and column indices), not into the
-    layer's view of them: a compiled graph writes into its inputs in place, but a view of another input is
-    copied out and back, the layer's whole table every step (SmolLM2's compiled step with full attention:
-    70.2 -> 27.4 ms at 8K, 28.7 -> 24.8 ms at 2K; docs/STUDIES.md)."""
-
-    def __init__(
-        self, layer: int, tables: tuple[torch.Tensor, torch.Tensor], slot: int, indices: tuple[torch.Tensor, ...]
-    ):
-        """Layer `layer`, at slot `slot` of the tables `tables` (keys, values); `indices`: the step's (slots, row_ids,
-        columns). The layer holds the step's tensors, not the step: no reference cycle, so a dropped step (its CUDA
-        graph, its memory pool, the old tables) is freed at once rather than at the next garbage collection."""
-        super().__init__()
-        self.layer, self.slot, self.tables, self.indices = layer, slot, tables, indices
-        keys, values = tables
-        self.lazy_initialization(keys[slot], values[slot])
-        self.keys, self.values = keys[slot], values[slot]
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        (keys, values), (slots, row_ids, columns) = self.tables, self.indices
-        where = (slots[self.layer], row_ids, slice(None), columns[self.layer])  # (rows,) each
-        keys[where] = key_states[:, :, 0]
-        values[where] = value_states[:, :, 0]
-        return keys[self.slot], values[self.slot]  # views made in the graph (`self.keys` alias an input)
 
 
 def steady(evict: EvictRun | None, cache: Cache) -> bool:
@@ -202,7 +172,7 @@ class StaticStep:
         self.slots = torch.tensor([slot for _, slot in layers], device=device).view(-1, 1).expand(len(layers), count)
         self.cache = DynamicCache(config=model.config)
         indices = (self.slots, self.row_ids, self.columns)
-        self.cache.layers = [_ScatterLayer(j, tables, slot, indices) for j, (tables, slot) in enumerate(layers)]
+        self.cache.layers = [ScatterLayer(j, tables, slot, indices) for j, (tables, slot) in enumerate(layers)]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.compiled_calls = 0  # compiled steps run
         # from the second compiled step on, the code dynamo's guards chose, called without them (`Compiled.bound`)

@@ -127,7 +127,7 @@ def compare_policies(
     """Perplexity and Table-2 cosine of each policy on `ids`, with full attention as the first row."""
     from tqdm import tqdm
 
-    from kvsieve.compress.cache import resolve_budget
+    from kvsieve.kv.cache import resolve_budget
 
     count, _ = resolve_budget(budget, ids.shape[1])
     full = sequence_nll(model, ids).mean().item()

@@ -14,8 +14,8 @@ from typing import Any, Protocol
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 
-from kvsieve.compress.cache import is_windowed, kv_entries, wrap_cache
 from kvsieve.compress.stages import PrefixSums
+from kvsieve.kv.cache import is_windowed, kv_entries, wrap_cache
 from kvsieve.spec import warn_renamed
 
 

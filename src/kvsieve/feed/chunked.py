@@ -50,7 +50,6 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 
 from kvsieve.attention import Observer, attention_hooks
-from kvsieve.compress.cache import budgeted_layers, is_windowed, prune_layer, rerotate_keys, rotate_half
 from kvsieve.compress.policies.collie import Collie
 from kvsieve.compress.policy import Policy, observed_scores
 from kvsieve.compress.scorers import keep_indices
@@ -66,6 +65,7 @@ from kvsieve.feed.schedules import (
     num_chunks,
     retention_ratio,
 )
+from kvsieve.kv.cache import budgeted_layers, is_windowed, prune_layer, rerotate_keys, rotate_half
 from kvsieve.models import architecture, with_cache
 from kvsieve.spec import component, option
 

@@ -6,7 +6,7 @@ farther from the newest tokens and a stream breaks down past the model's trained
 `reencode=True` follows the paper (section 3.2): positions are assigned by place in the cache,
 sinks 0 .. s-1 and the window s .. in time order, and a new token is fed at position = cache
 length. The kept post-RoPE keys are re-rotated to their new places after every eviction
-(`EvictRun`, by `kvsieve.compress.cache.rerotate_keys`), so no position ever exceeds the
+(`EvictRun`, by `kvsieve.kv.cache.rerotate_keys`), so no position ever exceeds the
 budget and a stream can run past the model's positions. The paper's code re-applies RoPE to
 cached pre-RoPE keys; rotating post-RoPE keys is the same in exact arithmetic (R(a + b) =
 R(a) R(b)), and in float32 the repeated rotations stay within float rounding, but in bf16 / fp16

@@ -3,7 +3,7 @@
 Every cached entry's RoPE position is its rank in time order among the live entries (0 .. n-1 per KV head), as
 in the StreamingLLM paper, rather than its place in the text. After an eviction the kept keys are rotated by
 (new rank - old position) with their layer's rotary embedding (R(p + delta) = R(delta) R(p),
-`kvsieve.compress.cache.rerotate_keys`), and the next token goes at position n (`EvictRun.position`).
+`kvsieve.kv.cache.rerotate_keys`), and the next token goes at position n (`EvictRun.position`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import Cache
 
-from kvsieve.compress.cache import DecodeBuffer, moved, rerotate_keys, rotation
+from kvsieve.kv.cache import DecodeBuffer, moved, rerotate_keys, rotation
 from kvsieve.models import Architecture, architecture
 
 

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import Cache
 
-from kvsieve.compress.cache import EntryTables, moved
 from kvsieve.compress.policy import observed_scores
+from kvsieve.kv.cache import EntryTables, moved
 
 if TYPE_CHECKING:
-    from kvsieve.compress.reencoding import Reencoding
+    from kvsieve.kv.reencoding import Reencoding
 
 
 class InPlaceEviction:
