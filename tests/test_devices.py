@@ -236,10 +236,10 @@ def test_the_static_step_as_a_gpu_records_it_reads_nothing_back_to_the_host(arch
     test captures it; this one keeps a host read from reaching it unnoticed on machines without a GPU. Rows: full
     attention, two H2O rows (scored together), A2SF, TOVA and StreamingLLM, all steady; on gemma3 the sliding
     layers' rings (prompts past their window) as well."""
-    from kvsieve.kv import cache as buffers
     from kvsieve.engine import static_step
     from kvsieve.engine.batch import DecodeBatch, Row
     from kvsieve.kernels import native
+    from kvsieve.kv import cache as buffers
     from kvsieve.kv.cache import wrap_cache
 
     monkeypatch.setattr(native, "load", lambda: False)  # products, attention and eviction in PyTorch's operators

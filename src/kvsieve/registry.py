@@ -22,6 +22,7 @@ from kvsieve.compress.policies.collie import Collie  # noqa: F401  (registers th
 from kvsieve.compress.policies.h2o import H2O
 from kvsieve.compress.policies.knorm import KNorm
 from kvsieve.compress.policies.local import LocalWindow
+from kvsieve.compress.policies.pyramidkv import PyramidKV
 from kvsieve.compress.policies.snapkv import SnapKV
 from kvsieve.compress.policies.streaming import StreamingLLM
 from kvsieve.compress.policies.tova import TOVA
@@ -154,6 +155,13 @@ register(
 )
 register(
     MethodSpec("snapkv-paper", "SnapKV as its paper runs it: votes pooled over 5 tokens [paper]", compress=Compress())
+)
+register(
+    MethodSpec(
+        "pyramidkv",
+        "PyramidKV: SnapKV's votes, budgets falling linearly from the first layer to the last (beta 20) [paper]",
+        compress=Compress(PyramidKV()),
+    )
 )
 register(MethodSpec("h2o", "H2O: heavy hitters + recent half, evicting every step [paper]", evict=Evict(H2O())))
 register(

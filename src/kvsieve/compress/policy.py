@@ -1,14 +1,21 @@
-"""The interface of a KV policy: how it scores cached tokens and which positions it always keeps.
+"""The two kinds of KV policy: a prompt scorer, or a per-step rule.
 
-A policy is a small frozen dataclass registered with `@component(tag, "policy")`. The stages
-that prune KV use it the same way: `Compress` once after prefill, `Evict` after every decoding
-step, and the chunked feeds (FM / IM / IMDC) at every chunk. Scores are (kv_heads, n), higher
-means keep, computed in float32 whatever the model's dtype; query head h votes for KV head
+A policy is a small frozen dataclass registered with `@component(tag, "policy")`, of one of two kinds:
+
+- `PromptScorer` (SnapKV, KNorm, TOVA, StreamingLLM, the local window, Collie): scores the cached keys from the
+  prompt's last queries, from the keys alone, or by position alone. Write `prompt_scores` (or set `position_only`).
+  Set `rescores` for a rule that evicts while decoding by scoring again at every step (TOVA, KNorm).
+- `StepRule` (H2O, A2SF): running scores, score <- step_alpha * score + the new query's attention (A2SF eq. 6),
+  whose prompt scores are the same sum over the prompt's queries (eq. 5), made inside kvsieve's attention pass.
+  Set `step_alpha`.
+
+Either may override `protected` (positions kept whatever their score) and `layer_budget` (a budget per layer).
+The stages that prune KV read every policy the same way (the members of `Policy` below): `Compress` once after
+prefill, `Evict` after every decoding step, and the chunked feeds (FM / IM / IMDC) at every chunk. Scores are
+(kv_heads, n), higher means keep, computed in float32 whatever the model's dtype; query head h votes for KV head
 h // n_rep (`kvsieve.compress.scorers`).
 
-To add a policy: one module in `compress/policies/` with a subclass that implements
-`prompt_scores` (and, for a per-step rule, sets `step_alpha`, or `row_scores` with `step_reads_attention` for
-another rule on the step's attention row, or `step_scores` for one that reads more), plus one line in
+To add a policy: one module in `compress/policies/` with a subclass of one kind, plus one line in
 `kvsieve/registry.py` naming its preset. Nothing else changes.
 """
 
@@ -23,24 +30,14 @@ from kvsieve.errors import KvsieveError
 
 
 class Policy:
-    """Base class of the KV policies (SnapKV, H2O, A2SF, StreamingLLM, local window, TOVA, KNorm).
-
-    Subclass attributes:
-    - `position_only`: keeps tokens by position alone (no scores at all);
-    - `step_alpha`: for accumulating policies, the per-step rule score <- alpha * score + row
-      (A2SF eq. 6; H2O alpha = 1); None when the policy has no such rule;
-    - `accumulates`: the prompt scores are A2SF eq. 5's accumulated attention with that same
-      alpha (H2O, A2SF).
-
-    Policies whose prompt scores are made from accumulated attention (`summed_alpha`, `from_sums`:
-    H2O, A2SF, Collie) get it from kvsieve's dense attention pass itself, with no second pass.
-    """
+    """What the stages read of a KV policy; a policy subclasses one of its two kinds, `PromptScorer` or `StepRule`,
+    which set these members (the defaults: a one-shot policy without scores of its own)."""
 
     tag: ClassVar[str]
     kind: ClassVar[str]
-    position_only: ClassVar[bool] = False
-    step_alpha: ClassVar[float | None] = None
-    accumulates: ClassVar[bool] = False
+    position_only: ClassVar[bool] = False  # keeps tokens by position alone (no scores at all)
+    step_alpha: ClassVar[float | None] = None  # a `StepRule`'s forgetting factor
+    accumulates: ClassVar[bool] = False  # the prompt scores are A2SF eq. 5 with `step_alpha` (a `StepRule`)
 
     @property
     def name(self) -> str:
@@ -49,7 +46,21 @@ class Policy:
     @property
     def decodes(self) -> bool:
         """Whether the policy has a per-step eviction rule (usable by `Evict`)."""
-        return self.position_only or self.step_alpha is not None
+        return self.position_only
+
+    def protected(self, budget: int) -> tuple[int, int]:
+        """(sinks, recent): the first and last positions kept regardless of score, within `budget`."""
+        return 0, 0
+
+    def layer_budget(self, budget: int, layer: int, layers: list[int]) -> int:
+        """The entries `layer` keeps when the stage's budget is `budget` per layer on average over the budgeted
+        `layers`. Default: `budget` in every layer."""
+        return budget
+
+    @property
+    def budgets_per_layer(self) -> bool:
+        """Whether `layer_budget` gives the layers budgets of their own, which only the compress stage applies."""
+        return type(self).layer_budget is not Policy.layer_budget
 
     def prompt_scores(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor | None:
         """(kv_heads, n) scores of the keys (kv_heads, n, d) from queries (h, q, d), the last q of n
@@ -60,8 +71,8 @@ class Policy:
 
     @property
     def summed_alpha(self) -> float | None:
-        """The alpha of the accumulated attention (A2SF eq. 5) the prompt scores are made from by
-        `from_sums`, or None when they are not: H2O / A2SF their step_alpha; Collie 1."""
+        """The alpha of the accumulated attention (A2SF eq. 5) the prompt scores are made from by `from_sums`
+        (inside the attention pass), or None when they are not: a `StepRule` its step_alpha; Collie 1."""
         return float(self.step_alpha) if self.accumulates else None
 
     def accumulated_scores(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -90,23 +101,13 @@ class Policy:
     def step_reads_attention(self) -> bool:
         """Whether the per-step rule reads nothing but the new query's attention row (`row_scores`): then a decoding
         step hands it the attention's own probabilities (`kvsieve.attention.AttentionRows`, one pass over the keys)
-        rather than `step_scores` computing them again. Default: the policies with a `step_alpha`."""
-        return not self.position_only and self.step_alpha is not None
+        rather than `step_scores` computing them again."""
+        return False
 
     def row_scores(self, previous: torch.Tensor | None, row: torch.Tensor, kv_heads: int) -> torch.Tensor:
         """Running scores (kv_heads, n) after one decoding step from its attention `row` (h, n) float32, for the
-        policies that `step_reads_attention`. Default: score <- step_alpha * score + the row summed per KV head (A2SF
-        eq. 6)."""
-        return self.accumulate(previous, per_kv_head(row, kv_heads))
-
-    def accumulate(self, previous: torch.Tensor | None, row: torch.Tensor) -> torch.Tensor:
-        """A2SF eq. 6 in place on the new step's attention `row` (kv_heads, n): row + step_alpha * previous.
-
-        `previous` scores the older entries (the first previous.shape[1]); the newest have none yet.
-        """
-        if previous is not None:
-            row[:, : previous.shape[1]].add_(previous, alpha=self.step_alpha)
-        return row
+        policies that `step_reads_attention`."""
+        raise NotImplementedError(f"{self.name} has no rule on a step's attention row.")
 
     @property
     def scored_queries(self) -> int | None:
@@ -118,9 +119,58 @@ class Policy:
             return 0
         return None
 
-    def protected(self, budget: int) -> tuple[int, int]:
-        """(sinks, recent): the first and last positions kept regardless of score, within `budget`."""
-        return 0, 0
+
+class PromptScorer(Policy):
+    """Kind 1: the cached keys scored from the prompt's last queries, from the keys alone, or by position alone.
+
+    Write `prompt_scores` (query (h, q, d), key (kv_heads, n, d) -> (kv_heads, n)), or set `position_only`. With
+    `rescores`, `Evict` scores again after every decoding step with the newest query as the only one
+    (`step_scores`; a rule that reads only that query's attention row may give `row_scores` and set
+    `step_reads_attention`, so the step's own attention is reused)."""
+
+    rescores: ClassVar[bool] = False
+
+    @property
+    def decodes(self) -> bool:
+        return self.position_only or self.rescores
+
+    def step_scores(
+        self, previous: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor, scaling: float
+    ) -> torch.Tensor | None:
+        if self.step_reads_attention or not self.rescores:
+            return super().step_scores(previous, query, key, scaling)
+        return self.prompt_scores(query, key, scaling)
+
+
+class StepRule(Policy):
+    """Kind 2: running scores, score <- step_alpha * score + the new query's attention (A2SF eq. 6).
+
+    Set `step_alpha` (1: H2O's plain sum). The prompt's scores are the same sum over its queries (eq. 5), taken
+    from kvsieve's attention pass itself (no second pass); `from_sums` may post-process them (A2SF pools them)."""
+
+    step_alpha: ClassVar[float] = 1.0
+    accumulates: ClassVar[bool] = True
+
+    @property
+    def decodes(self) -> bool:
+        return True
+
+    @property
+    def step_reads_attention(self) -> bool:
+        return True
+
+    def row_scores(self, previous: torch.Tensor | None, row: torch.Tensor, kv_heads: int) -> torch.Tensor:
+        """score <- step_alpha * score + the row summed per KV head (A2SF eq. 6)."""
+        return self.accumulate(previous, per_kv_head(row, kv_heads))
+
+    def accumulate(self, previous: torch.Tensor | None, row: torch.Tensor) -> torch.Tensor:
+        """A2SF eq. 6 in place on the new step's attention `row` (kv_heads, n): row + step_alpha * previous.
+
+        `previous` scores the older entries (the first previous.shape[1]); the newest have none yet.
+        """
+        if previous is not None:
+            row[:, : previous.shape[1]].add_(previous, alpha=self.step_alpha)
+        return row
 
 
 def observed_scores(scores: dict[int, torch.Tensor], layer: int, keys: torch.Tensor, policy: Policy) -> torch.Tensor:

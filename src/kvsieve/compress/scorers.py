@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from kvsieve.attention.accumulate import accumulation_weights
 from kvsieve.attention.dense import bottom_right_causal_mask
 from kvsieve.errors import KvsieveError
+from kvsieve.kv.cache import newest_first
 
 
 def attention_probs(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -144,13 +145,3 @@ def keep_indices(scores: torch.Tensor, budget: int, sinks: int = 0, recent: int 
     ranked = scores.float().masked_fill(protected, float("inf"))  # not a mask index, which reads its size back
     age = position.expand(kv_heads, n)
     return torch.topk(newest_first(ranked, age, budget), budget, dim=1).indices.sort(dim=1).values
-
-
-def newest_first(scores: torch.Tensor, age: torch.Tensor, count: int) -> torch.Tensor:
-    """Integer ranks (kv_heads, n) whose top `count` are the best `count` scores, ties won by larger `age`.
-
-    Better than the `count`-th best score: above every age (always in); tied with it: the age;
-    worse: below every age. Bounds are tensors, so no value is read back to the host.
-    """
-    threshold = torch.topk(scores, count, dim=1).values[:, -1:]
-    return torch.where(scores > threshold, age.amax() + 1, torch.where(scores == threshold, age, age.amin() - 1))

@@ -232,6 +232,8 @@ class CompressRun:
         ]
         note = None if self.held else resolve_budget(self.config.budget, self.total)[1]
         details = {"budget": self._budget(), "from": self.total, "layer_by_layer": bool(self.pruned)}
+        if self.config.policy.budgets_per_layer:
+            details["layer_entries"] = [int(kept.shape[-1]) for kept in self.kept_positions]
         return {**details, **({"held": True} if self.held else {}), **({"note": note} if note else {})}
 
     def _prune(self, cache: Cache, layer: int, scores: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -239,8 +241,13 @@ class CompressRun:
         its entries."""
         keys = cache.layers[layer].keys
         self.total = self.total or keys.shape[2]
-        budget = self._budget()
-        if is_windowed(cache.layers[layer]) or keys.shape[2] <= budget:
+        windowed = is_windowed(cache.layers[layer])
+        budget = (
+            self._budget()
+            if windowed
+            else self.config.policy.layer_budget(self._budget(), layer, budgeted_layers(cache))
+        )
+        if windowed or keys.shape[2] <= budget:
             return torch.arange(keys.shape[2], device=keys.device).expand(keys.shape[1], -1)
         sinks, recent = self.config.policy.protected(budget)
         indices = keep_indices(observed_scores(scores, layer, keys, self.config.policy), budget, sinks, recent)
@@ -265,10 +272,11 @@ class Evict:
     def __post_init__(self) -> None:
         _check_policy(self.policy)
         _check_budget(self.budget)
-        if not self.policy.decodes:
+        if not self.policy.decodes or self.policy.budgets_per_layer:
             raise KvsieveError(
-                f"{self.policy.name} has no per-step eviction rule; use it as a compress stage "
-                "(--set compress=NAME), or a policy with one (h2o, a2sf, tova, knorm, streaming, local) to evict."
+                f"{self.policy.name} has no per-step eviction rule with one budget for every layer; use it as a "
+                "compress stage (--set compress=NAME), or a policy with one (h2o, a2sf, tova, knorm, streaming, "
+                "local) to evict."
             )
         if isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 1:
             raise KvsieveError(f"Eviction interval must be a whole number of steps >= 1, got {self.interval!r}.")
@@ -404,6 +412,10 @@ class EvictRun(InPlaceEviction):
         }
         return {**details, **({"note": note} if note else {})}
 
+    def observed(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
+        """`layer`'s running scores of its `keys` (zeros, so that recency decides, for a position-only policy)."""
+        return observed_scores(self.scores, layer, keys, self.config.policy)
+
     def position(self, length: int, logical: int) -> int:
         """The position of the next token fed on a cache of `length` entries: that length when
         re-encoding, else `logical`."""
@@ -437,7 +449,7 @@ class EvictRun(InPlaceEviction):
         n = entry.keys.shape[2]
         if n <= self.budget:
             return
-        scores = observed_scores(self.scores, layer, entry.keys, self.config.policy)
+        scores = self.observed(layer, entry.keys)
         sinks, recent = self.config.policy.protected(self.budget)
         indices = keep_indices(scores, self.budget, sinks, recent)
         prune_layer(cache, layer, indices)

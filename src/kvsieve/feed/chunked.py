@@ -194,6 +194,12 @@ class ChunkedPrefill:
             raise KvsieveError(
                 f"{self.pruner!r} is not a KV policy; use one of the registered policies (kvsieve methods)."
             )
+        if self.pruner.budgets_per_layer:
+            raise KvsieveError(
+                f"The chunked feed's memory is one size in every layer, and {self.pruner.name} gives each layer a "
+                "budget of its own; prune the memory with another policy (snapkv, h2o, collie, ...), or use "
+                f"{self.pruner.name} in the compress stage."
+            )
 
     @property
     def name(self) -> str:

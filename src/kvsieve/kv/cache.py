@@ -9,7 +9,6 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from kvsieve.compress.scorers import newest_first
 from kvsieve.errors import KvsieveError
 from kvsieve.kernels.eviction import evictable_scores, lowest_oldest, steady_eviction
 
@@ -119,6 +118,16 @@ def compose_kept(first: list[torch.Tensor] | None, then: list[torch.Tensor]) -> 
     if first is None:
         return then
     return [a.gather(1, b) for a, b in zip(first, then, strict=True)]
+
+
+def newest_first(scores: torch.Tensor, age: torch.Tensor, count: int) -> torch.Tensor:
+    """Integer ranks (kv_heads, n) whose top `count` are the best `count` scores, ties won by larger `age`.
+
+    Better than the `count`-th best score: above every age (always in); tied with it: the age;
+    worse: below every age. Bounds are tensors, so no value is read back to the host.
+    """
+    threshold = torch.topk(scores, count, dim=1).values[:, -1:]
+    return torch.where(scores > threshold, age.amax() + 1, torch.where(scores == threshold, age, age.amin() - 1))
 
 
 class DecodeBuffer(DynamicLayer):

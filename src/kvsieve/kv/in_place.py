@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import Cache
 
-from kvsieve.compress.policy import observed_scores
 from kvsieve.kv.cache import EntryTables, moved
 
 if TYPE_CHECKING:
@@ -23,8 +22,8 @@ if TYPE_CHECKING:
 
 class InPlaceEviction:
     """The in-buffer half of `EvictRun`, whose fields it reads: `config`, `scores`, `budget`, `steps`, `layers`,
-    `reencoding`, `buffers` (the row's `EntryTables`, set by `in_place`), and its `_reencode` (StreamingLLM's
-    rotation)."""
+    `reencoding`, `buffers` (the row's `EntryTables`, set by `in_place`), its `observed` (a layer's scores, by the
+    policy) and its `_reencode` (StreamingLLM's rotation)."""
 
     config: Any  # the run's `Evict` (`kvsieve.compress.stages`, which imports this module)
     scores: dict[int, torch.Tensor]
@@ -113,7 +112,7 @@ class InPlaceEviction:
         layers, policy = self.layers, self.config.policy
         if cache.layers[layers[0]].keys.shape[2] <= self.budget:
             return
-        scores = torch.stack([observed_scores(self.scores, j, cache.layers[j].keys, policy) for j in layers])
+        scores = torch.stack([self.observed(j, cache.layers[j].keys) for j in layers])
         sources, targets = self.buffers.evict_lowest(scores, self.budget, *policy.protected(self.budget))
         for layer in layers:
             cache.layers[layer].truncate(self.budget)

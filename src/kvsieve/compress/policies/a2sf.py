@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
-from kvsieve.compress.policy import Policy
+from kvsieve.compress.policy import StepRule
 from kvsieve.compress.scorers import check_pool_size, pool_scores
 from kvsieve.errors import KvsieveError
 from kvsieve.spec import component, option
@@ -15,7 +14,7 @@ from kvsieve.spec import component, option
 
 @component("a2sf", "policy")
 @dataclass(frozen=True)
-class A2SF(Policy):
+class A2SF(StepRule):
     """A_k = sum_q alpha^(n-q) S_{q,k} (eq. 5), updated per step as alpha * A + row (eq. 6).
 
     The whole budget goes to the score, as in the paper; `recent` > 0 keeps a recent tail as the
@@ -29,7 +28,6 @@ class A2SF(Policy):
     pool_size: int = option(
         1, "tokens each prompt score is average-pooled over, odd (paper: 1, no pooling)", was="kernel"
     )
-    accumulates: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) or not 0 <= self.alpha <= 1:

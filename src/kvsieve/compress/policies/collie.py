@@ -34,7 +34,7 @@ from typing import ClassVar
 
 import torch
 
-from kvsieve.compress.policy import Policy
+from kvsieve.compress.policy import PromptScorer
 from kvsieve.compress.scorers import check_pool_size, visible_mean
 from kvsieve.errors import KvsieveError
 from kvsieve.spec import component, option
@@ -42,7 +42,7 @@ from kvsieve.spec import component, option
 
 @component("collie", "policy")
 @dataclass(frozen=True)
-class Collie(Policy):
+class Collie(PromptScorer):
     """All queries' attention per key, pooled after the sinks, divided by how many queries see it. One-shot."""
 
     pool_size: int = option(5, "tokens each score is average-pooled over, odd (authors' code: 5)", was="kernel")

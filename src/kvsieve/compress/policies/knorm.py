@@ -8,21 +8,20 @@ the cheapest policy. Per KV head, like every kvsieve policy.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from kvsieve.compress.policy import Policy
+from kvsieve.compress.policy import PromptScorer
 from kvsieve.spec import component
 
 
 @component("knorm", "policy")
 @dataclass(frozen=True)
-class KNorm(Policy):
+class KNorm(PromptScorer):
     """Score = -||k||_2 per KV head and token (float32); the same rule after every decoding step."""
 
-    @property
-    def decodes(self) -> bool:
-        return True
+    rescores: ClassVar[bool] = True
 
     @property
     def scored_queries(self) -> int:
@@ -30,8 +29,3 @@ class KNorm(Policy):
 
     def prompt_scores(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
         return -key.float().norm(dim=-1)
-
-    def step_scores(
-        self, previous: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor, scaling: float
-    ) -> torch.Tensor:
-        return self.prompt_scores(query, key, scaling)

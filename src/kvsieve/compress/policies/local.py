@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvsieve.compress.policy import Policy
+from kvsieve.compress.policy import PromptScorer
 from kvsieve.spec import component
 
 
 @component("local", "policy")
 @dataclass(frozen=True)
-class LocalWindow(Policy):
+class LocalWindow(PromptScorer):
     """Keep the newest `budget` tokens."""
 
     position_only: ClassVar[bool] = True

@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 
-from kvsieve.compress.policy import Policy
+from kvsieve.compress.policy import PromptScorer
 from kvsieve.compress.scorers import check_pool_size, window_attention
 from kvsieve.errors import KvsieveError
 from kvsieve.spec import component, option
@@ -15,7 +15,7 @@ from kvsieve.spec import component, option
 
 @component("snapkv", "policy")
 @dataclass(frozen=True)
-class SnapKV(Policy):
+class SnapKV(PromptScorer):
     """Attention of the last `window` prompt queries, pooled; the window itself is always kept. One-shot."""
 
     window: int = option(32, "observation window: the last prompt queries that vote (always kept)")

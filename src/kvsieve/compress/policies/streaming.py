@@ -18,14 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvsieve.compress.policy import Policy
+from kvsieve.compress.policy import PromptScorer
 from kvsieve.errors import KvsieveError
 from kvsieve.spec import component, option
 
 
 @component("streaming", "policy")
 @dataclass(frozen=True)
-class StreamingLLM(Policy):
+class StreamingLLM(PromptScorer):
     """The first `sinks` tokens plus the most recent ones."""
 
     sinks: int = option(4, "first tokens always kept (attention sinks)")

@@ -9,22 +9,21 @@ previous scores (no accumulation), which is TOVA's per-step rule.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from kvsieve.compress.policy import Policy
+from kvsieve.compress.policy import PromptScorer
 from kvsieve.compress.scorers import attention_probs
 from kvsieve.spec import component
 
 
 @component("tova", "policy")
 @dataclass(frozen=True)
-class TOVA(Policy):
+class TOVA(PromptScorer):
     """The newest query's attention, averaged over the layer's heads; replaced at every step."""
 
-    @property
-    def decodes(self) -> bool:
-        return True
+    rescores: ClassVar[bool] = True
 
     @property
     def scored_queries(self) -> int:
