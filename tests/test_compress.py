@@ -275,3 +275,18 @@ def test_budget_fractions_and_errors():
         Compress(H2O(), 0)
     with pytest.raises(KvsieveError, match="unknown policy 'pyramid'"):
         method("snapkv", {"compress.policy": "pyramid"})
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.01, 0.2, 0.5, 0.9, 0.99, 1.0])
+def test_the_accumulation_weights_leave_out_exactly_the_weights_below_float32(alpha):
+    """`accumulation_weights` decides on the host, from alpha and q_len alone, which queries weigh 0 (alpha^k below
+    2^-149); the others are float32 powers, and the first one kept weighs more than 0."""
+    from kvsieve.attention.accumulate import accumulation_weights
+
+    for q_len in (2, 40, 3000, 20000):
+        weights, first = accumulation_weights(alpha, q_len)
+        alpha32 = float(torch.tensor(alpha, dtype=torch.float32))  # the float32 alpha the powers are taken of
+        exact = torch.tensor([alpha32**k for k in range(q_len - 1, -1, -1)], dtype=torch.float64)
+        assert bool((weights[:first] == 0).all()) and float(weights[first]) > 0
+        assert bool((exact[first:] >= 2**-149).all()) and bool((exact[:first] < 2**-149).all())
+        torch.testing.assert_close(weights[first:].double(), exact[first:], rtol=1e-5, atol=2**-148)  # 2 subnormals

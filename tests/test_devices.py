@@ -429,6 +429,8 @@ PREFILL_AUDITS = [
     ("gemfilter", {"select.k": 64}),
     ("critiprefill", {"attention.segment": 32, "attention.block": 8, "attention.budget": 32}),
     ("snapkv", {"compress.budget": 64}),
+    ("h2o", {"evict.budget": 64}),  # prompt scores summed inside the attention pass (A2SF eq. 5, alpha 1)
+    ("a2sf-paper", {"evict.budget": 64}),  # alpha 0.2: most queries weigh 0 and are left out
 ]
 
 
@@ -436,9 +438,10 @@ PREFILL_AUDITS = [
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_a_prefill_reads_nothing_back_to_the_host_inside_a_layer(arch, name, settings, single_thread):
     """Every prefill path (the chunked feeds, GemFilter's selection pass, CritiPrefill's plan, a one-shot
-    compression) runs under an audit of every operator: none inside a decoder layer reads back to the host, and
-    outside the layers nothing reads back per chunk: on llama nothing at all; on gemma3 only transformers' own
-    sliding cache layers' constructors (a CPU tensor each, once per prefill), as many for a prompt twice as long."""
+    compression, an eviction's accumulated prompt scores) runs under an audit of every operator: none inside a
+    decoder layer reads back to the host, and outside the layers nothing reads back per chunk: on llama nothing at
+    all; on gemma3 only transformers' own sliding cache layers' constructors (a CPU tensor each, once per prefill),
+    as many for a prompt twice as long."""
     model = build_model(arch, num_layers=4, max_positions=512)
     spec = method(name, settings)
     audits = [audit_prefill(model, make_prompt(n, seed=n), spec) for n in (200, 400)]

@@ -19,6 +19,7 @@ scores are tested against.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -30,18 +31,32 @@ BLOCK_ELEMENTS = 1 << 23  # softmax entries per row block (32 MB in float32): bo
 MAX_ROWS = 64  # query rows per block: 64 measured fastest on a 2-core CPU at 2K and 8K keys (32-256 tried)
 
 
-def accumulation_weights(alpha: float, q_len: int) -> tuple[torch.Tensor, int]:
-    """(alpha^(q_len - 1 - q) for q < q_len, first q whose weight is not 0), on the CPU.
+def accumulation_weights(
+    alpha: float, q_len: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, int]:
+    """(alpha^(q_len - 1 - q) for q < q_len in float32 on `device`, the first query whose weight is not 0).
 
-    The weights depend on alpha and q_len only, so they are computed on the host and counting
-    them never synchronises a device. alpha^k underflows to exactly 0 in float32 after a few
-    dozen steps for small alpha; those queries contribute nothing.
+    For small alpha, alpha^k falls below the smallest float32 (2^-149) after a few dozen steps: those queries weigh
+    exactly 0 here, whatever the device's `pow` rounds them to, and contribute nothing. Which ones is decided from
+    alpha and q_len alone, in Python (`weighted_queries`), and the weights are made on the device: nothing is copied
+    or read between the host and the device inside a layer.
     """
     if q_len == 1:  # one query (a one-token pass)
-        return torch.ones(1, device="cpu"), 0
-    exponents = torch.arange(q_len - 1, -1, -1, dtype=torch.float32, device="cpu")
-    weights = torch.pow(torch.tensor(float(alpha), device="cpu"), exponents)  # 0 ** 0 == 1
-    return weights, q_len - int(torch.count_nonzero(weights))
+        return torch.ones(1, device=device), 0
+    exponents = torch.arange(q_len - 1, -1, -1, dtype=torch.float32, device=device)
+    weights = torch.pow(torch.full((), float(alpha), dtype=torch.float32, device=device), exponents)  # 0 ** 0 == 1
+    first = q_len - weighted_queries(alpha, q_len)
+    weights[:first].zero_()
+    return weights, first
+
+
+def weighted_queries(alpha: float, q_len: int) -> int:
+    """How many of the last `q_len` queries weigh at least the smallest float32, 2^-149: alpha^k >= 2^-149."""
+    if alpha >= 1:
+        return q_len
+    if alpha <= 0:
+        return 1  # 0 ** 0 == 1, every other weight 0
+    return min(q_len, math.floor(149 * math.log(2) / -math.log(alpha)) + 1)
 
 
 @dataclass(frozen=True)
@@ -101,14 +116,14 @@ def accumulating_attention(
         out = torch.bmm(probs, value[0].to(compute)).view(1, heads, 1, dim).to(query.dtype)
         row = probs.sum(1).float()
         return out, [row] + [row.clone() for _ in alphas[1:]]
-    plans = [accumulation_weights(alpha, q_len) for alpha in alphas]
+    plans = [accumulation_weights(alpha, q_len, device) for alpha in alphas]
     first = min(start for _, start in plans)
     totals = [torch.zeros(kv_heads, n, dtype=compute, device=device) for _ in alphas]
     out = torch.empty_like(query)
     if first > 0:  # rows that no score needs: plain SDPA over the keys they see
         seen = n - q_len + first
         out[:, :, :first] = dense_attention(query[:, :, :first], key[:, :, :seen], value[:, :, :seen], scaling)
-    weights = [w.to(device, compute) for w, _ in plans]
+    weights = [w.to(compute) for w, _ in plans]
     grouped = query[0].reshape(kv_heads, n_rep, q_len, dim)
     keys_t = key[0].transpose(1, 2).to(compute)  # (g, d, n)
     values = value[0].to(compute)  # (g, n, d)

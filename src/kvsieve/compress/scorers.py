@@ -84,8 +84,7 @@ def accumulated_attention(
     kv_heads, n, _ = key.shape
     n_rep = heads // kv_heads
     total = torch.zeros(kv_heads, n_rep, n, dtype=torch.float32, device=query.device)
-    weights, first = accumulation_weights(alpha, q_len)  # queries before `first` weigh exactly 0
-    weights = weights.to(query.device)
+    weights, first = accumulation_weights(alpha, q_len, query.device)  # queries before `first` weigh exactly 0
     grouped = query.float().view(kv_heads, n_rep, q_len, dim)
     keys_t = key.float().transpose(1, 2)[:, None]  # (g, 1, d, n)
     for start in range(first, q_len, chunk):
