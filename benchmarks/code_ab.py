@@ -57,12 +57,14 @@ def main() -> None:
     summary = {}
     for name in args.methods.split(","):
         mine = {(r["repeat"], r["tree"]): r for r in rows if r["method"] == name}
-        ratios = [mine[(i, "after")]["ttft_s"] / mine[(i, "before")]["ttft_s"] for i in range(args.repeats)]
-        summary[name] = {"ttft_after_over_before": [min(ratios), statistics.median(ratios), max(ratios)]}
-        print(
-            f"{name}: TTFT after / before, min / median / max: "
-            + " / ".join(f"{r:.3f}" for r in summary[name]["ttft_after_over_before"])
-        )
+        summary[name] = {}
+        for field in ("ttft_s", "peak_mb", "decode_tokens_per_s"):  # what `kvsieve bench` reports
+            ratios = [mine[(i, "after")][field] / mine[(i, "before")][field] for i in range(args.repeats)]
+            summary[name][f"{field}_after_over_before"] = [min(ratios), statistics.median(ratios), max(ratios)]
+            print(
+                f"{name}: {field} after / before, min / median / max: "
+                + " / ".join(f"{r:.3f}" for r in summary[name][f"{field}_after_over_before"])
+            )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python", *sys.argv])
     args.out.write_text(json.dumps({"command": command, "summary": summary, "rows": rows}, indent=1) + "\n")
