@@ -31,9 +31,7 @@ BLOCK_ELEMENTS = 1 << 23  # softmax entries per row block (32 MB in float32): bo
 MAX_ROWS = 64  # query rows per block: 64 measured fastest on a 2-core CPU at 2K and 8K keys (32-256 tried)
 
 
-def accumulation_weights(
-    alpha: float, q_len: int, device: torch.device | str = "cpu"
-) -> tuple[torch.Tensor, int]:
+def accumulation_weights(alpha: float, q_len: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, int]:
     """(alpha^(q_len - 1 - q) for q < q_len in float32 on `device`, the first query whose weight is not 0).
 
     For small alpha, alpha^k falls below the smallest float32 (2^-149) after a few dozen steps: those queries weigh

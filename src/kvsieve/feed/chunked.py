@@ -65,7 +65,7 @@ from kvsieve.feed.schedules import (
     num_chunks,
     retention_ratio,
 )
-from kvsieve.kv.cache import budgeted_layers, is_windowed, prune_layer, rerotate_keys, rotate_half
+from kvsieve.kv.cache import budgeted_layers, is_windowed, prune_layer, rerotate_keys, rotate_half, rotation
 from kvsieve.models import architecture, with_cache
 from kvsieve.spec import component, option
 
@@ -105,9 +105,10 @@ def _window_span(cache: Cache, layer: int, end: int, device: torch.device) -> to
 def _rank_ties(scores: torch.Tensor) -> torch.Tensor:
     """Replace +inf ("always keep", e.g. SnapKV's window) by finite scores above every other, newer
     tokens higher, so that a memory smaller than the window keeps the window's most recent tokens.
+    `scores` is one layer's (kv_heads, n), or several layers' (layers, kv_heads, n), each ranked by its own top.
     Computed without reading values back to the host (no device synchronisation)."""
     infinite = torch.isinf(scores) & (scores > 0)
-    top = scores.masked_fill(infinite, float("-inf")).amax()
+    top = scores.masked_fill(infinite, float("-inf")).amax(dim=(-2, -1), keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     order = torch.arange(scores.shape[-1], dtype=scores.dtype, device=scores.device)
     return torch.where(infinite, top + 1 + order, scores)
@@ -277,19 +278,27 @@ class ChunkedPrefill:
     def prune(
         self, cache: Cache, scores: dict[int, torch.Tensor], budgets: list[int], sinks: int
     ) -> list[torch.Tensor]:
-        """Keep per layer and KV head the sinks and the best `budgets[j]` memory entries; return the kept positions."""
-        kept = []
+        """Keep per layer and KV head the sinks and the best `budgets[j]` memory entries; return the kept positions.
+
+        The layers that hold as many entries and keep as many are chosen together, their scores stacked: one
+        ranking for all of them (each layer's rows ranked as alone), then one gather per layer."""
+        kept: dict[int, torch.Tensor] = {}
+        groups: dict[tuple[int, int], list[int]] = {}
         for j, budget in enumerate(budgets):
             keys = cache.layers[j].keys
             kv_heads, n = keys.shape[1], keys.shape[2]
             if n <= sinks + budget or is_windowed(cache.layers[j]):
-                kept.append(torch.arange(n, device=keys.device).expand(kv_heads, n))
-                continue
-            layer_scores = self._layer_scores(cache, scores, j)
-            indices = keep_indices(layer_scores, sinks + budget, self.sinks, _recent(self.pruner, budget))
-            prune_layer(cache, j, indices)
-            kept.append(indices)
-        return kept
+                kept[j] = torch.arange(n, device=keys.device).expand(kv_heads, n)
+            else:
+                groups.setdefault((n, budget), []).append(j)
+        for (_, budget), layers in groups.items():
+            stacked = torch.stack([observed_scores(scores, j, cache.layers[j].keys, self.pruner) for j in layers])
+            ranked = _rank_ties(stacked.float())  # (layers, kv_heads, n)
+            chosen = keep_indices(ranked.flatten(0, 1), sinks + budget, self.sinks, _recent(self.pruner, budget))
+            for j, indices in zip(layers, chosen.view(len(layers), -1, sinks + budget).unbind(0), strict=True):
+                prune_layer(cache, j, indices)
+                kept[j] = indices
+        return [kept[j] for j in range(len(budgets))]
 
 
 def ask_question(
@@ -396,12 +405,11 @@ class ChunkedRun:
         self._forward(self.ids[:, start : start + size], chunk_positions, position + size, last)
         # Layer j's keys are now [sinks | memory_j | chunk], at these positions and prompt indices; a windowed
         # layer's are its last entries in time order, ending with the chunk's.
+        framed = {m: torch.cat([_frame(sinks, m, position, device), chunk_positions]) for m in set(memory)}
         key_positions = [
-            _window_span(cache, j, position + size, device)[0]
-            if j in windowed
-            else torch.cat([_frame(sinks, memory[j], position, device), chunk_positions])
+            _window_span(cache, j, position + size, device)[0] if j in windowed else framed[memory[j]]
             for j in range(len(memory))
-        ]
+        ]  # layers with memories of one size share their positions
         chunk_origin = torch.arange(start, start + size, device=device)
         key_origin = [
             _window_span(cache, j, start + size, device)
@@ -419,16 +427,8 @@ class ChunkedRun:
         next_chunk = new_sinks + max(new_memory)
         for j in range(len(memory)):
             self.origin[j] = key_origin[j].gather(1, kept[j])
-            if last:  # the final cache stays in the last step's frame
-                continue
-            # Rotating by a zero delta is exact, so every layer is rotated without asking the device. A windowed
-            # layer's entries move as one block, to end right before the next chunk (their distances kept).
-            if j in windowed:
-                target = torch.arange(next_chunk - kept[j].shape[1], next_chunk, device=device)
-            else:
-                target = _frame(new_sinks, new_memory[j], next_chunk, device)
-            delta = target[None] - key_positions[j][kept[j]]
-            cache.layers[j].keys = rerotate_keys(cache.layers[j].keys, delta, self.arch.rotary(j))
+        if not last:  # the final cache stays in the last step's frame
+            self._move(key_positions, kept, new_sinks, new_memory, next_chunk)
         self.step_memory.append(budgets)
         record: dict[str, Any] = {
             "step": step,
@@ -446,6 +446,38 @@ class ChunkedRun:
             self.final_kept = kept
             self.next_position = position + size
         self.sinks, self.memory = new_sinks, new_memory
+
+    def _move(
+        self,
+        key_positions: list[torch.Tensor],
+        kept: list[torch.Tensor],
+        sinks: int,
+        memory: list[int],
+        next_chunk: int,
+    ) -> None:
+        """Re-rotate every layer's kept keys to their places before the next chunk: [sinks | memory], the memory
+        right-aligned to end before `next_chunk`. Rotating by a zero delta is exact, so every layer is rotated
+        without asking the device. A windowed layer's entries move as one block, to end right before the next chunk
+        (their distances kept). The layers that share a rotary embedding and keep as many entries take their
+        rotations from one call of it."""
+        cache, device = self.cache, self.device
+        deltas, groups = [], {}
+        frames = {m: _frame(sinks, m, next_chunk, device) for m in set(memory)}  # shared by memories of one size
+        for j, indices in enumerate(kept):
+            count = indices.shape[1]
+            if j in self.windowed:
+                target = torch.arange(next_chunk - count, next_chunk, device=device)
+            else:
+                target = frames[memory[j]]
+            deltas.append(target[None] - key_positions[j][indices])
+            groups.setdefault((id(self.arch.rotary(j)), count), []).append(j)
+        for layers in groups.values():
+            rotary = self.arch.rotary(layers[0])
+            cos, sin = rotation(torch.cat([deltas[j] for j in layers]), rotary)  # (1, layers x kv_heads, k, rot)
+            heads = deltas[layers[0]].shape[0]
+            for i, j in enumerate(layers):
+                turn = cos[:, i * heads : (i + 1) * heads], sin[:, i * heads : (i + 1) * heads]
+                cache.layers[j].keys = rerotate_keys(cache.layers[j].keys, deltas[j], rotary, turn)
 
     def _result(self) -> FeedOutput:
         feed, step_memory = self.feed, self.step_memory
