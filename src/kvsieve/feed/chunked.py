@@ -49,13 +49,14 @@ from typing import Any, ClassVar, Literal
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 
-from kvsieve.attention import Observer, attention_hooks
+from kvsieve.attention import attention_hooks
 from kvsieve.compress.policies.collie import Collie
 from kvsieve.compress.policy import Policy, observed_scores
 from kvsieve.compress.scorers import keep_indices
 from kvsieve.compress.stages import score_observers
 from kvsieve.errors import KvsieveError
 from kvsieve.feed import FeedOutput
+from kvsieve.feed.question import ask_question
 from kvsieve.feed.schedules import (
     SCHEDULES,
     adaptive_memory,
@@ -299,34 +300,6 @@ class ChunkedPrefill:
                 prune_layer(cache, j, indices)
                 kept[j] = indices
         return [kept[j] for j in range(len(budgets))]
-
-
-def ask_question(
-    model: PreTrainedModel,
-    cache: Cache,
-    question: torch.Tensor,
-    position: int,
-    observers: list[Observer],
-    scores: dict[int, torch.Tensor],
-) -> None:
-    """Run the question after the chunk (at `position` onwards), let the pruner's `observers` score the keys
-    before it into `scores` from the question's queries alone, and drop the question's KV entries again.
-
-    The question's votes alone, not added to the chunk's (whose pass therefore scores nothing): the chunk's own
-    votes outnumber the question's and rank what the chunk attends to (SnapKV pruner, IMDC passkeys at 16K:
-    added at equal weight 1 of 3 found, alone 3 of 3; docs/STUDIES.md)."""
-    positions = torch.arange(position, position + question.shape[1], device=question.device)[None]
-    windows = {j: (layer.keys, layer.values, layer.cumulative_length) for j, layer in enumerate(cache.layers)
-               if is_windowed(layer)}  # fmt: skip
-    with attention_hooks(observers=observers, intermediate=True):
-        model.model(input_ids=question, position_ids=positions, **with_cache(model.model, cache), use_cache=True)
-    for j, layer in enumerate(cache.layers):
-        if j in windows:  # a windowed layer dropped its oldest entries for the question's: it gets them back
-            layer.keys, layer.values, layer.cumulative_length = windows[j]
-            continue
-        keys = layer.keys.shape[2] - question.shape[1]
-        layer.keys, layer.values = layer.keys[:, :, :keys], layer.values[:, :, :keys]
-        scores[j] = scores[j][:, :keys]
 
 
 class ChunkedRun:
