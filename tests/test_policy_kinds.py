@@ -65,8 +65,8 @@ def test_pyramidkv_compresses_each_layer_to_its_own_budget(make_model):
     model = make_model("llama", num_layers=4)
     policy = PyramidKV(window=4)
     result = run(model, FakeTokenizer(), make_prompt(120), compress=Compress(policy, 40), sampling=Sampling(2))
-    layers = [0, 1, 2, 3]
-    expected = [policy.layer_budget(40, j, layers) for j in layers]
+    # budget 40, window 4: share 36, top layer 36 // 20 = 1, bottom 2 * 36 - 1 = 71, step (71 - 1) // 3 = 23
+    expected = [4 + 71, 4 + 48, 4 + 25, 4 + 2]
     assert [int(k.shape[-1]) for k in result.state.compress.kept_positions] == expected
     assert next(s for s in result.stages if s.stage == "compress").details["layer_entries"] == expected
     assert expected[0] > 40 > expected[-1]

@@ -237,17 +237,13 @@ class CompressRun:
         return {**details, **({"held": True} if self.held else {}), **({"note": note} if note else {})}
 
     def _prune(self, cache: Cache, layer: int, scores: dict[int, torch.Tensor]) -> torch.Tensor:
-        """Prune `layer` to the budget; the kept entries. A windowed layer, or one within the budget, keeps all of
-        its entries."""
+        """Prune `layer` to its budget (the policy's `layer_budget`); the kept entries. A windowed layer, or one
+        within its budget, keeps all of its entries."""
         keys = cache.layers[layer].keys
         self.total = self.total or keys.shape[2]
-        windowed = is_windowed(cache.layers[layer])
-        budget = (
-            self._budget()
-            if windowed
-            else self.config.policy.layer_budget(self._budget(), layer, budgeted_layers(cache))
-        )
-        if windowed or keys.shape[2] <= budget:
+        if is_windowed(cache.layers[layer]) or keys.shape[2] <= (
+            budget := self.config.policy.layer_budget(self._budget(), layer, budgeted_layers(cache))
+        ):
             return torch.arange(keys.shape[2], device=keys.device).expand(keys.shape[1], -1)
         sinks, recent = self.config.policy.protected(budget)
         indices = keep_indices(observed_scores(scores, layer, keys, self.config.policy), budget, sinks, recent)

@@ -263,7 +263,7 @@ class ChunkedPrefill:
         layers = budgeted_layers(cache)  # a windowed layer keeps its window: no share of the memory
         retention = []
         for j in layers:
-            layer_scores = self._layer_scores(cache, scores, j)
+            layer_scores = self._layer_scores(cache, scores, [j])[0]
             kept = keep_indices(layer_scores, new_sinks + base[j], self.sinks, _recent(self.pruner, base[j]))
             retention.append(retention_ratio(kept, sinks, sinks + memory[j], new_sinks))
         sizes = list(base)
@@ -271,10 +271,11 @@ class ChunkedPrefill:
             sizes[j] = size
         return sizes
 
-    def _layer_scores(self, cache: Cache, scores: dict[int, torch.Tensor], layer: int) -> torch.Tensor:
-        """The pruner's (kv_heads, n) scores of `layer`'s keys (`observed_scores`), protected ones ranked by
-        recency (`_rank_ties`)."""
-        return _rank_ties(observed_scores(scores, layer, cache.layers[layer].keys, self.pruner).float())
+    def _layer_scores(self, cache: Cache, scores: dict[int, torch.Tensor], layers: list[int]) -> torch.Tensor:
+        """The pruner's (len(layers), kv_heads, n) scores of those layers' keys (`observed_scores`), stacked (the
+        layers hold as many entries), protected ones ranked by recency per layer (`_rank_ties`)."""
+        stacked = torch.stack([observed_scores(scores, j, cache.layers[j].keys, self.pruner) for j in layers])
+        return _rank_ties(stacked.float())
 
     def prune(
         self, cache: Cache, scores: dict[int, torch.Tensor], budgets: list[int], sinks: int
@@ -293,8 +294,7 @@ class ChunkedPrefill:
             else:
                 groups.setdefault((n, budget), []).append(j)
         for (_, budget), layers in groups.items():
-            stacked = torch.stack([observed_scores(scores, j, cache.layers[j].keys, self.pruner) for j in layers])
-            ranked = _rank_ties(stacked.float())  # (layers, kv_heads, n)
+            ranked = self._layer_scores(cache, scores, layers)  # (layers, kv_heads, n)
             chosen = keep_indices(ranked.flatten(0, 1), sinks + budget, self.sinks, _recent(self.pruner, budget))
             for j, indices in zip(layers, chosen.view(len(layers), -1, sinks + budget).unbind(0), strict=True):
                 prune_layer(cache, j, indices)
