@@ -1,5 +1,6 @@
 """Host reads and operators of every prefill path, per decoder layer and per chunk (`kvsieve.eval.host_reads`): what a
-GPU would wait on inside a layer (target: nothing) and how many operators a chunked feed adds around each pass.
+GPU would wait on inside a layer (target: nothing), how many operators a chunked feed adds around each pass, and of
+those how many launch a kernel on a GPU (views and bare allocations do not).
 
 Counts, not timings: they do not depend on the weights, the machine or its load, so this runs anywhere.
 
@@ -42,7 +43,7 @@ def main() -> None:
     prompt = Prompt(ids, 0, args.tokens)
     rows = []
     print(
-        "| method | passes | operators per layer call | operators outside the layers per pass "
+        "| method | passes | operators (kernels) per layer call | operators (kernels) outside the layers per pass "
         "| host reads inside layers | host reads outside per pass |"
     )
     print("|---|---|---|---|---|---|")
@@ -55,12 +56,15 @@ def main() -> None:
             "layer_calls": audit.layer_calls,
             "operators_per_layer": round(audit.operators_per_layer, 1),
             "operators_per_pass": round(audit.operators_per_pass, 1),
+            "kernels_per_layer": round(audit.kernels_per_layer, 1),
+            "kernels_per_pass": round(audit.kernels_per_pass, 1),
             "reads_in_layers": len(audit.reads_in_layers),
             "reads_per_pass": round(audit.reads_per_pass, 2),
         }
         rows.append(row)
         print(
-            f"| {name} | {row['passes']} | {row['operators_per_layer']} | {row['operators_per_pass']} "
+            f"| {name} | {row['passes']} | {row['operators_per_layer']} ({row['kernels_per_layer']}) "
+            f"| {row['operators_per_pass']} ({row['kernels_per_pass']}) "
             f"| {row['reads_in_layers']} | {row['reads_per_pass']} |"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)

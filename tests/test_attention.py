@@ -19,6 +19,7 @@ from kvsieve.attention import (
     kvsieve_attention,
     repeat_kv,
 )
+from kvsieve.attention import dense as dense_module
 from kvsieve.models import with_cache
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -111,6 +112,38 @@ def test_dense_attention_matches_eager_reference_with_gqa(q_len, k_len, scaling)
     out = dense_attention(query, key, value, scaling)
     assert out.shape == (1, heads, q_len, dim)
     torch.testing.assert_close(out, reference_attention(query, key, value, scaling), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("takes_groups", [True, False])
+@pytest.mark.parametrize(("q_len", "k_len"), [(3, 9), (8, 9), (5, 40)])
+def test_cudas_lower_right_attention_equals_the_masked_one(q_len, k_len, dtype, takes_groups, monkeypatch):
+    """CUDA's path for fewer queries than keys (PyTorch's lower-right causal bias, grouped heads as they are in half
+    precision or repeated, and repeated on releases whose bias takes no groups), run here on CPU tensors (where
+    PyTorch builds the mask itself), gives the masked path's attention: the same alignment, the same heads."""
+    monkeypatch.setattr(dense_module, "_BIAS_TAKES_GROUPS", takes_groups)
+    generator = torch.Generator().manual_seed(q_len)
+    query = torch.randn(1, 6, q_len, 8, generator=generator).to(dtype)
+    key = torch.randn(1, 2, k_len, 8, generator=generator).to(dtype)
+    value = torch.randn(1, 2, k_len, 8, generator=generator).to(dtype)
+    out = dense_module.lower_right_attention(query, key, value, 0.3)
+    masked = dense_module.masked_attention(query, key, value, bottom_right_causal_mask(q_len, k_len), 0.3)
+    torch.testing.assert_close(out, masked, atol=1e-2 if dtype == torch.bfloat16 else 1e-6, rtol=0)
+    expected = reference_attention(query.float(), key.float(), value.float(), 0.3)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+
+
+def test_masked_attention_reads_grouped_heads_as_repeated_ones():
+    """On a CPU the KV heads go to SDPA as they are (enable_gqa), bit for bit what repeating them gives."""
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 6, 16, 8, generator=generator)
+    key, value = torch.randn(2, 1, 2, 40, 8, generator=generator)
+    mask = bottom_right_causal_mask(16, 40) & (torch.rand(16, 40, generator=generator) > 0.3)
+    mask[:, -1] = True  # every query sees a key
+    repeated = torch.nn.functional.scaled_dot_product_attention(
+        query, repeat_kv(key, 3), repeat_kv(value, 3), attn_mask=mask, scale=0.3
+    )
+    assert torch.equal(dense_module.masked_attention(query, key, value, mask, 0.3), repeated)
 
 
 def test_dense_attention_is_not_top_left_causal():

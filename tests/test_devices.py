@@ -28,6 +28,7 @@ from kvsieve import REGISTRY, KvsieveError, Sampling, fast_paths, method, run
 from kvsieve.attention import attention_hooks
 from kvsieve.engine.pipeline import prefill
 from kvsieve.eval.host_reads import HostReadAudit, audit_prefill
+from kvsieve.models import architecture
 from kvsieve.prompt import Prompt
 from kvsieve.select.scoring import filter_layer_qk
 
@@ -452,3 +453,37 @@ def test_a_prefill_reads_nothing_back_to_the_host_inside_a_layer(arch, name, set
     chunked = name in ("fm", "im", "imdc")
     assert audits[1].passes > audits[0].passes > 2 if chunked else audits[0].passes <= 2
     assert audits[0].passes <= audits[0].layer_calls <= 4 * audits[0].passes and audits[0].operators_per_layer > 10
+
+
+@pytest.mark.parametrize("name", ["fm", "imdc"])
+def test_a_chunked_feed_launches_a_handful_of_kernels_per_layer_and_chunk(name, single_thread):
+    """Around each chunk's pass, pruning and moving the memory cost a layer a handful of kernels (gathering its keys
+    and values, re-rotating its keys: two products, a roll and a sum), the rest is done once for the layers that
+    keep as many entries (ranking, positions, prompt indices, the rotations' angles): a model of 8 layers launches
+    at most 8 kernels a chunk more per added layer than one of 4 on the same prompt, views not counted."""
+    spec = method(name, {"feed.chunk": 64, "feed.memory": 64})
+    prompt = make_prompt(400, seed=3)
+    audits = [audit_prefill(build_model("llama", num_layers=n, max_positions=512), prompt, spec) for n in (4, 8)]
+    assert audits[0].passes == audits[1].passes > 4
+    per_layer = (audits[1].kernels_per_pass - audits[0].kernels_per_pass) / 4
+    assert 2 <= per_layer <= 8, per_layer
+    assert audits[0].kernels_per_pass < audits[0].operators_per_pass  # views are counted apart
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_chunked_feed_asks_the_rotary_embedding_once_per_kind_and_move(arch, single_thread):
+    """The memory's re-rotation between chunks takes every layer's angles from one call of the rotary embedding per
+    kind of layer (gemma3: its sliding and its global layers, which rotate with different bases), not one per
+    layer: besides the model's own calls in each pass, one per kind for each move (every chunk but the last)."""
+    model = build_model(arch, num_layers=6, max_positions=512)
+    calls = []
+    model.model.rotary_emb.register_forward_hook(lambda *_: calls.append(1))
+    prefill(model, make_prompt(300, seed=2), method("full"))
+    per_pass = len(calls)
+    calls.clear()
+    settings = {"feed.chunk": 64, "feed.memory": 64, "feed.question_guided": False}  # no question passes
+    out = prefill(model, make_prompt(300, seed=2), method("fm", settings))
+    passes = out.prefilled.details["steps"]
+    kinds = len({architecture(model).rotary(j) for j in range(6)})
+    assert kinds == (2 if arch == "gemma3" else 1) and passes == 5
+    assert len(calls) == passes * per_pass + kinds * (passes - 1)

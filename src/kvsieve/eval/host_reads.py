@@ -6,8 +6,9 @@ of a Python list is copied and the stream waited for). Inside a decoder layer ea
 per layer and per chunk; a CUDA graph cannot record one at all. On a CPU nothing stalls, but the same operators run,
 so this audit (a `TorchDispatchMode`, which sees every operator) finds them on machines without a GPU.
 
-`HostReadAudit` records the offenders and counts all operators, apart inside and outside the model's decoder layers
-(`watch(model)`: hooks on each layer); `audit_prefill` runs one prefill under it and reports per layer and per pass
+`HostReadAudit` records the offenders and counts all operators, and those that launch a kernel on a GPU (not a view
+or a bare allocation, `launches_kernel`), apart inside and outside the model's decoder layers (`watch(model)`: hooks
+on each layer); `audit_prefill` runs one prefill under it and reports per layer and per pass
 (a chunked feed runs one pass per chunk). `benchmarks/prefill_audit.py` prints the table for every method;
 docs/PERFORMANCE.md gives it.
 """
@@ -39,6 +40,27 @@ HOST_READS = {
 }
 
 
+# Operators that launch no kernel besides views (`OpOverload.is_view`): shape arithmetic and bare allocations.
+NO_KERNEL = {
+    "aten.promote_types",
+    "aten.result_type",
+    "aten.empty",
+    "aten.empty_like",
+    "aten.empty_strided",
+    "aten.unbind",
+    "aten.split",
+    "aten.split_with_sizes",
+    "aten.chunk",
+}
+
+
+def launches_kernel(func: torch._ops.OpOverload) -> bool:
+    """Whether `func` would launch a kernel on a GPU: it computes or copies, rather than making a view of a tensor
+    (slice, expand, unsqueeze, select, ...) or an uninitialised allocation. Each costs a launch of a few
+    microseconds on a GPU whatever its size, which is what many small operators add up to."""
+    return not func.is_view and str(func.overloadpacket) not in NO_KERNEL
+
+
 def is_host_read(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
     """Whether the operator `func` called with `args` reads back to the host or copies host data in: one of
     HOST_READS (a copy of no element excepted), an index by a boolean mask, or `repeat_interleave` without its
@@ -62,8 +84,10 @@ class HostReadAudit(TorchDispatchMode):
         super().__init__()
         self.offenders: list[str] = []
         self.seen = 0
+        self.kernels = 0  # operators that launch a kernel (`launches_kernel`)
         self.depth = 0  # decoder layers running now (`watch`)
         self.in_layers = 0  # operators run inside a decoder layer
+        self.kernels_in_layers = 0
         self.reads_in_layers: list[str] = []
         self.layer_calls = 0
         self.passes = 0  # calls of the first decoder layer: forward passes through the model
@@ -72,6 +96,9 @@ class HostReadAudit(TorchDispatchMode):
         kwargs = kwargs or {}
         self.seen += 1
         self.in_layers += self.depth > 0
+        if launches_kernel(func):
+            self.kernels += 1
+            self.kernels_in_layers += self.depth > 0
         if is_host_read(func, args, kwargs):
             self.offenders.append(str(func))
             if self.depth:
@@ -111,6 +138,8 @@ class PrefillAudit:
     layer_calls: int
     operators_in_layers: int
     operators_outside: int
+    kernels_in_layers: int
+    kernels_outside: int
     reads_in_layers: list[str] = field(default_factory=list)
     reads_outside: list[str] = field(default_factory=list)
 
@@ -122,6 +151,16 @@ class PrefillAudit:
     def operators_per_pass(self) -> float:
         """Operators outside the layers per forward pass (a chunk's own arithmetic and pruning bookkeeping)."""
         return self.operators_outside / max(self.passes, 1)
+
+    @property
+    def kernels_per_layer(self) -> float:
+        """Operators that launch a kernel (`launches_kernel`) per decoder layer call."""
+        return self.kernels_in_layers / max(self.layer_calls, 1)
+
+    @property
+    def kernels_per_pass(self) -> float:
+        """Operators that launch a kernel outside the layers per forward pass."""
+        return self.kernels_outside / max(self.passes, 1)
 
     @property
     def reads_per_pass(self) -> float:
@@ -141,6 +180,8 @@ def audit_prefill(model: torch.nn.Module, prompt: torch.Tensor, spec: object) ->
         layer_calls=audit.layer_calls,
         operators_in_layers=audit.in_layers,
         operators_outside=audit.seen - audit.in_layers,
+        kernels_in_layers=audit.kernels_in_layers,
+        kernels_outside=audit.kernels - audit.kernels_in_layers,
         reads_in_layers=list(audit.reads_in_layers),
         reads_outside=outside,
     )

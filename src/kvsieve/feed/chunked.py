@@ -22,8 +22,8 @@ however long the prompt, which is why prompts far beyond the model's trained con
 rotating them by the position difference, since RoPE composes: R(a + b) = R(a) R(b). The cos/sin
 of the differences come from the model's own rotary embedding (`architecture(model).rotary_emb`,
 divided by its attention scaling so the magnitude is applied once) and the keys are rotated with
-the rotate_half formula; values carry no position. The final cache stays in the last step's frame
-and decoding continues at `next_position` = P + c_{n-1}, right after the last chunk.
+the rotate_half formula (`kvsieve.kv.cache.rerotate_keys`); values carry no position. The final cache stays in the
+last step's frame and decoding continues at `next_position` = P + c_{n-1}, right after the last chunk.
 
 Adaptive memory (eq. 2-3): the paper defines the retention ratio p_i^j = |M_{i-1} ∩ M_i| / |M_i|
 but M_i depends on the size eq. 3 is choosing. Here it is measured from the chunk's attention at
@@ -66,8 +66,8 @@ from kvsieve.feed.schedules import (
     num_chunks,
     retention_ratio,
 )
-from kvsieve.kv.cache import budgeted_layers, is_windowed, prune_layer, rerotate_keys, rotate_half, rotation
-from kvsieve.models import architecture, with_cache
+from kvsieve.kv.cache import budgeted_layers, is_windowed, prune_layer, rerotate_keys, rotation
+from kvsieve.models import Rotary, architecture, with_cache
 from kvsieve.spec import component, option
 
 # chunk_logits(logits (c_i, vocab) of the chunk's tokens, index of the chunk's first token)
@@ -79,6 +79,18 @@ def _frame(sinks: int, memory: int, chunk_start: int, device: torch.device) -> t
     return torch.cat(
         [torch.arange(sinks, device=device), torch.arange(chunk_start - memory, chunk_start, device=device)]
     )
+
+
+@dataclass(frozen=True)
+class _Layers:
+    """Layers a chunk's step moves together (`ChunkedRun._groups`): their keys' positions after the pass (n,), shared,
+    and their prompt indices (layers, kv_heads, n)."""
+
+    layers: list[int]
+    rotary: Rotary
+    windowed: bool
+    positions: torch.Tensor
+    origin: torch.Tensor
 
 
 def _recent(pruner: Policy, budget: int) -> int:
@@ -94,13 +106,6 @@ def _recent(pruner: Policy, budget: int) -> int:
         return min(pruner.protected(budget)[1], budget)
     except KvsieveError:
         return budget
-
-
-def _window_span(cache: Cache, layer: int, end: int, device: torch.device) -> torch.Tensor:
-    """(kv_heads, n): the n values end - n .. end - 1 for windowed layer `layer`'s n entries, which are the most
-    recent in time order (their positions, or their prompt indices)."""
-    keys = cache.layers[layer].keys
-    return torch.arange(end - keys.shape[2], end, device=device).expand(keys.shape[1], -1)
 
 
 def _rank_ties(scores: torch.Tensor) -> torch.Tensor:
@@ -371,86 +376,90 @@ class ChunkedRun:
             ask_question(model, cache, self.asked, end, self.observers, self.scores)
 
     def _step(self, step: int, size: int, last: bool) -> None:
-        feed, cache, device, windowed = self.feed, self.cache, self.device, self.windowed
+        feed, cache = self.feed, self.cache
         memory, sinks, start = self.memory, self.sinks, self.start
         position = sinks + max(memory)  # P: the chunk starts right after the longest memory
-        chunk_positions = torch.arange(position, position + size, device=device)
-        self._forward(self.ids[:, start : start + size], chunk_positions, position + size, last)
-        # Layer j's keys are now [sinks | memory_j | chunk], at these positions and prompt indices; a windowed
-        # layer's are its last entries in time order, ending with the chunk's.
-        framed = {m: torch.cat([_frame(sinks, m, position, device), chunk_positions]) for m in set(memory)}
-        key_positions = [
-            _window_span(cache, j, position + size, device)[0] if j in windowed else framed[memory[j]]
-            for j in range(len(memory))
-        ]  # layers with memories of one size share their positions
-        chunk_origin = torch.arange(start, start + size, device=device)
-        key_origin = [
-            _window_span(cache, j, start + size, device)
-            if j in windowed
-            else torch.cat([o, chunk_origin.expand(o.shape[0], -1)], 1)
-            for j, o in enumerate(self.origin)
-        ]
+        self._forward(
+            self.ids[:, start : start + size],
+            torch.arange(position, position + size, device=self.device),
+            position + size,
+            last,
+        )
         self.attention_kv.append(max(sinks + m + size for m in memory))
         self.max_position = max(self.max_position, position + size - 1)
-        self.start = start = start + size
-        new_sinks = min(feed.sinks, start)
+        self.start = start + size
+        new_sinks = min(feed.sinks, self.start)
         budgets = feed.step_budgets(cache, step, self.targets[step], self.scores, sinks, memory, new_sinks)
         kept = feed.prune(cache, self.scores, budgets, new_sinks)
-        new_memory = [0 if j in windowed else k.shape[1] - new_sinks for j, k in enumerate(kept)]
+        new_memory = [0 if j in self.windowed else k.shape[1] - new_sinks for j, k in enumerate(kept)]
         next_chunk = new_sinks + max(new_memory)
-        for j in range(len(memory)):
-            self.origin[j] = key_origin[j].gather(1, kept[j])
-        if not last:  # the final cache stays in the last step's frame
-            self._move(key_positions, kept, new_sinks, new_memory, next_chunk)
+        groups = self._groups(kept, position, size, start)
+        for group in groups:
+            indices = torch.stack([kept[j] for j in group.layers])  # (layers, kv_heads, k)
+            for j, origin in zip(group.layers, group.origin.gather(2, indices).unbind(0), strict=True):
+                self.origin[j] = origin
+            if not last:  # the final cache stays in the last step's frame
+                self._move(group, indices, new_sinks, next_chunk)
         self.step_memory.append(budgets)
         record: dict[str, Any] = {
             "step": step,
-            "start": start - size,
+            "start": start,
             "chunk": size,
             "position": position,
             "memory": budgets,
             "keys": [sinks + m + size for m in memory],
             "cache_lengths": [cache.layers[j].keys.shape[2] for j in range(len(memory))],
         }
-        if feed.trace:
-            record.update(tokens=key_origin, positions=key_positions, kept=kept)
+        if feed.trace:  # each layer's keys as the pass saw them: prompt indices (kv_heads, n), positions (n,)
+            placed = {j: (g.origin[i], g.positions) for g in groups for i, j in enumerate(g.layers)}
+            layers = range(len(kept))
+            record.update(tokens=[placed[j][0] for j in layers], positions=[placed[j][1] for j in layers], kept=kept)
         self.history.append(record)
         if last:
             self.final_kept = kept
             self.next_position = position + size
         self.sinks, self.memory = new_sinks, new_memory
 
-    def _move(
-        self,
-        key_positions: list[torch.Tensor],
-        kept: list[torch.Tensor],
-        sinks: int,
-        memory: list[int],
-        next_chunk: int,
-    ) -> None:
-        """Re-rotate every layer's kept keys to their places before the next chunk: [sinks | memory], the memory
-        right-aligned to end before `next_chunk`. Rotating by a zero delta is exact, so every layer is rotated
-        without asking the device. A windowed layer's entries move as one block, to end right before the next chunk
-        (their distances kept). The layers that share a rotary embedding and keep as many entries take their
-        rotations from one call of it."""
-        cache, device = self.cache, self.device
-        deltas, groups = [], {}
-        frames = {m: _frame(sinks, m, next_chunk, device) for m in set(memory)}  # shared by memories of one size
+    def _groups(self, kept: list[torch.Tensor], position: int, size: int, start: int) -> list[_Layers]:
+        """The layers whose keys sit at the same positions after this step's pass, keep as many and share a rotary
+        embedding, with those positions and their keys' prompt indices: [sinks | memory | chunk] for a layer whose
+        memory held m entries, the last n in time order for a windowed layer holding n."""
+        sinks, heads, device = self.sinks, self.arch.num_kv_heads, self.device
+        members: dict[tuple[Any, ...], list[int]] = {}
         for j, indices in enumerate(kept):
-            count = indices.shape[1]
-            if j in self.windowed:
-                target = torch.arange(next_chunk - count, next_chunk, device=device)
+            held = ("window", self.cache.layers[j].keys.shape[2]) if j in self.windowed else ("memory", self.memory[j])
+            members.setdefault((held, indices.shape[1], self.arch.rotary(j)), []).append(j)
+        chunk_positions = torch.arange(position, position + size, device=device)
+        chunk_origin = torch.arange(start, start + size, device=device)
+        groups = []
+        for (held, _, rotary), layers in members.items():
+            kind, n = held
+            if kind == "window":
+                positions = torch.arange(position + size - n, position + size, device=device)
+                origin = torch.arange(start + size - n, start + size, device=device).expand(len(layers), heads, n)
             else:
-                target = frames[memory[j]]
-            deltas.append(target[None] - key_positions[j][indices])
-            groups.setdefault((id(self.arch.rotary(j)), count), []).append(j)
-        for layers in groups.values():
-            rotary = self.arch.rotary(layers[0])
-            cos, sin = rotation(torch.cat([deltas[j] for j in layers]), rotary)  # (1, layers x kv_heads, k, rot)
-            heads = deltas[layers[0]].shape[0]
-            for i, j in enumerate(layers):
-                turn = cos[:, i * heads : (i + 1) * heads], sin[:, i * heads : (i + 1) * heads]
-                cache.layers[j].keys = rerotate_keys(cache.layers[j].keys, deltas[j], rotary, turn)
+                positions = torch.cat([_frame(sinks, n, position, device), chunk_positions])
+                past = torch.stack([self.origin[j] for j in layers])
+                origin = torch.cat([past, chunk_origin.expand(len(layers), heads, size)], dim=2)
+            groups.append(_Layers(layers, rotary, kind == "window", positions, origin))
+        return groups
+
+    def _move(self, group: _Layers, indices: torch.Tensor, sinks: int, next_chunk: int) -> None:
+        """Re-rotate the group's kept keys (`indices`, (layers, kv_heads, k)) to their places before the next chunk:
+        [sinks | memory], the memory right-aligned to end before `next_chunk`; a windowed layer's entries as one
+        block, to end right before the next chunk (their distances kept). Rotating by a zero delta is exact, so every
+        layer is rotated without asking the device. The deltas and their rotations are made once for the group."""
+        count, device = indices.shape[2], self.device
+        if group.windowed:
+            target = torch.arange(next_chunk - count, next_chunk, device=device)
+        else:
+            target = _frame(sinks, count - sinks, next_chunk, device)
+        deltas = target - group.positions[indices]  # (layers, kv_heads, k)
+        cos, sin = rotation(deltas.flatten(0, 1), group.rotary)  # (1, layers x kv_heads, k, rot)
+        heads = deltas.shape[1]
+        for i, j in enumerate(group.layers):
+            turn = cos[:, i * heads : (i + 1) * heads], sin[:, i * heads : (i + 1) * heads]
+            self.cache.layers[j].keys = rerotate_keys(self.cache.layers[j].keys, deltas[i], group.rotary, turn)
 
     def _result(self) -> FeedOutput:
         feed, step_memory = self.feed, self.step_memory
@@ -478,4 +487,4 @@ class ChunkedRun:
         )
 
 
-__all__ = ["SCHEDULES", "ChunkedPrefill", "rerotate_keys", "rotate_half"]
+__all__ = ["SCHEDULES", "ChunkedPrefill", "rerotate_keys"]

@@ -69,23 +69,21 @@ def prune_layer(cache: Cache, layer: int, indices: torch.Tensor) -> None:
     entry.values = entry.values.gather(2, gather)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """The RoPE helper of the Llama layout: (x1, x2) -> (-x2, x1) over the last dimension."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def rotation(delta: torch.Tensor, rotary_emb: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (1, kv_heads, k, rot) in float32 that move keys by `delta` (kv_heads, k) positions.
+    """cos and signed sin (1, kv_heads, k, rot) in float32 that move keys by `delta` (kv_heads, k) positions.
 
     They come from the layer's rotary embedding (`models.Architecture.rotary`; a hybrid model's local and global
     layers have different ones) called with the deltas as position ids, divided by its `attention_scaling`
-    (YaRN-style scaling is already in the keys).
+    (YaRN-style scaling is already in the keys). The sin's first half is negated: the Llama layout's
+    rotate_half(x) * sin, (-x2, x1) * (s1, s2), is then roll(x, rot / 2) * (-s1, s2), so a move is two products and
+    a sum (`rerotate_keys`), the same values to the bit (a negation is exact).
     """
     probe = torch.empty(0, dtype=torch.float32, device=delta.device)
     cos, sin = rotary_emb(probe, delta)  # (kv_heads, k, rot)
     scale = float(getattr(rotary_emb, "attention_scaling", 1.0) or 1.0)
-    return cos[None].float() / scale, sin[None].float() / scale
+    half = sin.shape[-1] // 2
+    signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+    return cos[None].float() / scale, signed[None].float() / scale
 
 
 def rerotate_keys(
@@ -105,8 +103,11 @@ def rerotate_keys(
     cos, sin = cos.to(compute), sin.to(compute)
     rot = cos.shape[-1]
     k = keys.to(compute)
-    turned = k[..., :rot] * cos + rotate_half(k[..., :rot]) * sin
-    return torch.cat([turned, k[..., rot:]], dim=-1).to(keys.dtype)
+    part = k[..., :rot]
+    turned = part * cos + part.roll(rot // 2, dims=-1) * sin
+    if rot < k.shape[-1]:  # a partial rotary embedding: the other dimensions carry no position
+        turned = torch.cat([turned, k[..., rot:]], dim=-1)
+    return turned.to(keys.dtype)
 
 
 def compose_kept(first: list[torch.Tensor] | None, then: list[torch.Tensor]) -> list[torch.Tensor]:
