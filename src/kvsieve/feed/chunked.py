@@ -66,7 +66,7 @@ from kvsieve.feed.schedules import (
     num_chunks,
     retention_ratio,
 )
-from kvsieve.kv.cache import budgeted_layers, is_windowed, prune_layer, rerotate_keys, rotation
+from kvsieve.kv.cache import budgeted_layers, is_windowed, prune_layer, rerotate_keys, rotation_table, table_turn
 from kvsieve.models import Rotary, architecture, with_cache
 from kvsieve.spec import component, option
 
@@ -84,13 +84,14 @@ def _frame(sinks: int, memory: int, chunk_start: int, device: torch.device) -> t
 @dataclass(frozen=True)
 class _Layers:
     """Layers a chunk's step moves together (`ChunkedRun._groups`): their keys' positions after the pass (n,), shared,
-    and their prompt indices (layers, kv_heads, n)."""
+    ending before `end`, and their prompt indices (layers, kv_heads, n)."""
 
     layers: list[int]
     rotary: Rotary
     windowed: bool
     positions: torch.Tensor
     origin: torch.Tensor
+    end: int  # one past the largest position: the chunk's end
 
 
 def _recent(pruner: Policy, budget: int) -> int:
@@ -441,24 +442,26 @@ class ChunkedRun:
                 positions = torch.cat([_frame(sinks, n, position, device), chunk_positions])
                 past = torch.stack([self.origin[j] for j in layers])
                 origin = torch.cat([past, chunk_origin.expand(len(layers), heads, size)], dim=2)
-            groups.append(_Layers(layers, rotary, kind == "window", positions, origin))
+            groups.append(_Layers(layers, rotary, kind == "window", positions, origin, position + size))
         return groups
 
     def _move(self, group: _Layers, indices: torch.Tensor, sinks: int, next_chunk: int) -> None:
         """Re-rotate the group's kept keys (`indices`, (layers, kv_heads, k)) to their places before the next chunk:
         [sinks | memory], the memory right-aligned to end before `next_chunk`; a windowed layer's entries as one
         block, to end right before the next chunk (their distances kept). Rotating by a zero delta is exact, so every
-        layer is rotated without asking the device. The deltas and their rotations are made once for the group."""
-        count, device = indices.shape[2], self.device
+        layer is rotated without asking the device. The deltas are made once for the group; their angles come from
+        one table of every delta possible here (`rotation_table`: keys sat at 0 .. end - 1 and go to 0 .. next_chunk
+        - 1), read per layer."""
+        count, device, end = indices.shape[2], self.device, group.end
         if group.windowed:
             target = torch.arange(next_chunk - count, next_chunk, device=device)
         else:
             target = _frame(sinks, count - sinks, next_chunk, device)
-        deltas = target - group.positions[indices]  # (layers, kv_heads, k)
-        cos, sin = rotation(deltas.flatten(0, 1), group.rotary)  # (1, layers x kv_heads, k, rot)
-        heads = deltas.shape[1]
+        deltas = target - group.positions[indices]  # (layers, kv_heads, k), each in 1 - end .. next_chunk - 1
+        table = rotation_table(1 - end, next_chunk, group.rotary, device)
+        offsets = deltas + (end - 1)
         for i, j in enumerate(group.layers):
-            turn = cos[:, i * heads : (i + 1) * heads], sin[:, i * heads : (i + 1) * heads]
+            turn = table_turn(table, offsets[i])
             self.cache.layers[j].keys = rerotate_keys(self.cache.layers[j].keys, deltas[i], group.rotary, turn)
 
     def _result(self) -> FeedOutput:

@@ -86,6 +86,26 @@ def rotation(delta: torch.Tensor, rotary_emb: RotaryEmbedding) -> tuple[torch.Te
     return cos[None].float() / scale, signed[None].float() / scale
 
 
+def rotation_table(low: int, high: int, rotary_emb: RotaryEmbedding, device: torch.device) -> torch.Tensor:
+    """(high - low, 2 rot) float32: `rotation`'s cos and signed sin of every delta low .. high - 1, side by side.
+
+    Moves by many deltas known to lie in that range (a chunked feed's memories, every layer at once) read their angles
+    with one index each (`table_turn`) instead of computing one angle per key, so the angles take memory in the range,
+    not in layers x heads x keys. Each angle is computed alone (an outer product of delta and frequency, then cos and
+    sin), so a table's are the same to the bit as `rotation`'s.
+    """
+    cos, sin = rotation(torch.arange(low, high, device=device)[None], rotary_emb)  # (1, 1, n, rot)
+    return torch.cat([cos, sin], dim=-1)[0, 0]
+
+
+def table_turn(table: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rerotate_keys`'s turn (cos, sin: (1, kv_heads, k, rot)) for deltas given as `offsets` (kv_heads, k) into a
+    `rotation_table` (delta - low)."""
+    rot = table.shape[-1] // 2
+    both = table[offsets][None]
+    return both[..., :rot], both[..., rot:]
+
+
 def rerotate_keys(
     keys: torch.Tensor,
     delta: torch.Tensor,
