@@ -133,6 +133,21 @@ def test_cudas_lower_right_attention_equals_the_masked_one(q_len, k_len, dtype, 
     torch.testing.assert_close(out.float(), expected, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_attention_on_cuda_runs_the_lower_right_bias(dtype):
+    """On CUDA fewer queries than keys go through the lower-right causal bias (flash in bfloat16, memory-efficient in
+    float32) and give the masked path's attention on the same device."""
+    assert torch.cuda.is_available(), "the gpu tests need CUDA (run them with `make test-gpu` on a GPU machine)"
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 32, 256, 128, generator=generator).to("cuda", dtype)
+    key, value = (torch.randn(1, 8, 1024, 128, generator=generator).to("cuda", dtype) for _ in range(2))
+    out = dense_attention(query, key, value, None)
+    masked = dense_module.masked_attention(query, key, value, bottom_right_causal_mask(256, 1024, "cuda"), None)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out, masked, atol=tol, rtol=tol)
+
+
 def test_masked_attention_reads_grouped_heads_as_repeated_ones():
     """On a CPU the KV heads go to SDPA as they are (enable_gqa), bit for bit what repeating them gives."""
     generator = torch.Generator().manual_seed(0)

@@ -34,6 +34,7 @@ from kvsieve.feed.schedules import (
     retention_ratio,
     square_sqrt_curves,
 )
+from kvsieve.kv.cache import rotation, rotation_table, table_turn
 
 ARCHS3 = ("llama", "mistral", "qwen2")
 # (schedule, decremental): FM, IM with each curve, IMDC.
@@ -266,6 +267,22 @@ def test_rerotate_composes_rotations(single_thread):
         cos, sin = rotary(raw, end[head : head + 1])
         _, direct = apply_rotary_pos_emb(raw, raw, cos, sin)
         torch.testing.assert_close(moved[:, head], direct[:, head], atol=1e-5, rtol=1e-5)
+
+
+def test_a_rotation_table_turns_keys_as_angles_per_key_do(single_thread):
+    """A move's angles read from a table of every delta in range (`rotation_table`, `table_turn`) are `rotation`'s
+    to the bit, and so are the keys they turn; a partial rotary embedding leaves the other dimensions alone."""
+    rotary = build_model("qwen2").model.rotary_emb
+    delta = torch.tensor([[-70, -3, 0, 5, 89], [-1, 12, 40, -64, 2]])
+    table = rotation_table(-70, 90, rotary, torch.device("cpu"))
+    assert table.shape == (160, 2 * 16)
+    turn = table_turn(table, delta + 70)
+    assert all(torch.equal(a, b) for a, b in zip(turn, rotation(delta, rotary), strict=True))
+    keys = torch.randn(1, 2, 5, 16, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(rerotate_keys(keys, delta, rotary, turn), rerotate_keys(keys, delta, rotary))
+    wider = torch.randn(1, 2, 5, 24, generator=torch.Generator().manual_seed(1))  # 8 dimensions past the rotary's 16
+    turned = rerotate_keys(wider, delta, rotary, turn)
+    assert torch.equal(turned[..., 16:], wider[..., 16:]) and not torch.equal(turned[..., :16], wider[..., :16])
 
 
 @pytest.mark.parametrize("pruner", [SnapKV(window=2, pool_size=1), A2SF(alpha=1.0)])

@@ -458,9 +458,10 @@ def test_a_prefill_reads_nothing_back_to_the_host_inside_a_layer(arch, name, set
 @pytest.mark.parametrize("name", ["fm", "imdc"])
 def test_a_chunked_feed_launches_a_handful_of_kernels_per_layer_and_chunk(name, single_thread):
     """Around each chunk's pass, pruning and moving the memory cost a layer a handful of kernels (gathering its keys
-    and values, re-rotating its keys: two products, a roll and a sum), the rest is done once for the layers that
-    keep as many entries (ranking, positions, prompt indices, the rotations' angles): a model of 8 layers launches
-    at most 8 kernels a chunk more per added layer than one of 4 on the same prompt, views not counted."""
+    and values, reading its angles from the move's table, re-rotating its keys: two products, a roll and a sum),
+    the rest is done once for the layers that keep as many entries (ranking, positions, prompt indices, the table of
+    angles): a model of 8 layers launches at most 8 kernels a chunk more per added layer than one of 4 on the same
+    prompt, views not counted."""
     spec = method(name, {"feed.chunk": 64, "feed.memory": 64})
     prompt = make_prompt(400, seed=3)
     audits = [audit_prefill(build_model("llama", num_layers=n, max_positions=512), prompt, spec) for n in (4, 8)]
