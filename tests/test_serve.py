@@ -181,8 +181,9 @@ def test_metrics_move_with_each_request(server, tiny):
 
 
 def test_a_peak_watch_sees_what_a_step_allocates_and_the_batch_counts_its_tables(tiny):
-    """PeakWatch: 64 MB touched inside the watched stretch shows in its peak (Linux's resident high-water mark,
-    reset at `start`); freed before the next stretch, it does not show there. DecodeBatch.nbytes: its tables, none once
+    """PeakWatch: 256 MB touched inside the watched stretch shows in its peak (Linux's resident high-water mark,
+    reset at `start`; the margin allows for what the process frees meanwhile, the server's thread included); freed
+    before the next stretch, it does not show there. DecodeBatch.nbytes: its tables, none once
     its one row has left without keeping its entries."""
     from kvsieve.engine.batch import DecodeBatch, Row
     from kvsieve.engine.pipeline import prefill
@@ -191,8 +192,8 @@ def test_a_peak_watch_sees_what_a_step_allocates_and_the_batch_counts_its_tables
     watch = PeakWatch(torch.device("cpu"))
     assert watch.measures  # Linux: /proc/self/clear_refs resets the resident high-water mark
     watch.start()
-    block = torch.ones(16 * 2**20)  # 64 MB, written
-    assert watch.peak() >= 60 * 2**20
+    block = torch.ones(64 * 2**20)  # 256 MB, written
+    assert watch.peak() >= 192 * 2**20
     del block
     watch.start()
     assert watch.peak() < 32 * 2**20
