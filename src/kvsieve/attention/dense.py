@@ -69,8 +69,9 @@ def masked_attention(
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
 
 
-# PyTorch releases before CausalBias took grouped heads (enable_gqa) need them repeated.
-_BIAS_TAKES_GROUPS = "enable_gqa" in inspect.signature(CausalBias._dispatch).parameters
+# PyTorch releases before CausalBias took grouped heads (enable_gqa) need them repeated; `_dispatch` is where the
+# bias receives SDPA's arguments (none: take the heads repeated).
+_BIAS_TAKES_GROUPS = "enable_gqa" in inspect.signature(getattr(CausalBias, "_dispatch", lambda: None)).parameters
 
 
 def lower_right_attention(

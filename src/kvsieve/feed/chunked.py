@@ -84,14 +84,13 @@ def _frame(sinks: int, memory: int, chunk_start: int, device: torch.device) -> t
 @dataclass(frozen=True)
 class _Layers:
     """Layers a chunk's step moves together (`ChunkedRun._groups`): their keys' positions after the pass (n,), shared,
-    ending before `end`, and their prompt indices (layers, kv_heads, n)."""
+    and their prompt indices (layers, kv_heads, n)."""
 
     layers: list[int]
     rotary: Rotary
     windowed: bool
     positions: torch.Tensor
     origin: torch.Tensor
-    end: int  # one past the largest position: the chunk's end
 
 
 def _recent(pruner: Policy, budget: int) -> int:
@@ -400,7 +399,7 @@ class ChunkedRun:
             for j, origin in zip(group.layers, group.origin.gather(2, indices).unbind(0), strict=True):
                 self.origin[j] = origin
             if not last:  # the final cache stays in the last step's frame
-                self._move(group, indices, new_sinks, next_chunk)
+                self._move(group, indices, position + size, new_sinks, next_chunk)
         self.step_memory.append(budgets)
         record: dict[str, Any] = {
             "step": step,
@@ -442,17 +441,17 @@ class ChunkedRun:
                 positions = torch.cat([_frame(sinks, n, position, device), chunk_positions])
                 past = torch.stack([self.origin[j] for j in layers])
                 origin = torch.cat([past, chunk_origin.expand(len(layers), heads, size)], dim=2)
-            groups.append(_Layers(layers, rotary, kind == "window", positions, origin, position + size))
+            groups.append(_Layers(layers, rotary, kind == "window", positions, origin))
         return groups
 
-    def _move(self, group: _Layers, indices: torch.Tensor, sinks: int, next_chunk: int) -> None:
+    def _move(self, group: _Layers, indices: torch.Tensor, end: int, sinks: int, next_chunk: int) -> None:
         """Re-rotate the group's kept keys (`indices`, (layers, kv_heads, k)) to their places before the next chunk:
         [sinks | memory], the memory right-aligned to end before `next_chunk`; a windowed layer's entries as one
         block, to end right before the next chunk (their distances kept). Rotating by a zero delta is exact, so every
         layer is rotated without asking the device. The deltas are made once for the group; their angles come from
-        one table of every delta possible here (`rotation_table`: keys sat at 0 .. end - 1 and go to 0 .. next_chunk
-        - 1), read per layer."""
-        count, device, end = indices.shape[2], self.device, group.end
+        one table of every delta possible here (`rotation_table`: keys sat at 0 .. end - 1, `end` the chunk's end,
+        and go to 0 .. next_chunk - 1), read per layer."""
+        count, device = indices.shape[2], self.device
         if group.windowed:
             target = torch.arange(next_chunk - count, next_chunk, device=device)
         else:
