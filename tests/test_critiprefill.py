@@ -318,12 +318,14 @@ def test_flex_block_mask_lists_only_the_tiles_a_segment_attends():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_flex_kernel_equals_the_gathered_path(dtype):
     """The fused kernel CUDA runs, compiled here for the CPU: same output as the gathered path, also in bfloat16
-    (where both round their inputs and outputs alike)."""
+    (where both round their inputs and outputs alike). Tiles of 16 rows and keys (the library's are 128): PyTorch
+    2.13 compiles 8-row tiles into a CPU kernel that is wrong on an AVX2-only CPU (an AMD EPYC VM, 2026-11-29:
+    largest error 2.03 against the gathered path and the uncompiled kernel, which agree to 4e-7; right from 16)."""
     query, key, value = (x.to(dtype) for x in _qkv(100, 100, heads=6, kv_heads=2, seed=1))
     selection = _sparse_selection(CritiPrefill(16, 4, 12).begin(), query, key)
     gathered = sparse_attention(query, key, value, selection, None)
     allowed = selection.allowed_blocks()
-    out = block_sparse.segment_block_attention(query, key, value, allowed, 16, 4, None, True, 8)
+    out = block_sparse.segment_block_attention(query, key, value, allowed, 16, 4, None, True, 16)
     tolerance = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out, gathered, **tolerance)
 
