@@ -247,11 +247,13 @@ def smollm():
 # 2-core VM (2026-11-28), one thread a worker) start before the rest, so no worker is left running one of them
 # alone at the end of the run. Only the order changes; a name that no longer exists is ignored.
 SLOW_FIRST = (
+    "test_commands.py::test_evaluations_write_their_files_and_report_draws_them",  # 70 s (five processes at once)
+    "test_commands.py::test_demo_answers_side_by_side",  # 25 s
+    "test_commands.py::test_generate_json_from_stdin_is_json_on_a_models_first_run",  # 25 s (converts the model)
+    "test_commands.py::test_serve_answers_the_official_client_and_stops_on_sigterm",  # 15 s
     "test_compiled_step.py::test_compiled_steps_give_the_ordinary_steps_logits_and_compile_once",  # 25 s
     "test_compiled_step.py::test_int8_weights_under_bfloat16_get_their_own_logits",  # 23 s
     "test_serve_real.py::test_langchain_chat_openai_runs_against_the_server",  # 20 s
-    "test_cli.py::test_niah_ppl_and_report_on_the_real_model",  # 19 s
-    "test_cli.py::test_demo_runs_side_by_side",  # 19 s
     "test_real_model.py::test_needle_answered_with_critiprefill",  # 18 s
     "test_real_model.py::test_imdc_retrieves_a_key_pruned_before_the_question_arrives",  # 17 s
     "test_entry_points.py::test_niah_ppl_and_bench_run_every_method",  # 14 s

@@ -93,65 +93,14 @@ def test_generate_answers_in_json_and_with_penalties(capsys, passkey_file, tmp_p
     argv = ["generate", "-c", str(path), "-q", case.question, "--max-new-tokens", "24"]
     code, out, _ = run_cli(capsys, *argv, "--json-schema", str(schema))
     assert code == 0 and list(json.loads(out)) == ["pass_key"]
+    code, out, _ = run_cli(capsys, *argv, "--json-answer")
+    plain = json.loads(out)
     code, out, _ = run_cli(capsys, *argv, "--json-answer", "--repetition-penalty", "1.3")
-    assert code == 0 and json.loads(out) is not None
+    penalized = json.loads(out)
+    assert code == 0 and penalized != plain  # the penalty reached the sampling step: the answer changed
     schema.write_text("{not a schema")
     code, _, err = run_cli(capsys, *argv, "--json-schema", str(schema))
     assert code == 2 and "JSON schema" in err
-
-
-def test_generate_reads_stdin(capsys, monkeypatch, passkey_file):
-    import io
-
-    path, case = passkey_file
-    monkeypatch.setattr("sys.stdin", io.StringIO(path.read_text()))
-    code, out, _ = run_cli(capsys, "generate", "-q", case.question, "--max-new-tokens", "16")
-    assert code == 0 and case.answer in out
-
-
-def test_inspect_marks_kept_tokens(capsys, passkey_file):
-    path, case = passkey_file
-    code, out, err = run_cli(
-        capsys, "inspect", "-c", str(path), "-q", case.question, "--set", "select.k=200", "--plain"
-    )
-    assert code == 0 and "[[" in out and "]]" in out
-    assert "kept 200 of" in err
-    kept = "".join(part.split("]]")[0] for part in out.split("[[")[1:])
-    assert case.question in kept  # the tail (question) is always kept
-
-
-def test_calibrate_writes_plot_and_recommends(capsys, tmp_path):
-    plot = tmp_path / "cal.png"
-    code, out, _ = run_cli(
-        capsys, "calibrate", "--lengths", "400", "--depths", "0.5", "--k", "32", "--plot", str(plot), "--no-save"
-    )
-    assert code == 0 and "Recommended filter layer" in out
-    assert plot.stat().st_size > 1000
-    assert len([line for line in out.splitlines() if line.strip()[:2].strip().isdigit()]) == 30
-
-
-def test_demo_runs_side_by_side(capsys):
-    code, out, _ = run_cli(
-        capsys,
-        "demo",
-        "--length",
-        "400",
-        "--max-new-tokens",
-        "8",  # the table is the subject here, not whether the needle comes back
-        "--methods",
-        "full,gemfilter,snapkv",
-        "--set",
-        "select.k=192",
-        "--set",
-        "compress.budget=192",
-    )
-    assert code == 0 and "--- full" in out and "--- gemfilter (select=gemfilter(k=192" in out
-    table = out[out.index("answer has the needle") :].splitlines()
-    rows = {line.split()[0]: line.split() for line in table[1:4]}
-    assert set(rows) == {"full", "gemfilter", "snapkv"}
-    assert rows["full"][-2:] == ["1.00x", rows["full"][-1]] and int(rows["full"][-1]) > 400
-    assert int(rows["gemfilter"][-1]) == 192 and int(rows["snapkv"][-1]) == 192
-    assert all(row[1] in ("yes", "no") for row in rows.values())
 
 
 @pytest.mark.parametrize(
@@ -254,28 +203,6 @@ def test_budget_above_prompt_keeps_everything_and_says_so(capsys, passkey_file):
     assert code == 0 and case.answer in out and "everything kept" in err
 
 
-def test_simulate_reports_perplexity_and_cosine(capsys, tmp_path):
-    out_file = tmp_path / "sim.json"
-    code, out, _ = run_cli(
-        capsys,
-        "simulate",
-        "--length",
-        "96",
-        "--budget",
-        "0.5",
-        "--methods",
-        "local,a2sf",
-        "--alphas",
-        "0.2",
-        "--out",
-        str(out_file),
-    )
-    rows = json.loads(out_file.read_text())
-    assert code == 0 and [r["method"] for r in rows] == ["full", "local", "a2sf alpha=0.2"]
-    assert all(r["budget"] == 48 for r in rows[1:]) and rows[0]["cosine"] == 1.0
-    assert rows[1]["ppl"] > rows[0]["ppl"] and 0 < rows[2]["cosine"] < 1
-
-
 def test_generate_with_critiprefill_and_its_bad_input(capsys, passkey_file):
     path, case = passkey_file
     base = ["generate", "-c", str(path), "-q", case.question, "--max-new-tokens", "12", "--method", "critiprefill"]
@@ -306,41 +233,6 @@ def test_generate_with_chunked_feeds_beyond_the_context(capsys, tmp_path, passke
     assert code == 0 and len(result["tokens"]) > 0
     assert feed["method"] == "imdc" and feed["details"]["pruner"] == "snapkv" and feed["details"]["steps"] == 5
     assert result["prefill_kv_length"] == 4 + 64 and feed["details"]["max_position"] < 4 + 64 + 2 * 96
-
-
-def test_niah_ppl_and_report_on_the_real_model(capsys, tmp_path):
-    niah, ppl, plots = tmp_path / "niah.json", tmp_path / "ppl.json", tmp_path / "plots"
-    grid = ["--lengths", "400", "--depths", "0.5", "--out", str(niah), "--plots", str(plots)]
-    code, out, _ = run_cli(capsys, "niah", "--methods", "full,critiprefill", *grid)
-    assert code == 0 and "Heatmaps:" in out
-    rows = json.loads(niah.read_text())["rows"]
-    assert [(r["method"], r["prompt_tokens"]) for r in rows] == [("full", 400), ("critiprefill", 400)]
-    # Full attention finds the needle at this length; CritiPrefill is dense below its budget, so identical.
-    assert rows[0]["hit"] and rows[1]["answer"] == rows[0]["answer"]
-    assert (plots / "needle_all.png").stat().st_size > 5000
-    code, out, _ = run_cli(capsys, "niah", "--methods", "full,critiprefill", *grid)
-    assert code == 0 and len(json.loads(niah.read_text())["rows"]) == 2  # resumed: nothing added
-    code, out, _ = run_cli(
-        capsys,
-        "ppl",
-        "--methods",
-        "full,snapkv",
-        "--lengths",
-        "300",
-        "--tokens",
-        "16",
-        "--set",
-        "compress.budget=128",
-        "--out",
-        str(ppl),
-    )
-    assert code == 0
-    by_method = {r["method"]: r for r in json.loads(ppl.read_text())["rows"]}
-    assert by_method["snapkv"]["kv_length"] == 128 and by_method["full"]["kv_length"] == 300
-    assert 1 < by_method["full"]["ppl"] < 200  # real text under a real model
-    report = tmp_path / "docs" / "RESULTS.md"
-    code, out, _ = run_cli(capsys, "report", "--niah", str(niah), "--ppl", str(ppl), "--out", str(report))
-    assert code == 0 and "| critiprefill |" in report.read_text() and "| snapkv |" in report.read_text()
 
 
 @pytest.mark.parametrize(

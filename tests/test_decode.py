@@ -193,9 +193,17 @@ def test_sampling_validate_errors(sampling, message, make_model):
         run(make_model("llama"), FakeTokenizer(), make_prompt(10), sampling=sampling)
 
 
-def test_sampling_validate_accepts_edges():
-    Sampling(max_new_tokens=1, temperature=0.0, top_p=1.0).validate()
-    Sampling(temperature=2.0, top_p=1e-9, stop=("x",)).validate()
+def test_sampling_edges_are_accepted_and_mean_what_they_say(make_model):
+    """One new token is one token; a nucleus of 1e-9 holds only the likeliest token, so sampling at any
+    temperature gives the greedy answer."""
+    model, prompt = make_model("llama"), make_prompt(10)
+    one = Sampling(max_new_tokens=1, temperature=0.0, top_p=1.0)
+    one.validate()
+    assert len(run(model, FakeTokenizer(), prompt, sampling=one).tokens) == 1
+    narrow = Sampling(max_new_tokens=6, temperature=2.0, top_p=1e-9, seed=3, stop=("x",))
+    narrow.validate()
+    greedy = run(model, FakeTokenizer(), prompt, sampling=Sampling(max_new_tokens=6)).tokens
+    assert run(model, FakeTokenizer(), prompt, sampling=narrow).tokens == greedy
 
 
 @pytest.mark.parametrize("stop", [(), ("NEVER-IN-TEXT",), "token", "spanning"])

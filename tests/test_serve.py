@@ -91,10 +91,16 @@ def ids_of(tiny, words: str) -> list[int]:
     return tiny[1](words, add_special_tokens=False)["input_ids"]
 
 
-def metric(server: ServerThread, pattern: str) -> float:
+def metric(server: ServerThread, pattern: str, missing: float | None = None) -> float:
+    """The value of one series on /metrics. A series that is not there fails the test, unless the caller says what
+    its absence means (`missing`: a labelled counter appears only at its first count)."""
     text = httpx.get(f"{server.url}/metrics").text
     match = re.search(rf"^{re.escape(pattern)} (\S+)$", text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
+    if match:
+        return float(match.group(1))
+    if missing is None:
+        pytest.fail(f"/metrics has no {pattern}")
+    return missing
 
 
 def test_chat_streamed_and_whole_give_the_same_answer(server, tiny):
@@ -151,18 +157,18 @@ def test_extra_body_chooses_the_method(server, tiny, name, settings):
 
 def test_metrics_move_with_each_request(server, tiny):
     listed = 'kvsieve_requests_total{endpoint="/v1/models",status="200"}'
-    before = metric(server, listed)
+    before = metric(server, listed, missing=0.0)  # the module's server may not have been asked for it yet
     httpx.get(f"{server.url}/v1/models")
     assert metric(server, listed) == before + 1  # every request counted, GETs included
     httpx.get(f"{server.url}/v1/models/tiny")
     httpx.get(f"{server.url}/v1/models/nope")  # one label per route, not per URL
     assert metric(server, 'kvsieve_requests_total{endpoint="/v1/models/{model_id:path}",status="404"}') >= 1
     unrouted = 'kvsieve_requests_total{endpoint="other",status="404"}'
-    scanned = metric(server, unrouted)
+    scanned = metric(server, unrouted, missing=0.0)
     httpx.get(f"{server.url}/wp-admin/setup.php")
     assert metric(server, unrouted) == scanned + 1
     done = 'kvsieve_requests_total{endpoint="/v1/completions",status="200"}'
-    before = [metric(server, m) for m in (done, "kvsieve_time_to_first_token_seconds_count")]
+    before = [metric(server, m, missing=0.0) for m in (done, "kvsieve_time_to_first_token_seconds_count")]
     generated = metric(server, "kvsieve_generation_tokens_total")
     client(server).completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=5, temperature=0)
     after = [metric(server, m) for m in (done, "kvsieve_time_to_first_token_seconds_count")]
@@ -311,7 +317,7 @@ def test_bad_input_gets_4xx_while_a_good_request_completes(server, tiny):
 
 def test_a_client_that_disconnects_frees_its_slot(server, tiny):
     gone = 'kvsieve_requests_total{endpoint="/v1/completions",status="499"}'
-    before = metric(server, gone)
+    before = metric(server, gone, missing=0.0)
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 400, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as response:
         lines = response.iter_lines()
@@ -782,7 +788,7 @@ def test_a_client_that_leaves_a_relayed_request_cancels_the_upstreams_work(tiny,
             httpx.post(f"{front.url}/v1/completions", json=body, timeout=0.5)
         deadline = time.monotonic() + 20
         gone = 'kvsieve_requests_total{endpoint="/v1/completions",status="499"}'
-        while metric(upstream, gone) < 1 or metric(upstream, "kvsieve_active_requests") > 0:
+        while metric(upstream, gone, missing=0.0) < 1 or metric(upstream, "kvsieve_active_requests") > 0:
             assert time.monotonic() < deadline, "the upstream went on decoding for a client that left"
             time.sleep(0.1)
         assert metric(upstream, "kvsieve_generation_tokens_total") < 480

@@ -24,7 +24,7 @@ COMMANDS = (answer, evaluate, methods, demo, serve)  # in the order `kvsieve --h
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvsieve", description=DESCRIPTION)
+    parser = options.Parser(prog="kvsieve", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMANDS:
         module.add(sub)

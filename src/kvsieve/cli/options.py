@@ -10,8 +10,17 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from kvsieve.errors import KvsieveError
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose refusals are one line: what was wrong and where the help is (argparse's own
+    prints the whole usage first, which for `kvsieve serve` is 15 lines above the one that matters)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def count(text: str) -> int | float:

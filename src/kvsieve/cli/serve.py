@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import os
+import signal
 from pathlib import Path
 
 from kvsieve.cli import options
@@ -49,7 +51,21 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     where = f" -> upstream {args.upstream}" if args.upstream else ""
     options.say(f"kvsieve: serving {name} with method {spec.name} on http://{args.host}:{args.port}/v1{where}")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    # uvicorn shuts down gracefully on SIGTERM, then restores the handler it found and raises the signal again; with
+    # Python's default the process would then die of it (status -15) after a clean stop. A stop asked for is a
+    # finished run: exit status 0, as service managers expect. (Ctrl-C still ends as "interrupted", 130.)
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=stderr_logging())
+
+
+def stderr_logging() -> dict:
+    """uvicorn's logging, its access lines on standard error like every other message of kvsieve's (uvicorn
+    writes them to standard output, which kvsieve keeps for answers)."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    return config
 
 
 def add(sub: argparse._SubParsersAction) -> None:
