@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import HEAD_DIM, HEADS, KV_HEADS, VOCAB, build_model, make_prompt, tiny_config, word_level_tokenizer
+from conftest import HEAD_DIM, HEADS, KV_HEADS, build_model, make_prompt, tiny_config, word_level_tokenizer
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import kvsieve
