@@ -10,6 +10,8 @@ import json
 import re
 from pathlib import Path
 
+from kvsieve.eval.records import runnable_command
+
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = ROOT / "docs" / "results"
 INDEX = FOLDER / "README.md"
@@ -42,7 +44,9 @@ def describe(path: Path) -> tuple[str, str]:
     command = document.get("command") or ""
     if isinstance(command, list):
         command = " ; ".join(command)
-    return str(document.get("kind", "json")), " ".join(str(command).split())
+    if not isinstance(command, str):  # a script's settings recorded under "command": in the file, not a command line
+        command = ""
+    return str(document.get("kind", "json")), " ".join(command.split())
 
 
 def main() -> None:
@@ -55,12 +59,21 @@ def main() -> None:
         "made it (where the file records one) and the pages that cite it. A file no page cites is kept for its "
         "command and rows; the pages quote the ones they use.",
         "",
+        "Each command runs from the repository root as written: its `--out` is the file it lists (running it "
+        "measures again and replaces the file), its plots go under `runs/plots/`. `benchmarks/code_ab.py` compares "
+        "two checkouts of the code, `../before` and `../after` (`git worktree add ../before COMMIT`; the page that "
+        "cites the file names the change measured). `benchmarks/ruler_profile.py` keeps its cases in "
+        "`runs/ruler_cases`. `runs/models/NAME` is a random-weight model folder "
+        "(`python benchmarks/random_weights.py CONFIG_FOLDER runs/models/NAME`). Commands with `--device cuda` ran on "
+        'a GPU machine (docs/PERFORMANCE.md, "On a GPU").',
+        "",
         "| file | kind | cited by | command |",
         "|---|---|---|---|",
     ]
     for path in files:
         name = path.relative_to(FOLDER).as_posix()
         kind, command = describe(path)
+        command = runnable_command(command, f"docs/results/{name}") if command else ""
         pages = ", ".join(sorted(set(cited.get(path.resolve(), [])))) or "-"
         shown = f"`{command}`" if command else ""
         lines.append(f"| [{name}]({name}) | {kind} | {pages} | {shown.replace('|', '&#124;')} |")

@@ -491,3 +491,29 @@ def test_cli_ctrl_c_keeps_finished_cases_and_says_how_to_resume(model, chat_toke
     calls = count_generate_calls(monkeypatch)
     assert cli.main(argv) == 0 and len(calls) == 1
     assert len(json.loads(out.read_text())["rows"]) == 2 and (plots / "needle_full.png").is_file()
+
+
+def test_each_report_section_names_the_machine_and_dtype_of_its_files(tmp_path):
+    """Files from two machines in one report: the needle section says the one its file ran on (and its dtype), the
+    perplexity section the other; the header names no machine, so nothing reads as if everything ran on both."""
+    here, there = records.machine(), {**records.machine(), "cpu": "Another CPU", "cores": 64}
+    settings = {"methods": {"full": method("full").to_dict()}}
+    niah_doc = {
+        "kind": "niah", "schema": 1, "command": "kvsieve niah", "machine": here,
+        "settings": {**settings, "probe": "needle", "max_new_tokens": 8, "dtype": "bfloat16"},
+        "rows": [{"method": "full", "length": 200, "depth": 0.5, "rouge1": 1.0, "hit": True, "answer": "x"}],
+    }  # fmt: skip
+    ppl_doc = {
+        "kind": "ppl", "schema": 1, "command": "kvsieve ppl", "machine": there,
+        "settings": {**settings, "tokens": 8, "text_end": 300},
+        "rows": [{"method": "full", "length": 200, "ppl": 9.5, "nll": 2.25, "kv_length": 200}],
+    }  # fmt: skip
+    (tmp_path / "n.json").write_text(json.dumps(niah_doc))
+    (tmp_path / "p.json").write_text(json.dumps(ppl_doc))
+    text = write_report(tmp_path / "docs" / "R.md", [tmp_path / "n.json"], [tmp_path / "p.json"]).read_text()
+    section = {title: body for title, body in (part.split("\n", 1) for part in text.split("\n## ")[1:])}
+    needle, ppl = section["Needle retrieval"], section["Perplexity"]
+    assert f"*Measured on*: {here['cpu']}, {here['cores']} cores" in needle and "; bfloat16." in needle
+    assert "Another CPU" not in needle
+    assert "*Measured on*: Another CPU, 64 cores" in ppl and "; float32." in ppl and here["cpu"] not in ppl
+    assert "Measured on" not in text.split("\n## ")[0] and "**Machine**" not in text

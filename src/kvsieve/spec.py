@@ -74,6 +74,13 @@ def renamed(cls: type) -> dict[str, str]:
     return {f.metadata["was"]: f.name for f in dataclasses.fields(cls) if f.metadata.get("was")}
 
 
+def renamed_settings(path: str) -> str:
+    """A `--set` path with each renamed field under its current name (the first component class that renamed it
+    names the new one): a command recorded before a rename, as it is written today."""
+    renames = {old: new for cls in _COMPONENTS.values() for old, new in reversed(renamed(cls).items())}
+    return ".".join(renames.get(part, part) for part in path.split("."))
+
+
 def warn_renamed(owner: str, old: str, new: str) -> None:
     """The one warning an old name gives: what it is now, and until when it works."""
     warnings.warn(

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvsieve.errors import KvsieveError
+from kvsieve.spec import renamed_settings
 
 SCHEMA = 1
 
@@ -111,6 +112,53 @@ def open_results(path: Path, kind: str, settings: dict[str, Any], fresh: bool = 
 def commands_of(document: dict[str, Any]) -> list[str]:
     """Every command that added to a result file, oldest first (a file from before `commands`: its one command)."""
     return list(document.get("commands") or [document["command"]])
+
+
+# Options whose recorded value named a folder of the machine that ran them, and what a reader passes instead.
+CHECKOUTS = {"--before": "../before/src", "--after": "../after/src"}  # benchmarks/code_ab.py's two source trees
+RUN_FOLDERS = {"--cases": "runs/ruler_cases", "--plots": "runs/plots"}
+
+
+def portable_model(name: str) -> str:
+    """A model as a reader names it: an alias or hub id as recorded, a folder of the machine that ran it as
+    runs/models/NAME (a random-weight folder made by benchmarks/random_weights.py, as the GPU checks use)."""
+    return f"runs/models/{Path(name).name}" if name.startswith("/") else name
+
+
+def runnable_command(command: str, out: str) -> str:
+    """A recorded command as a reader runs it from the repository root: its `--out` is `out` (the file it made, as
+    it is kept now), a plot goes under runs/plots/, a folder of the machine that ran it becomes the folder a reader
+    uses (`CHECKOUTS`, `RUN_FOLDERS`, `portable_model`), a `--set` field renamed since has its name of today, and an
+    option recorded without a value (argparse's None) is left out. Commands joined by " ; " (a file several runs
+    added to) each get the same."""
+    runs = []
+    for part in command.split(" ; "):
+        tokens, shown = shlex.split(part), []
+        while tokens:
+            token = tokens.pop(0)
+            if not (token.startswith("--") and tokens and not tokens[0].startswith("--")):
+                shown.append(token)
+                continue
+            value = tokens.pop(0)
+            if value == "None":
+                continue
+            local = value.startswith("/") or value.startswith("runs/s") and value[6:7].isdigit()
+            if token == "--out":
+                value = out
+            elif token == "--plot":
+                value = f"runs/plots/{Path(out).stem}.png"
+            elif token == "--model":
+                value = portable_model(value)
+            elif token == "--set" and "=" in value:  # a field renamed since: its name today
+                path, _, setting = value.partition("=")
+                value = f"{renamed_settings(path)}={setting}"
+            elif local and token in CHECKOUTS:
+                value = CHECKOUTS[token]
+            elif local and token in RUN_FOLDERS:
+                value = RUN_FOLDERS[token]
+            shown += [token, value]
+        runs.append(shlex.join(shown))
+    return " ; ".join(runs)
 
 
 def save(path: Path, document: dict[str, Any]) -> None:

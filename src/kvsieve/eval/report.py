@@ -22,7 +22,7 @@ from kvsieve.eval import report_sections as sections
 from kvsieve.eval.bench import plot_scaling
 from kvsieve.eval.leaderboard import KEEP_AT
 from kvsieve.eval.report_results import GLANCE_BUDGET, Results
-from kvsieve.eval.report_sections import machine_line, spread
+from kvsieve.eval.report_sections import machine_line, measured_on, spread
 from kvsieve.eval.ruler import TASKS
 
 
@@ -35,9 +35,10 @@ def ruler_sections(report: Results, root: Path) -> list[str]:
         calibrated = board_sections.calibration_section(calibration, KEEP_AT, tasks)
         model = report.ruler["settings"].get("model") or "SmolLM2-135M-Instruct"
         title = f"RULER leaderboard: {model}, {length} tokens ({report.ruler['settings'].get('dtype', 'float32')})"
+        where = measured_on(report.sources["ruler"])
         if not board.tasks:
             none = f"Full attention scores below {KEEP_AT:g} on every task run."
-            lines += ["", f"## {title}", "", none, *calibrated]
+            lines += ["", f"## {title}", "", where, "", none, *calibrated]
             continue
         figure = board_sections.plot_board(board, root / "figures" / f"ruler_{length}.png", title)
 
@@ -53,7 +54,7 @@ def ruler_sections(report: Results, root: Path) -> list[str]:
         seeds_first = [m for m in board_sections.SEEDS if m in methods]
         seeds_first += [m for m in methods if m not in board_sections.SEEDS]
         lines += [
-            *board_sections.leaderboard_section(board, figure, root, speedup, title, label),
+            *board_sections.leaderboard_section(board, figure, root, speedup, title, label, where),
             *board_sections.which_method_when(board, seeds_first),
             *calibrated,
         ]
@@ -148,6 +149,9 @@ def write_report(
     bench_docs = [records.load(p, "bench") for p in bench_files]
     ruler_docs = [records.load(p, "ruler") for p in ruler_files]
     calibration_docs = [records.load(p, "ruler") for p in calibration_files]
+    given = [*niah_files, *ppl_files, *bench_files, *ruler_files, *calibration_files]
+    for document, path in zip([*niah_docs, *ppl_docs, *bench_docs, *ruler_docs, *calibration_docs], given, strict=True):
+        document["file"] = Path(path).name  # a section merged from several machines names each one's files
     kvpress = records.load(kvpress_file, "kvpress") if kvpress_file else None
     report = Results(niah_docs, ppl_docs, bench_docs, baseline, ruler_docs, calibration_docs)
     records.check_writable(out)
@@ -171,13 +175,17 @@ def write_report(
     quality = f"RULER average / 100 (KV {GLANCE_BUDGET:g} of the prompt)" if ruler_docs else ""
     rated = [point for point in points if point["quality"] is not None]
     pareto = plot_pareto(rated, figures / "pareto.png", baseline, quality) if rated else None
-    commands = [command for d in report.documents for command in records.commands_of(d)]
+    commands = [  # as a reader runs them again: each writes the copy the report reads (records.runnable_command)
+        records.runnable_command(command, Path(os.path.relpath(target)).as_posix())
+        for d, target in zip(report.documents, copied, strict=True)
+        for command in records.commands_of(d)
+    ]
     kinds = ["niah"] * len(niah_docs) + ["ppl"] * len(ppl_docs) + ["bench"] * len(bench_docs)
     kinds += ["ruler"] * len(ruler_docs) + ["ruler-calibration"] * len(calibration_docs)
     inputs = " ".join(f"--{kind} {p.relative_to(root).as_posix()}" for kind, p in zip(kinds, copied, strict=True))
     commands += [
         records.command_line(),
-        f"# regenerate from the copies: cd {root.as_posix()} && kvsieve report {inputs}",
+        f"# regenerate from the copies: cd {root.as_posix()} && kvsieve report {inputs} --out {out.name}",
     ]
     lines = [
         *sections.header(report, commands, ruler_sections(report, root)),

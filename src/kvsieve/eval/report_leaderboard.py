@@ -34,15 +34,18 @@ def leaderboard_section(
     speedup: Callable[[str], float | None],
     title: str,
     speedup_label: str,
+    where: str,
 ) -> list[str]:
     """The leaderboard table (with `speedup(method)`, the time-to-first-token speedup from a bench run) and its
-    figure."""
+    figure, under its title and `where` (the line naming the machine and dtype)."""
     tasks = ", ".join(f"`{t}`" for t in board.tasks)
     counts = [sum(1 for case in board.cases if case[0] == task) for task in board.tasks]
     samples = f"{min(counts)}" if min(counts, default=0) == max(counts, default=0) else f"{min(counts)}-{max(counts)}"
     lines = [
         "",
         f"## {title}",
+        "",
+        where,
         "",
         f"RULER's average (0-100) over the tasks full attention can do ({tasks}), {len(board.cases)} cases "
         f"({samples} per task), every row on the same cases. `vs full` is the paired difference from full "

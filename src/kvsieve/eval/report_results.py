@@ -85,6 +85,11 @@ class Results:
             kept = [task for task, c in self.calibrations[length].items() if c["kept"]]
             self.ruler_boards[length] = leaderboard.leaderboard(rows, kept)
         self.documents = [*niah_docs, *ppl_docs, *bench_docs, *ruler_docs, *calibration_docs]
+        # Each kind's files as given (before merging), for the machine and dtype each section names.
+        self.sources = {
+            "niah": list(niah_docs), "ppl": list(ppl_docs), "bench": list(bench_docs),
+            "ruler": [*ruler_docs, *calibration_docs],
+        }  # fmt: skip
         rows = [r for d in self.documents for r in d["rows"]]
         if not rows:
             raise KvsieveError("The result files have no rows yet; run the evaluations first.")
