@@ -27,9 +27,11 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/basedpyright
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/basedpyright
 	$(BIN)/python -m pytest -q
 
 # On a machine with CUDA (and a CUDA build of torch): every method on the GPU in bfloat16.

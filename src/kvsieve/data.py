@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -95,7 +96,7 @@ def _insert(
     budget = length - needle_len
     while len(filler_ids) < budget:  # repeat the filler for very long contexts
         filler_ids = filler_ids + filler_ids
-    hay = tokenizer.decode(filler_ids[:budget])
+    hay = cast(str, tokenizer.decode(filler_ids[:budget]))  # one sequence decodes to one text
     cut = len(tokenizer.decode(filler_ids[: round(budget * depth)]))
     # Move back to the end of a sentence so the needle does not split one.
     sentence_end = hay.rfind(". ", 0, cut)

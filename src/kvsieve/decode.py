@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from transformers import Cache, PreTrainedModel, PreTrainedTokenizerBase
@@ -143,7 +144,7 @@ def adjust(logits: torch.Tensor, sampling: Sampling, prompt: torch.Tensor, outpu
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     """EOS ids from the tokenizer and the model's generation config (which may list several)."""
-    ids = {tokenizer.eos_token_id}
+    ids: set[int | None] = {cast(int | None, tokenizer.eos_token_id)}  # a tokenizer's EOS is one id
     config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids.update(config_eos if isinstance(config_eos, list) else [config_eos])
     return {i for i in ids if i is not None}
@@ -205,7 +206,7 @@ class TextStream:
         if token in self.eos and not self.sampling.ignore_eos:
             self.finish = "eos"
         else:
-            self.text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+            self.text = cast(str, self.tokenizer.decode(self.tokens, skip_special_tokens=True))  # one sequence
             cut = _cut_at_stop(self.text, self.sampling.stop)
             if cut is not None:
                 self.text, self.finish = self.text[:cut], "stop"

@@ -287,7 +287,7 @@ def load_model(
         raise KvsieveError(f"Unknown quantization '{quantize}'; choose one of {', '.join(QUANTIZE_CHOICES)}.")
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    hub_id = None
+    hub_id, folder, gguf_file = None, None, None
     packaged = DEFAULT if name_or_path is None else PACKAGED.get(str(name_or_path))
     if packaged is not None:
         folder = packaged.converted_dir()

@@ -8,6 +8,7 @@ cannot answer it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -66,7 +67,7 @@ def build_prompt(
     elif not getattr(tokenizer, "chat_template", None):  # a base model: a plain completion
         answer = f"\nAnswer: {lead}".rstrip()
         prefix, suffix = "", f"\n\nQuestion: {question}{answer}" if question else ""
-        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        bos = [cast(int, tokenizer.bos_token_id)] if tokenizer.bos_token_id is not None else []  # one id
     else:
         prefix, suffix = _chat_frame(tokenizer, f"\n\n{question}" if question else "")
     return _assemble(tokenizer, bos, prefix, context, suffix)

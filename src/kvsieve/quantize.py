@@ -40,6 +40,9 @@ class Int8Linear(torch.nn.Module):
     """A linear layer whose weight is int8 with a float32 scale per output row (buffers, not parameters: the
     model's dtype stays the activations')."""
 
+    weight: torch.Tensor  # (out_features, in_features) int8, a buffer
+    scale: torch.Tensor  # (out_features,) float32, a buffer
+
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         weight = linear.weight.detach()

@@ -27,7 +27,7 @@ import typing
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from kvsieve.errors import KvsieveError
 
@@ -35,14 +35,16 @@ STAGES = ("select", "feed", "attention", "compress", "evict")
 KINDS = (*STAGES, "policy")
 
 _COMPONENTS: dict[str, type] = {}
+C = TypeVar("C", bound=type)  # a component class, as `component` registers and returns it
 
 
-def component(tag: str, kind: str) -> Callable[[type], type]:
-    """Register a frozen dataclass as the component `tag` filling slots of `kind`."""
+def component(tag: str, kind: str) -> Callable[[C], C]:
+    """Register a frozen dataclass as the component `tag` filling slots of `kind` (the class itself is returned, so
+    type checkers keep seeing it)."""
     if kind not in KINDS:
         raise ValueError(f"unknown component kind {kind!r}")
 
-    def register(cls: type) -> type:
+    def register(cls: C) -> C:
         if tag in _COMPONENTS and _COMPONENTS[tag] is not cls:
             raise ValueError(f"component tag {tag!r} is already registered by {_COMPONENTS[tag].__name__}")
         cls.tag, cls.kind = tag, kind

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from transformers import AttentionInterface
@@ -132,7 +133,7 @@ def kvsieve_attention(
     sparsifies it. Gemma 2's `softcap` layers take the float32 grouped path, which caps the logits.
     """
     hooks = kvsieve_hooks or _active.get() or NO_HOOKS
-    layer = module.layer_idx
+    layer = cast(int, module.layer_idx)  # transformers' attention modules carry their index as an int
     lengths = key_lengths[layer] if key_lengths is not None else None
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     if window is not None or softcap is not None:

@@ -10,9 +10,12 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from kvsieve.errors import KvsieveError
+
+if TYPE_CHECKING:  # the command line imports torch and transformers only when a command runs
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 class Parser(argparse.ArgumentParser):
@@ -214,7 +217,7 @@ def read_context(source: str) -> str:
         raise KvsieveError(f"Cannot read context file '{source}': {error}") from error
 
 
-def load(args: argparse.Namespace, warm_steps: bool = False):
+def load(args: argparse.Namespace, warm_steps: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The model and tokenizer, with what its CPU decoding steps call built before anything is timed: the C++
     kernels, on a machine that has not built them (about 11 s, once), would otherwise be counted in the first
     prompt's time to first token. `warm_steps` (a server): with --compile-steps, the decoding step's graphs too
@@ -235,7 +238,7 @@ def load(args: argparse.Namespace, warm_steps: bool = False):
     return model, tokenizer
 
 
-def load_off_main_thread(args: argparse.Namespace):
+def load_off_main_thread(args: argparse.Namespace) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """`load` in a thread of its own that ends before the server starts, for a server whose engine thread runs
     the model. libgomp (PyTorch's OpenMP on Linux) gives each thread that runs parallel work its own pool of
     workers; a pool left in the main thread by loading beside the engine thread's own oversubscribes the cores,
@@ -244,20 +247,21 @@ def load_off_main_thread(args: argparse.Namespace):
     27.2 ms after loading in a thread that ended (docs/STUDIES.md, decoding). The CPU kernels are built and, with
     --compile-steps, the decoding step (`kvsieve.engine.warm_up`) compiled there too, before the
     server answers anything."""
-    loaded: dict[str, object] = {}
+    loaded: list[tuple[PreTrainedModel, PreTrainedTokenizerBase]] = []
+    failed: list[BaseException] = []
 
     def run() -> None:
         try:
-            loaded["model"] = load(args, warm_steps=True)  # no request waits for the kernels or the step's compile
+            loaded.append(load(args, warm_steps=True))  # no request waits for the kernels or the step's compile
         except BaseException as error:  # re-raised in the caller's thread, with its own message
-            loaded["error"] = error
+            failed.append(error)
 
     thread = threading.Thread(target=run, name="kvsieve-load")
     thread.start()
     thread.join()
-    if "error" in loaded:
-        raise loaded["error"]
-    return loaded["model"]
+    if failed:
+        raise failed[0]
+    return loaded[0]
 
 
 def say(text: str) -> None:

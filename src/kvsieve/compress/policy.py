@@ -36,7 +36,6 @@ class Policy:
     tag: ClassVar[str]
     kind: ClassVar[str]
     position_only: ClassVar[bool] = False  # keeps tokens by position alone (no scores at all)
-    step_alpha: ClassVar[float | None] = None  # a `StepRule`'s forgetting factor
     accumulates: ClassVar[bool] = False  # the prompt scores are A2SF eq. 5 with `step_alpha` (a `StepRule`)
 
     @property
@@ -70,10 +69,15 @@ class Policy:
         return None
 
     @property
+    def step_alpha(self) -> float | None:
+        """A `StepRule`'s forgetting factor (A2SF eq. 6); None for the other kind."""
+        return None
+
+    @property
     def summed_alpha(self) -> float | None:
         """The alpha of the accumulated attention (A2SF eq. 5) the prompt scores are made from by `from_sums`
         (inside the attention pass), or None when they are not: a `StepRule` its step_alpha; Collie 1."""
-        return float(self.step_alpha) if self.accumulates else None
+        return None if self.step_alpha is None or not self.accumulates else float(self.step_alpha)
 
     def accumulated_scores(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
         """A2SF eq. 5 with `summed_alpha` (the second pass); for one query (a decoding step) its attention row."""
@@ -148,8 +152,11 @@ class StepRule(Policy):
     Set `step_alpha` (1: H2O's plain sum). The prompt's scores are the same sum over its queries (eq. 5), taken
     from kvsieve's attention pass itself (no second pass); `from_sums` may post-process them (A2SF pools them)."""
 
-    step_alpha: ClassVar[float] = 1.0
     accumulates: ClassVar[bool] = True
+
+    @property
+    def step_alpha(self) -> float:
+        return 1.0
 
     @property
     def decodes(self) -> bool:

@@ -424,7 +424,8 @@ class EvictRun(InPlaceEviction):
         if self._one_over(cache):  # in buffers, one new entry over the budget, evicted now: the steady eviction
             for layer in self.layers:
                 cache.layers[layer].truncate(self.budget)  # its new entry stays at column `budget`, for the eviction
-            self._evict_newest(*self.buffers.tables, 0, None)
+            keys, values = self.buffers.tables
+            self._evict_newest(keys, values, 0, None)
             return
         if self.buffers is not None:
             self.buffers.stamp(kv_entries(cache))

@@ -24,6 +24,10 @@ from kvsieve.prompt import Prompt, build_prompt
 from kvsieve.select import Selector
 from kvsieve.spec import MethodSpec
 
+# What `run` and `generate` return: one result for one prompt, a list for a list of prompts, and with sampling.n > 1
+# each prompt's n results.
+Results = GenerationResult | list[GenerationResult] | list[list[GenerationResult]]
+
 
 def resolve_method(method: MethodSpec | str | None, stages: dict[str, Any]) -> MethodSpec:
     """`method` (a registered name or a spec), or a spec of the stage objects given one by one (not both)."""
@@ -52,7 +56,7 @@ def run(
     sampling: Sampling | None = None,
     stream: Callable[[str], None] | None = None,
     max_batch: int = 16,
-) -> GenerationResult | list[GenerationResult] | list[list[GenerationResult]]:
+) -> Results:
     """Generate from built `Prompt`s through `method`'s stages (or stages given one by one).
 
     A list of prompts runs as a batch of at most `max_batch` at a time; `stream` receives the
@@ -72,10 +76,17 @@ def run(
     requests = [Request(p, spec, sampling, emit) for p in prompts]
     scheduler.run_to_end(requests)
     if sampling.n > 1:  # each prompt's n answers, sampled from its one prefill
-        results = [[answer.result for answer in (request, *request.forks)] for request in requests]
+        results: list = [[finished(answer) for answer in (request, *request.forks)] for request in requests]
     else:
-        results = [request.result for request in requests]
+        results = [finished(request) for request in requests]
     return results[0] if isinstance(prompt, Prompt) else results
+
+
+def finished(request: Request) -> GenerationResult:
+    """A request's result once the scheduler ran it to the end (it raised otherwise)."""
+    if request.result is None:
+        raise RuntimeError("A request ended without a result: a bug in the scheduler, not in the call.")
+    return request.result
 
 
 def _text_to(stream: Callable[[str], None]) -> Callable[[Event], None]:
@@ -94,7 +105,7 @@ def generate(
     *,
     raw: bool = False,
     **options: Any,
-) -> GenerationResult | list[GenerationResult]:
+) -> Results:
     """Answer `question` about `context` (chat template), or continue `context + question` (raw=True).
 
     `method` is a registered name ("snapkv") or a MethodSpec (`kvsieve.method("snapkv", {...})`);

@@ -43,7 +43,7 @@ def prefill_with_reuse(
         status = "bypassed"
     elif cache is not None and tail is None:
         status = "not reusable"
-    elif cache is not None:
+    elif cache is not None and tail is not None:
         longest = prompt.length - tail
         key, squeeze = prefix_key(spec, cache.budget), reuse_compress(spec, cache.budget)
         hit = cache.lookup(key, ids, longest)
@@ -78,8 +78,8 @@ def prefill_with_reuse(
         reuse["reuse_budget"] = "whole" if kept_as is None else kept_as.budget
     if context:
         reuse["context_entries"] = context
-    if done.stored is not None:
-        cache.store(key, ids[:keep], done.stored)
+    if done.stored is not None and cache is not None:  # a state is stored only where it was looked up (a miss)
+        cache.store(prefix_key(spec, cache.budget), ids[:keep], done.stored)
         done.stored = None  # the cache holds its own copy
     return done, reuse
 

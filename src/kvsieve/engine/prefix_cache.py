@@ -193,15 +193,15 @@ class PrefixCache:
 
     def store(self, key: str, ids: list[int], state: PromptState) -> None:
         """Keep a clone of `state` for `ids`, evicting the least recently used states to fit."""
-        key = (key, tuple(ids))
+        entry = (key, tuple(ids))
         size = state.nbytes
         if size > self.max_bytes:
             return
-        if key in self._states:
-            self.bytes -= self._states.pop(key).nbytes
+        if entry in self._states:
+            self.bytes -= self._states.pop(entry).nbytes
         while self.bytes + size > self.max_bytes:
             self.bytes -= self._states.popitem(last=False)[1].nbytes
-        self._states[key] = state.clone(self.model)
+        self._states[entry] = state.clone(self.model)
         self.bytes += size
 
 

@@ -141,7 +141,7 @@ class StaticStep:
         self.compiled = compiled and not (capture and any(evict is not None for evict, _ in rows))
         count, device = keys.shape[1], keys.device
         layers = layers if layers is not None else [((keys, values), j) for j in range(keys.shape[0])]
-        windows = windows if windows is not None else [None] * len(layers)
+        windows = windows if windows is not None else [None for _ in layers]
         self.evicting = [(i, evict, cache) for i, (evict, cache) in enumerate(rows) if evict is not None]
         self.advance = [0 if evict is not None else 1 for evict, _ in rows]  # columns a row gains per step (global)
         # Per layer and row, the entries a step adds (a sliding layer's ring: one, also for an evicting row), and the

@@ -43,7 +43,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -225,7 +225,8 @@ def score(task: str, answer: str, references: list[str]) -> float:
     from long_context_eval.eval.synthetic.constants import TASKS as METRICS
 
     cleaned = re.sub(r"[\x00-\x1f]", "\n", answer.strip()).strip()
-    return METRICS[task_configs()[task]["task"]]["metric_fn_per_sample"]([cleaned], [references])[0]
+    metrics = cast(dict[str, dict[str, Any]], METRICS)  # its table's entries mix numbers and functions
+    return metrics[task_configs()[task]["task"]]["metric_fn_per_sample"]([cleaned], [references])[0]
 
 
 def budget_field(spec: MethodSpec) -> str | None:
@@ -343,8 +344,8 @@ def run_ruler(
                 f"beside its {configs_[task]['tokens_to_generate']} answer tokens; use at least "
                 f"{2 * configs_[task]['tokens_to_generate']}."
             )
-    cases = {(task, length): load_cases(tokenizer, task, length, samples, seed, folder) for task, length in work}
-    if short := [f"{task} at {length} ({len(c)})" for (task, length), c in cases.items() if len(c) < samples]:
+    case_sets = {(task, length): load_cases(tokenizer, task, length, samples, seed, folder) for task, length in work}
+    if short := [f"{task} at {length} ({len(c)})" for (task, length), c in case_sets.items() if len(c) < samples]:
         raise KvsieveError(f"RULER's generators made fewer than {samples} cases for: {', '.join(short)}.")
     bar = tqdm(total=len(work) * samples * len(plan), desc="RULER", unit="answer")
     seconds = 0.0
@@ -352,7 +353,7 @@ def run_ruler(
     # leaderboard over all of them, rather than every sample of the first tasks.
     for position in range(samples):
         for task, length in work:
-            case = cases[(task, length)][position]
+            case = case_sets[(task, length)][position]
             todo = {
                 group: [c for c in configs if (task, length, case.index, *c.key) not in done]
                 for group, configs in groups.items()

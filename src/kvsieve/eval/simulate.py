@@ -49,7 +49,7 @@ class SimulatedEviction:
         kv_heads = key.shape[1]
         if key.shape[2] != n:
             raise KvsieveError("Simulated eviction needs the whole sequence in one pass (no cache, no chunks).")
-        scaling = scaling if scaling is not None else dim**-0.5
+        scale = scaling if scaling is not None else dim**-0.5
         n_rep = heads // kv_heads
         q = query[0].float().view(kv_heads, n_rep, n, dim)
         k, v = key[0].float(), value[0].float()
@@ -62,7 +62,7 @@ class SimulatedEviction:
         heads_index = torch.arange(kv_heads, device=device)
         for start in range(0, n, self.chunk):
             stop = min(start + self.chunk, n)
-            logits = torch.einsum("grcd,gnd->grcn", q[:, :, start:stop], k[:, :stop]) * scaling
+            logits = torch.einsum("grcd,gnd->grcn", q[:, :, start:stop], k[:, :stop]) * scale
             logits = logits.masked_fill(~bottom_right_causal_mask(stop - start, stop, device), float("-inf"))
             probs = torch.empty_like(logits)  # (g, r, c, stop): each row's attention under the policy
             for i in range(start, stop):

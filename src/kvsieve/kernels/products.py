@@ -25,6 +25,8 @@ PyTorch's own.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 import torch.nn.functional as F
 
@@ -92,11 +94,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 class FusedLinear(torch.nn.Linear):
     """`torch.nn.Linear` whose few-row CPU products take the fused kernel (same parameters, same state dict)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # Linear's own name for it
+        return linear(input, self.weight, self.bias)
 
 
-def fuse_linears(model: torch.nn.Module) -> torch.nn.Module:
+M = TypeVar("M", bound=torch.nn.Module)  # the model `fuse_linears` is given, returned as it came
+
+
+def fuse_linears(model: M) -> M:
     """Give every plain `torch.nn.Linear` in `model` the fused forward, in place (its class becomes `FusedLinear`;
     parameters, tied weights and the state dict are untouched)."""
     for module in model.modules():

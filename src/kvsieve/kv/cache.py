@@ -4,16 +4,23 @@ and moving cached post-RoPE keys to other positions (chunked feeds, StreamingLLM
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
 from kvsieve.errors import KvsieveError
 from kvsieve.kernels.eviction import evictable_scores, lowest_oldest, steady_eviction
 
 # rotary(x, position_ids) -> (cos, sin), with an `attention_scaling` attribute: a model's module or `models.Rotary`
 RotaryEmbedding = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def filled(layer: CacheLayerMixin) -> tuple[torch.Tensor, torch.Tensor]:
+    """A filled layer's keys and values: transformers annotates them `Tensor | None` (None until a layer's first
+    update), and kvsieve reads them from layers it filled."""
+    return cast(torch.Tensor, layer.keys), cast(torch.Tensor, layer.values)
 
 
 def resolve_budget(value: int | float, total: int) -> tuple[int, str | None]:
@@ -189,14 +196,16 @@ class DecodeBuffer(DynamicLayer):
     def capacity(self) -> int:
         return self._keys.shape[2]
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.length + key_states.shape[2]
         if end > self.capacity:  # the decoding batch makes room before a step; a buffer never grows alone
             raise KvsieveError(f"A decode buffer of {self.capacity} entries cannot take {end}.")
         self._keys[:, :, self.length : end] = key_states
         self._values[:, :, self.length : end] = value_states
         self.truncate(end)
-        return self.keys, self.values
+        return filled(self)
 
     def truncate(self, length: int) -> None:
         """Keep entries 0 .. length - 1 live."""
@@ -244,7 +253,9 @@ class WindowBuffer(DecodeBuffer):
         self.window = window
         self.oldest = 0  # the column of the oldest entry once the ring is full
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.length + key_states.shape[2] <= self.window:
             return super().update(key_states, value_states)
         if key_states.shape[2] != 1:
@@ -255,7 +266,7 @@ class WindowBuffer(DecodeBuffer):
         self._keys[:, :, column : column + 1] = key_states
         self._values[:, :, column : column + 1] = value_states
         self.advance()
-        return self.keys, self.values
+        return filled(self)
 
     def next_column(self) -> int:
         return self.length if self.length < self.window else self.oldest
@@ -268,7 +279,7 @@ class WindowBuffer(DecodeBuffer):
     def in_order(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The live (keys, values), oldest first."""
         if self.length < self.window or self.oldest == 0:
-            return self.keys, self.values
+            return filled(self)
         order = torch.arange(self.window, device=self.keys.device).roll(-self.oldest)
         return self.keys[:, :, order], self.values[:, :, order]
 
@@ -285,7 +296,7 @@ class EntryTables:
     the buffers; their stamps still tell their age (sinks, recent entries, the oldest among equal scores)."""
 
     def __init__(self, tables: tuple[torch.Tensor, torch.Tensor], heads: int, length: int, capacity: int):
-        self.tables: tuple[torch.Tensor, torch.Tensor] | None = tables
+        self.tables = tables
         layers, device = tables[0].shape[0], tables[0].device
         self.stamp_table = torch.empty(layers, heads, capacity, dtype=torch.long, device=device)
         self.stamp_table[:, :, :length] = torch.arange(length, device=device)

@@ -12,6 +12,8 @@ A static step (`engine.static_step`) writes through `ScatterLayer`s instead, at 
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
@@ -59,7 +61,11 @@ class BatchTables:
 
     def of_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s (rows, kv_heads, capacity, d) key and value tables: the global tables' or the rings'."""
-        keys, values = (self.keys, self.values) if self.windows[layer] is None else self.rings
+        if self.windows[layer] is None:
+            keys, values = self.keys, self.values
+        else:
+            # a sliding layer: the tables hold rings wherever the model has sliding layers
+            keys, values = cast(tuple[torch.Tensor, torch.Tensor], self.rings)
         return keys[self.slot[layer]], values[self.slot[layer]]
 
     def of_row(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -111,6 +111,7 @@ async def stream_chunks(
             yield sse(reply.chunk(text=echo.text, logprobs=logprobs, index=index))
         while True:
             event = await events.next(watch_client=False)  # Starlette watches the client while streaming
+            logprobs = None
             if isinstance(event, Text | Finished):
                 i = event.index
                 logprobs = logprobs_of(tokenizer, reply.chat, event.logprobs, reported[i]) if with_logprobs else None

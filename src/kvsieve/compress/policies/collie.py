@@ -30,7 +30,6 @@ the pooling; under another prefill kernel (CritiPrefill's) a second pass compute
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
@@ -56,7 +55,9 @@ class Collie(PromptScorer):
                 f"got {self.sinks!r}; use the feed's sink count (feed.sinks, 4 by default)."
             )
 
-    summed_alpha: ClassVar[float] = 1.0  # its scores are made from every query's column sums
+    @property
+    def summed_alpha(self) -> float:
+        return 1.0  # its scores are made from every query's column sums
 
     def from_sums(self, sums: torch.Tensor, queries: int) -> torch.Tensor:
         """Pooled after the sinks, then divided by how many of the `queries` see each key."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 from kvsieve.compress.policy import StepRule
 from kvsieve.spec import component
@@ -13,8 +12,6 @@ from kvsieve.spec import component
 @dataclass(frozen=True)
 class H2O(StepRule):
     """Attention accumulated over all queries (alpha = 1); the newest half of the budget always kept."""
-
-    step_alpha: ClassVar[float] = 1.0
 
     def protected(self, budget: int) -> tuple[int, int]:
         return 0, budget // 2
