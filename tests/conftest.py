@@ -267,7 +267,7 @@ SLOW_FIRST = (
     "test_hybrid.py::test_every_preset_stays_on_the_models_device_and_runs_in_bfloat16",  # 10 s
     "test_cli.py::test_generate_answers_in_json_and_with_penalties",  # 9 s
     "test_cli.py::test_generate_with_compression_and_eviction",  # 8 s
-    "test_cli.py::test_generate_full_and_gemfilter",  # 8 s
+    "test_cli.py::test_generate_gemfilter_records_its_spec_and_selection",  # 5 s
     "test_serve_real.py::test_structured_output_keeps_the_answer_within_json_and_its_schema",  # 8 s
     "test_serve_fuzz.py::test_any_bytes_never_answer_5xx",  # 8 s
     "test_ruler.py::test_the_cases_are_nvidias_with_the_question_where_it_starts",  # 7 s

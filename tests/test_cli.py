@@ -57,10 +57,9 @@ def test_generate_with_int8_weights_finds_the_passkey(capsys, passkey_file):
     assert "--quantize: invalid choice: 'int4'" in err and "int8" in err
 
 
-def test_generate_full_and_gemfilter(capsys, passkey_file):
+def test_generate_gemfilter_records_its_spec_and_selection(capsys, passkey_file):
+    """(Full attention's streamed answer from the installed script: test_commands.)"""
     path, case = passkey_file
-    code, out, err = run_cli(capsys, "generate", "-c", str(path), "-q", case.question, "--max-new-tokens", "16")
-    assert code == 0 and case.answer in out and "time to first token" in err
     code, out, _ = run_cli(
         capsys,
         "generate",
