@@ -18,6 +18,7 @@ from kvsieve.compress.policies.snapkv import SnapKV
 from kvsieve.compress.policies.streaming import StreamingLLM
 from kvsieve.compress.policies.tova import TOVA
 from kvsieve.compress.stages import Compress, Evict
+from kvsieve.custom_generate import decoding
 from kvsieve.decode import Sampling
 from kvsieve.engine import GenerationResult, RunState, StageRecord, generate, run
 from kvsieve.errors import KvsieveError
@@ -55,6 +56,7 @@ __all__ = [
     "TOVA",
     "architecture",
     "build_prompt",
+    "decoding",
     "generate",
     "load_model",
     "method",

@@ -36,6 +36,13 @@ class Prompt:
         return self.length - self.context_start - self.context_len
 
 
+def ids_prompt(ids: list[int], tail: int = 0, device: torch.device | str | None = None) -> Prompt:
+    """A prompt given as token ids (a completions request, a `generate` call): the last `tail` tokens are its
+    question, the rest its context. With no tail (nothing marks a question in plain ids) the whole prompt is the
+    context, and the question-guided stages see the prompt's end only as its last tokens."""
+    return Prompt(torch.tensor([ids], device=device), 0, len(ids) - tail)
+
+
 def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 

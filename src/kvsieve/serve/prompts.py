@@ -12,10 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import cast
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
-from kvsieve.prompt import Prompt
+from kvsieve.prompt import Prompt, ids_prompt
 from kvsieve.serve.openai_types import ApiError, Message
 
 _MARK = "\x00KVSIEVE_MESSAGE\x00"
@@ -72,4 +71,4 @@ def completion_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[int
 
 def as_prompt(prompt: PromptIds) -> Prompt:
     """The library's prompt for a request's token ids: the last `tail` tokens are its question."""
-    return Prompt(torch.tensor([prompt.ids]), 0, len(prompt.ids) - prompt.tail)
+    return ids_prompt(prompt.ids, prompt.tail)

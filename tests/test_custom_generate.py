@@ -1,0 +1,122 @@
+"""kvsieve inside transformers' `generate` (`custom_generate=kvsieve.decoding(method)`), on tiny random-weight models:
+full attention gives transformers' own greedy tokens, every method gives the tokens `kvsieve.run` gives on the same
+ids, a padded batch gives each row what it gets alone, and what the engine cannot do is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import FakeTokenizer, build_model
+
+import kvsieve
+from kvsieve import KvsieveError, Sampling
+from kvsieve.prompt import ids_prompt
+
+PRESET_SETTINGS = {  # budgets that bite on a 48-token prompt
+    "gemfilter": {"select.k": 24, "select.layer": 2},  # a global layer of the tiny Gemma 3 too
+    "snapkv": {"compress.budget": 24, "compress.policy.window": 8},
+    "a2sf": {"evict.budget": 24},
+    "imdc": {"feed.chunk": 16, "feed.memory": 16},
+    "critiprefill": {"attention.segment": 16, "attention.block": 4, "attention.budget": 8},
+}
+
+
+def ids(n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, 256, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(params=["llama", "gemma3"])
+def model(request, single_thread):
+    model = build_model(request.param, num_layers=3)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def test_full_gives_transformers_own_greedy_tokens(single_thread):
+    plain = build_model("llama", num_layers=3)
+    plain.set_attn_implementation("sdpa")  # transformers' own attention, as a user's model comes
+    prompt = ids(40)
+    expected = plain.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    got = plain.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0, custom_generate=kvsieve.decoding())
+    assert got.tolist() == expected.tolist()
+    assert plain.config._attn_implementation == "kvsieve"  # prepared on the way, as `decoding` says
+
+
+@pytest.mark.parametrize("name", list(PRESET_SETTINGS))
+def test_each_method_gives_the_tokens_kvsieve_run_gives(name, model):
+    prompt = ids(48)
+    settings = PRESET_SETTINGS[name]
+    out = model.generate(
+        prompt, max_new_tokens=6, do_sample=False, pad_token_id=0, custom_generate=kvsieve.decoding(name, settings)
+    )
+    alone = kvsieve.run(
+        model, FakeTokenizer(), ids_prompt(prompt[0].tolist()), method=kvsieve.method(name, settings),
+        sampling=Sampling(max_new_tokens=6),
+    )  # fmt: skip
+    assert out[0, :48].tolist() == prompt[0].tolist() and out[0, 48:].tolist() == alone.tokens
+
+
+def test_a_left_padded_batch_gives_each_row_its_own_answer(model):
+    short, long = ids(30, seed=2), ids(40, seed=3)
+    batch = torch.cat([torch.cat([torch.zeros(1, 10, dtype=torch.long), short], 1), long])
+    mask = (torch.arange(40) >= torch.tensor([[10], [0]])).long()
+    decode = kvsieve.decoding("snapkv", {"compress.budget": 16, "compress.policy.window": 8})
+    out = model.generate(batch, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                         custom_generate=decode, return_dict_in_generate=True)  # fmt: skip
+    for row, prompt in enumerate((short, long)):
+        alone = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0, custom_generate=decode)
+        assert out.sequences[row, 40:].tolist() == alone[0, prompt.shape[1] :].tolist()
+
+
+def test_sampling_follows_the_generation_config(model):
+    """top_k=1 keeps only the likeliest token: sampling then gives the greedy answer, at any temperature."""
+    prompt = ids(32)
+    greedy = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                            custom_generate=kvsieve.decoding())  # fmt: skip
+    sampled = model.generate(prompt, max_new_tokens=6, do_sample=True, temperature=1.7, top_k=1, pad_token_id=0,
+                             custom_generate=kvsieve.decoding())  # fmt: skip
+    assert sampled.tolist() == greedy.tolist()
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"num_beams": 2}, "does not run beam search"),
+        ({"output_scores": True, "return_dict_in_generate": True}, "does not return output_scores"),
+        ({"eos_token_id": 7}, "asks to stop at EOS [7]"),
+        ({"no_repeat_ngram_size": 2}, "cannot apply NoRepeatNGramLogitsProcessor"),
+    ],
+)
+def test_what_it_cannot_do_is_refused_by_name(options, message, single_thread):
+    model = build_model("llama", num_layers=2)
+    with pytest.raises(KvsieveError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        model.generate(ids(20), max_new_tokens=3, pad_token_id=0, custom_generate=kvsieve.decoding(), **options)
+
+
+def test_a_bad_method_fails_before_generation():
+    with pytest.raises(KvsieveError, match="Unknown method 'pyramid'"):
+        kvsieve.decoding("pyramid")
+    with pytest.raises(KvsieveError, match="has no field 'nope'"):
+        kvsieve.decoding("snapkv", {"compress.nope": 1})
+
+
+@pytest.mark.real_model
+def test_smollm2_answers_through_generate_as_through_the_engine(smollm):
+    """The embedded model: a passkey question, its chat template's ids given to `generate` with SnapKV at half the
+    prompt, answers it with the tokens `kvsieve.run` gives on the same ids."""
+    from kvsieve.data import passkey_case
+
+    model, tokenizer = smollm
+    case = passkey_case(tokenizer, 400, 0.5, seed=5)
+    messages = [{"role": "user", "content": f"{case.context}\n\n{case.question}"}]
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    settings = {"compress.budget": 0.5}
+    out = model.generate(
+        **inputs, max_new_tokens=16, do_sample=False, custom_generate=kvsieve.decoding("snapkv", settings)
+    )
+    new = out[0, inputs["input_ids"].shape[1] :].tolist()
+    alone = kvsieve.run(
+        model, tokenizer, ids_prompt(inputs["input_ids"][0].tolist()), method=kvsieve.method("snapkv", settings),
+        sampling=Sampling(max_new_tokens=16),
+    )  # fmt: skip
+    assert new[: len(alone.tokens)] == alone.tokens and case.answer in tokenizer.decode(new, skip_special_tokens=True)
