@@ -36,10 +36,9 @@ from transformers import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from kvsieve import registry
 from kvsieve.attention import ATTENTION_NAME
 from kvsieve.decode import Sampling, eos_token_ids
-from kvsieve.engine import GenerationResult, run
+from kvsieve.engine import GenerationResult, resolve_method, run
 from kvsieve.errors import KvsieveError
 from kvsieve.models import prepare
 from kvsieve.prompt import ids_prompt
@@ -58,7 +57,7 @@ def decoding(method: MethodSpec | str = "full", settings: Mapping[str, Any] | No
     """A decoding method for `model.generate(..., custom_generate=kvsieve.decoding(method))` that runs `method` (a
     registered name or a `MethodSpec`, its fields changed by `settings` as `--set` does: {"compress.budget": 0.25}).
     A bad method or setting fails here, before any generation."""
-    spec = registry.method(method, dict(settings or {}))
+    spec = resolve_method(method, {}).with_settings(dict(settings or {}))
 
     def kvsieve_decoding(
         model: PreTrainedModel,

@@ -21,7 +21,7 @@ a method is a `MethodSpec`.
 from kvsieve.engine.batch import DecodeBatch, Row, warm_up
 from kvsieve.engine.continuation import Continuation, forced_logits
 from kvsieve.engine.events import Event, Failed, Finished, GenerationResult, Selected, Started, Text
-from kvsieve.engine.offline import generate, run
+from kvsieve.engine.offline import generate, resolve_method, run
 from kvsieve.engine.pipeline import (
     PrefillResult,
     RunState,
@@ -67,6 +67,7 @@ __all__ = [
     "positions_needed",
     "prefill",
     "reuse_compress",
+    "resolve_method",
     "run",
     "select_tokens",
     "warm_up",
