@@ -268,7 +268,15 @@ def test_serve_answers_the_official_client_and_stops_on_sigterm(tokenizer):
     ran = stop(process)
     assert ran.code == 0, ran.err[-3000:]
     assert "serving" in ran.err and ran.out == ""
-    assert not [child.pid for child in children if child.is_running() and child.status() != psutil.STATUS_ZOMBIE]
+    assert not [child.pid for child in children if alive(child)]
+
+
+def alive(process: psutil.Process) -> bool:
+    """Still running (a zombie, or a process gone while asked, is not)."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_serve_with_an_unreachable_upstream_says_so(case):
