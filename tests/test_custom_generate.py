@@ -93,6 +93,17 @@ def test_what_it_cannot_do_is_refused_by_name(options, message, single_thread):
         model.generate(ids(20), max_new_tokens=3, pad_token_id=0, custom_generate=kvsieve.decoding(), **options)
 
 
+def test_an_eos_narrower_than_the_models_is_refused(single_thread):
+    """The engine stops at every EOS id the model lists: a call asking for fewer could be stopped where it did not
+    ask, so it is refused; the model's own ids (the default) are decoded."""
+    model = build_model("llama", num_layers=2)
+    model.generation_config.eos_token_id = [2, 3]
+    with pytest.raises(KvsieveError, match=r"asks to stop at EOS \[2\], the model stops at \[2, 3\]"):
+        model.generate(ids(20), max_new_tokens=3, pad_token_id=0, eos_token_id=2, custom_generate=kvsieve.decoding())
+    out = model.generate(ids(20), max_new_tokens=3, pad_token_id=0, custom_generate=kvsieve.decoding())
+    assert 20 < out.shape[1] <= 23
+
+
 def test_a_bad_method_fails_before_generation():
     with pytest.raises(KvsieveError, match="Unknown method 'pyramid'"):
         kvsieve.decoding("pyramid")

@@ -36,7 +36,6 @@ from transformers import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from kvsieve.attention import ATTENTION_NAME
 from kvsieve.decode import Sampling, eos_token_ids
 from kvsieve.engine import GenerationResult, resolve_method, run
 from kvsieve.errors import KvsieveError
@@ -70,8 +69,7 @@ def decoding(method: MethodSpec | str = "full", settings: Mapping[str, Any] | No
         **model_kwargs: Any,
     ) -> torch.Tensor | GenerateDecoderOnlyOutput:
         refuse_what_it_cannot_do(generation_config, logits_processor, stopping_criteria)
-        if model.config._attn_implementation != ATTENTION_NAME:
-            prepare(model)  # kvsieve's attention: plain causal SDPA whenever no stage hooks into it
+        prepare(model)  # kvsieve's attention (plain causal SDPA where no stage hooks in); a no-op once prepared
         engine_tokenizer = tokenizer if tokenizer is not None else IdsOnly()
         check_eos(model, engine_tokenizer, generation_config)
         mask = model_kwargs.get("attention_mask")
@@ -82,9 +80,8 @@ def decoding(method: MethodSpec | str = "full", settings: Mapping[str, Any] | No
         results = cast(list[GenerationResult], run(model, engine_tokenizer, prompts, method=spec, sampling=sampling))
         pad = generation_config.pad_token_id if generation_config.pad_token_id is not None else 0
         longest = max(len(result.tokens) for result in results)
-        new = torch.full((len(results), longest), pad, dtype=input_ids.dtype, device=input_ids.device)
-        for i, result in enumerate(results):
-            new[i, : len(result.tokens)] = torch.tensor(result.tokens, dtype=input_ids.dtype)
+        padded = [result.tokens + [pad] * (longest - len(result.tokens)) for result in results]
+        new = torch.tensor(padded, dtype=input_ids.dtype, device=input_ids.device)
         sequences = torch.cat([input_ids, new], dim=1)
         if generation_config.return_dict_in_generate:
             return GenerateDecoderOnlyOutput(sequences=sequences)
@@ -113,7 +110,8 @@ def sampling_of(config: GenerationConfig, prompt_length: int) -> Sampling:
         most = (config.max_length or 20) - prompt_length
     if most < 1:
         raise KvsieveError(
-            f"No room to generate: max_length {config.max_length} <= the prompt's {prompt_length} tokens."
+            f"No room to generate: max_length {config.max_length} <= the prompt's {prompt_length} tokens; "
+            "set max_new_tokens."
         )
     least = config.min_new_tokens or max(0, (config.min_length or 0) - prompt_length)
     penalty = config.repetition_penalty if config.repetition_penalty is not None else 1.0
@@ -158,12 +156,12 @@ def refuse_what_it_cannot_do(
 
 
 def check_eos(model: PreTrainedModel, tokenizer: Any, config: GenerationConfig) -> None:
-    """The engine stops at the model's EOS ids (its generation config's and the tokenizer's); a call that asks for
-    others is refused rather than decoded past them."""
+    """The engine stops at the model's EOS ids (its generation config's and the tokenizer's); a call that asks to
+    stop at other ids, or at fewer, is refused rather than decoded past them or cut short."""
     asked = config.eos_token_id
     asked_ids = set(asked) if isinstance(asked, list | tuple) else {asked} if asked is not None else set()
     stops = eos_token_ids(model, tokenizer)
-    if asked_ids and not asked_ids <= stops:
+    if asked_ids and asked_ids != stops:
         raise KvsieveError(
             f"This call asks to stop at EOS {sorted(asked_ids)}, the model stops at {sorted(stops)}: set "
             "model.generation_config.eos_token_id instead, so kvsieve's decoding stops where you ask."

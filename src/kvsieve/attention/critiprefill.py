@@ -344,14 +344,14 @@ class CritiPrefillRun:
             return None
         scores = criticality_scores(query, key, c.segment, c.block)
         previous = self.scores
-        fuse = previous is not None and (
-            self.layer is not None
+        if (
+            previous is not None
+            and self.layer is not None
             and c.dense_layers < layer
             and self.layer < layer
             and previous.shape == scores.shape
             and previous.device == scores.device
-        )
-        if fuse and previous is not None:  # (`fuse` holds it; said again for the type checker)
+        ):
             scores = c.alpha * scores + (1 - c.alpha) * previous
         self.layer, self.scores = layer, scores
         candidates = candidate_mask(q_len, k_len, c.segment, c.block, segments, scores.shape[-1], scores.device)

@@ -36,7 +36,7 @@ def prefill_with_reuse(
     boundary: tokens of reusable context at the start of the prompt (a chat's earlier messages), where the
         prefix state is stored; use_cache: look up and store prefix states (off: the whole prompt runs)."""
     tail = reuse_tail(spec)
-    status, hit, keep, squeeze = "off", None, 0, None
+    status, hit, keep, squeeze, key = "off", None, 0, None, None
     wants_prompt = sampling.prompt_logprobs is not None  # a reused prefix computed no logits
     ids = prompt.ids[0].tolist()
     if cache is not None and (not use_cache or wants_prompt):
@@ -78,8 +78,8 @@ def prefill_with_reuse(
         reuse["reuse_budget"] = "whole" if kept_as is None else kept_as.budget
     if context:
         reuse["context_entries"] = context
-    if done.stored is not None and cache is not None:  # a state is stored only where it was looked up (a miss)
-        cache.store(prefix_key(spec, cache.budget), ids[:keep], done.stored)
+    if done.stored is not None and key is not None:  # a state is stored only where it was looked up (a miss)
+        cache.store(key, ids[:keep], done.stored)
         done.stored = None  # the cache holds its own copy
     return done, reuse
 
