@@ -6,6 +6,7 @@ import pytest
 from conftest import word_level_tokenizer
 
 from kvsieve import KvsieveError, build_prompt
+from kvsieve.prompt import QUESTION_WINDOW, ids_prompt
 
 # Word ids in word_level_tokenizer(): [UNK]=0 <s>=1 </s>=2 the=3 pass=4 key=5 is=6 what=7
 # remember=8 it=9 answer=10 question=11 hello=12 world=13
@@ -23,10 +24,17 @@ def test_raw_prompt_is_context_then_question():
     assert (prompt.context_start, prompt.context_len, prompt.tail_len, prompt.length) == (0, 5, 3, 8)
 
 
-def test_raw_prompt_without_question_has_no_tail():
+def test_a_prompt_without_a_question_takes_its_end_as_one():
+    """Nothing marks a question: the last QUESTION_WINDOW tokens stand in (all but the first of a shorter prompt),
+    in a built prompt and in token ids alike; a marked question is the question."""
     prompt = build_prompt(word_level_tokenizer(), "hello world", raw=True)
     assert prompt.ids.tolist() == [[12, 13]]
-    assert prompt.tail_len == 0
+    assert (prompt.tail_len, prompt.asked) == (1, False)
+    long = build_prompt(word_level_tokenizer(), " ".join(["hello"] * 100), raw=True)
+    assert (long.tail_len, long.context_len, long.asked) == (QUESTION_WINDOW, 100 - QUESTION_WINDOW, False)
+    assert ids_prompt(list(range(100))).tail_len == QUESTION_WINDOW
+    assert (ids_prompt(list(range(100)), tail=7).tail_len, ids_prompt(list(range(100)), tail=7).asked) == (7, True)
+    assert ids_prompt([5]).tail_len == 0
 
 
 def test_chat_prompt_wraps_context_and_question_in_the_template():

@@ -29,6 +29,7 @@ from kvsieve.compress.stages import Compress
 from kvsieve.decode import TextStream, extend
 from kvsieve.engine import output as output_module
 from kvsieve.engine.prefix_cache import BLOCK, reuse_tail
+from kvsieve.prompt import ids_prompt
 from kvsieve.serve import ServerThread, create_server
 
 TEMPLATE = (
@@ -80,10 +81,11 @@ def client(server: ServerThread, key: str = "none") -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=60)
 
 
-def reference(tiny, ids: list[int], name: str = "full", settings=None, tokens: int = 8, tail: int = 0) -> str:
-    """What the library answers for these token ids (the last `tail` the question): the text the server must return."""
+def reference(tiny, ids: list[int], name: str = "full", settings=None, tokens: int = 8, tail: int | None = None) -> str:
+    """What the library answers for these token ids (the last `tail` the question, none: the library's window for a
+    prompt that names none): the text the server must return."""
     model, tokenizer = tiny
-    prompt = Prompt(torch.tensor([ids]), 0, len(ids) - tail)
+    prompt = ids_prompt(ids, tail)
     return run(model, tokenizer, prompt, method=method(name, settings or {}), sampling=Sampling(tokens)).text
 
 

@@ -20,11 +20,13 @@ _PLACEHOLDER = "\x00KVSIEVE_CONTEXT\x00"
 
 @dataclass(frozen=True)
 class Prompt:
-    """Token ids (1, n) plus where the context sits in them."""
+    """Token ids (1, n) plus where the context sits in them; `asked` is False where nothing marked a question and
+    the tail is the stand-in window (`question_tail`)."""
 
     ids: torch.Tensor
     context_start: int
     context_len: int
+    asked: bool = True
 
     @property
     def length(self) -> int:
@@ -36,11 +38,24 @@ class Prompt:
         return self.length - self.context_start - self.context_len
 
 
-def ids_prompt(ids: list[int], tail: int = 0, device: torch.device | str | None = None) -> Prompt:
+# Tokens at a prompt's end that stand in for its question where nothing marks one (token ids, a completion, a
+# chat's single message): the question-guided stages (IMDC's chunk pruning, GemFilter's kept tail) read them.
+QUESTION_WINDOW = 64
+
+
+def question_tail(length: int, marked: int | None = None) -> int:
+    """How many of a `length`-token prompt's last tokens are its question: the `marked` ones where the caller
+    knows them (the last chat message, the question given apart), else the last `QUESTION_WINDOW` (all but the
+    first token of a shorter prompt): the one rule every entry point uses for a prompt that names no question."""
+    if marked is not None:
+        return marked
+    return max(0, min(QUESTION_WINDOW, length - 1))
+
+
+def ids_prompt(ids: list[int], tail: int | None = None, device: torch.device | str | None = None) -> Prompt:
     """A prompt given as token ids (a completions request, a `generate` call): the last `tail` tokens are its
-    question, the rest its context. With no tail (nothing marks a question in plain ids) the whole prompt is the
-    context, and the question-guided stages see the prompt's end only as its last tokens."""
-    return Prompt(torch.tensor([ids], device=device), 0, len(ids) - tail)
+    question, the rest its context; with no tail (nothing marks a question in plain ids) `question_tail`'s window."""
+    return Prompt(torch.tensor([ids], device=device), 0, len(ids) - question_tail(len(ids), tail), tail is not None)
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
@@ -62,7 +77,8 @@ def build_prompt(
     "Question: ... Answer:" after a blank line, then `lead` (how the answer starts, e.g. "The pass key
     is"; a chat prompt leaves it out). Raw mode feeds the context followed by the question exactly as
     given: no template, no BOS, nothing added.
-    Prefix, context and suffix are tokenized separately so their boundaries are exact.
+    Prefix, context and suffix are tokenized separately so their boundaries are exact. Without a question
+    the context's end stands in for one (`question_tail`).
     """
     if question is not None and not question.strip():
         raise KvsieveError("The question is empty. Pass a non-empty question, or none at all.")
@@ -77,7 +93,11 @@ def build_prompt(
         bos = [cast(int, tokenizer.bos_token_id)] if tokenizer.bos_token_id is not None else []  # one id
     else:
         prefix, suffix = _chat_frame(tokenizer, f"\n\n{question}" if question else "")
-    return _assemble(tokenizer, bos, prefix, context, suffix)
+    prompt = _assemble(tokenizer, bos, prefix, context, suffix)
+    if question:
+        return prompt
+    tail = min(max(prompt.tail_len, question_tail(prompt.length)), prompt.length - prompt.context_start)
+    return Prompt(prompt.ids, prompt.context_start, prompt.length - prompt.context_start - tail, asked=False)
 
 
 def build_task_prompt(tokenizer: PreTrainedTokenizerBase, context: str, question: str, lead: str) -> Prompt:

@@ -7,8 +7,9 @@ batch (decoding steps shared, prefills in turn), given one they return one resul
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -16,6 +17,7 @@ from kvsieve import registry
 from kvsieve.compress.stages import Compress, Evict
 from kvsieve.decode import Sampling
 from kvsieve.engine.events import Event, GenerationResult, Text
+from kvsieve.engine.prefix_cache import PrefixCache, reuse_compress
 from kvsieve.engine.request import Request
 from kvsieve.engine.scheduler import Scheduler
 from kvsieve.errors import KvsieveError
@@ -27,6 +29,7 @@ from kvsieve.spec import MethodSpec
 # What `run` and `generate` return: one result for one prompt, a list for a list of prompts, and with sampling.n > 1
 # each prompt's n results.
 Results = GenerationResult | list[GenerationResult] | list[list[GenerationResult]]
+STAGES = ("select", "feed", "attention", "compress", "evict")  # a method's stages, as `run` takes them one by one
 
 
 def resolve_method(method: MethodSpec | str | None, stages: dict[str, Any]) -> MethodSpec:
@@ -56,24 +59,27 @@ def run(
     sampling: Sampling | None = None,
     stream: Callable[[str], None] | None = None,
     max_batch: int = 16,
+    prefix_cache: PrefixCache | None = None,
 ) -> Results:
     """Generate from built `Prompt`s through `method`'s stages (or stages given one by one).
 
     A list of prompts runs as a batch of at most `max_batch` at a time; `stream` receives the
     answer's text as it becomes final (one prompt only). The first failure raises its error.
     With `sampling.n` > 1 each prompt gives a list of its n answers, all decoded from one prefill.
+    With `prefix_cache` each prompt stores the state of its context (everything before its question) there, and
+    prompts that start with a stored context continue from it (`prefill_with_reuse`): prompts prefill in turn, so
+    the questions of one context prefill it once.
     """
     sampling = sampling or Sampling()
     sampling.validate()
-    spec = resolve_method(
-        method, {"select": select, "feed": feed, "attention": attention, "compress": compress, "evict": evict}
-    )
+    stages = (select, feed, attention, compress, evict)
+    spec = resolve_method(method, dict(zip(STAGES, stages, strict=True)))
     prompts = [prompt] if isinstance(prompt, Prompt) else list(prompt)
     if stream is not None and (len(prompts) != 1 or sampling.n > 1):
         raise ValueError("stream= takes the text of one answer; run a list of prompts (or n > 1) without it.")
     emit = _text_to(stream) if stream is not None else None
-    scheduler = Scheduler(model, tokenizer, max_batch=max_batch)
-    requests = [Request(p, spec, sampling, emit) for p in prompts]
+    scheduler = Scheduler(model, tokenizer, max_batch=max_batch, prefix_cache=prefix_cache)
+    requests = [Request(p, spec, sampling, emit, boundary=p.context_start + p.context_len) for p in prompts]
     scheduler.run_to_end(requests)
     if sampling.n > 1:  # each prompt's n answers, sampled from its one prefill
         results: list = [[finished(answer) for answer in (request, *request.forks)] for request in requests]
@@ -104,6 +110,7 @@ def generate(
     question: str | Sequence[str] | None = None,
     *,
     raw: bool = False,
+    reuse_budget: int | float | None = None,
     **options: Any,
 ) -> Results:
     """Answer `question` about `context` (chat template), or continue `context + question` (raw=True).
@@ -111,11 +118,30 @@ def generate(
     `method` is a registered name ("snapkv") or a MethodSpec (`kvsieve.method("snapkv", {...})`);
     alternatively pass the stage objects one by one; the other options are `run`'s. Lists of
     contexts (and as many questions, or one for all) run as one batch and give a list of results.
+    One context with a list of questions prefills the context once and answers every question from it (a list of
+    results): exactly as each alone with `reuse_budget` None; with a budget (a count of KV entries or a fraction of
+    the context) the context is kept compressed by the method's scorer before any question is known
+    (question-agnostic, `kvsieve.engine.reuse_compress`), and every question continues from that.
     """
-    if isinstance(context, str):
-        if question is not None and not isinstance(question, str):
-            raise ValueError("One context takes one question; pass a list of contexts for a list of questions.")
+    if isinstance(context, str) and (question is None or isinstance(question, str)):
+        if reuse_budget is not None:
+            raise ValueError("reuse_budget applies to one context asked several questions: pass a list of questions.")
         return run(model, tokenizer, build_prompt(tokenizer, context, question, raw=raw), **options)
+    if isinstance(context, str):
+        questions = list(cast(Sequence[str], question))
+        if not questions:
+            raise KvsieveError("questions is empty; give at least one question.")
+        spec = resolve_method(options.pop("method", None), {name: options.pop(name, None) for name in STAGES})
+        if reuse_budget is not None and reuse_compress(spec, reuse_budget) is None:
+            raise KvsieveError(
+                f"Method '{spec.name}' has no scorer that compresses a context before its question (full attention, "
+                "a select stage, re-encoded positions): leave reuse_budget out."
+            )
+        prompts = [build_prompt(tokenizer, context, q, raw=raw) for q in questions]
+        cache = PrefixCache(model, sys.maxsize, reuse_budget)  # holds this context's state only
+        return run(model, tokenizer, prompts, method=spec, prefix_cache=cache, **options)
+    if reuse_budget is not None:
+        raise ValueError("reuse_budget applies to one context asked several questions, not to a list of contexts.")
     contexts = list(context)
     questions = [question] * len(contexts) if question is None or isinstance(question, str) else list(question)
     if len(questions) != len(contexts):

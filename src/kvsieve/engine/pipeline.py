@@ -10,7 +10,7 @@ to every pass that prefills: the selector's scoring pass and the feed.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -193,7 +193,7 @@ def prefill(
     stored = None
     with attention_hooks(prefill=state.attention):
         if spec.select is not None:
-            selected = Prompt(ids, prompt.context_start, prompt.context_len)
+            selected = replace(prompt, ids=ids)
             state.selected, record, stored = select_tokens(model, selected, spec.select, prefix=prefix, keep=keep)
             ids = ids[:, state.selected]
             records.append(record)
@@ -354,7 +354,7 @@ def select_tokens(
             cache = cache if cache is not None else DynamicCache(config=model.config)
             select.first_pass(model, ids[:, cache.get_seq_length() : keep], cache)
             stored = PromptState(_snapshot(model, cache), keep, keep)
-        selection = select.select(model, Prompt(ids, prompt.context_start, prompt.context_len), cache)
+        selection = select.select(model, replace(prompt, ids=ids), cache)
     details = {"kept": len(selection.indices), **selection.details}
     return selection.indices, StageRecord("select", select.name, time.perf_counter() - start, details), stored
 

@@ -114,8 +114,10 @@ class GemFilter:
             details = {"layer": layer, "k": n, "kept_tail": 0, "first_pass_seconds": 0.0, "note": note}
             return Selection(indices=torch.arange(n, device=prompt.ids.device), details=details)
         k = resolve_count(self.k, n, "k")
-        # Without a question/context split (a token-id or completion prompt) the query window is the tail.
-        tail_len = (prompt.tail_len or min(self.queries, k - 1)) if self.keep_tail else 0
+        # The prompt's question (a stand-in for one nobody marked, `kvsieve.prompt.question_tail`, takes at most half
+        # of k), else the voting queries, whose last one gives the first answer token's logits.
+        tail_len = prompt.tail_len if prompt.asked else min(prompt.tail_len, k // 2)
+        tail_len = (tail_len or min(self.queries, k - 1)) if self.keep_tail else 0
         if k <= tail_len:
             raise KvsieveError(
                 f"k={k} leaves no room besides the prompt's tail ({tail_len} tokens of question and "

@@ -3,8 +3,9 @@
 Chat messages go through the tokenizer's chat template with the generation prompt appended.
 The reuse boundary is where the last message starts: the document or the earlier turns before
 it are the context that later requests share, the last message is the new question. A select
-stage keeps the prompt's tail: the last message when there is a boundary, else the template's
-suffix after the message.
+stage keeps the prompt's tail and IMDC's pruning asks it: the last message when there is a boundary,
+else (a single message, a completion) the library's window for a prompt that names no question
+(`kvsieve.prompt.question_tail`).
 """
 
 from __future__ import annotations
@@ -17,14 +18,12 @@ from transformers import PreTrainedTokenizerBase
 from kvsieve.prompt import Prompt, ids_prompt
 from kvsieve.serve.openai_types import ApiError, Message
 
-_MARK = "\x00KVSIEVE_MESSAGE\x00"
-
 
 @dataclass(frozen=True)
 class PromptIds:
     ids: list[int]
     boundary: int = 0  # tokens before the last message (0: nothing reusable)
-    tail: int = 0  # tokens at the end a select stage always keeps
+    tail: int | None = None  # the last message's tokens (None: nothing marks a question, `question_tail`'s window)
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
@@ -51,9 +50,7 @@ def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> 
         head = _encode(tokenizer, _render(tokenizer, plain[:-1], generation=False))
         if 0 < len(head) < len(ids) and ids[: len(head)] == head:
             return PromptIds(ids, boundary=len(head), tail=len(ids) - len(head))
-    marked = _render(tokenizer, [*plain[:-1], {**plain[-1], "content": _MARK}], generation=True)
-    suffix = marked.split(_MARK, 1)[1] if _MARK in marked else ""
-    return PromptIds(ids, tail=min(len(_encode(tokenizer, suffix)), len(ids) - 1))
+    return PromptIds(ids)
 
 
 def completion_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[int], vocab_size: int) -> PromptIds:
@@ -70,5 +67,5 @@ def completion_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[int
 
 
 def as_prompt(prompt: PromptIds) -> Prompt:
-    """The library's prompt for a request's token ids: the last `tail` tokens are its question."""
+    """The library's prompt for a request's token ids: the last `tail` tokens are its question (`ids_prompt`)."""
     return ids_prompt(prompt.ids, prompt.tail)
