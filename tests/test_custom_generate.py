@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import FakeTokenizer, build_model
+from transformers.generation.streamers import BaseStreamer
 
 import kvsieve
 from kvsieve import KvsieveError, Sampling
@@ -40,6 +41,54 @@ def test_full_gives_transformers_own_greedy_tokens(single_thread):
     got = plain.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0, custom_generate=kvsieve.decoding())
     assert got.tolist() == expected.tolist()
     assert plain.config._attn_implementation == "kvsieve"  # prepared on the way, as `decoding` says
+
+
+@pytest.mark.parametrize("options", [{}, {"repetition_penalty": 1.3, "min_new_tokens": 6}])
+def test_full_gives_transformers_own_scores_and_logits(options, single_thread):
+    """`scores` are each step's logits through the call's own processors (here the repetition penalty and the least
+    new tokens), `logits` the raw ones, as transformers' own greedy decoding returns them."""
+    plain = build_model("llama", num_layers=3)
+    plain.set_attn_implementation("sdpa")
+    asked = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, "return_dict_in_generate": True,
+             "output_scores": True, "output_logits": True, **options}  # fmt: skip
+    expected = plain.generate(ids(40), **asked)
+    got = plain.generate(ids(40), **asked, custom_generate=kvsieve.decoding())
+    assert got.sequences.tolist() == expected.sequences.tolist()
+    assert len(got.scores) == len(expected.scores) == 6 and len(got.logits) == 6
+    for mine, theirs in [*zip(got.scores, expected.scores), *zip(got.logits, expected.logits)]:
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+    if options:  # the processors changed the scores: the test compares processed values, not raw twice
+        assert not torch.allclose(got.scores[1], got.logits[1])
+
+
+class Recording(BaseStreamer):
+    """A streamer that records what it is given: each put's ids, and whether it ended."""
+
+    def __init__(self, tokenizer=None):
+        self.tokenizer, self.puts, self.ended = tokenizer, [], 0
+
+    def put(self, value):
+        self.puts.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended += 1
+
+
+@pytest.mark.parametrize("tokenizer", [None, FakeTokenizer()])
+def test_a_streamer_receives_the_prompt_then_the_answer(tokenizer, single_thread):
+    """transformers' streamer contract: the prompt first, then the answer's ids (as their text becomes final when the
+    streamer has a tokenizer; at the end without one), then one end(); the same ids `generate` returns."""
+    model = build_model("llama", num_layers=3)
+    model.generation_config.eos_token_id = None
+    streamer = Recording(tokenizer)
+    out = model.generate(ids(30), max_new_tokens=6, do_sample=False, pad_token_id=0, streamer=streamer,
+                         custom_generate=kvsieve.decoding("snapkv", PRESET_SETTINGS["snapkv"]))  # fmt: skip
+    assert streamer.puts[0] == ids(30)[0].tolist() and streamer.ended == 1
+    assert sum(streamer.puts[1:], []) == out[0, 30:].tolist()
+    assert len(streamer.puts) == (7 if tokenizer is not None else 2)  # one put per final piece, or one at the end
+    with pytest.raises(KvsieveError, match="A streamer takes one prompt"):
+        model.generate(torch.cat([ids(30), ids(30, seed=2)]), max_new_tokens=2, pad_token_id=0,
+                       streamer=Recording(), custom_generate=kvsieve.decoding())  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(PRESET_SETTINGS))
@@ -82,7 +131,7 @@ def test_sampling_follows_the_generation_config(model):
     "options, message",
     [
         ({"num_beams": 2}, "does not run beam search"),
-        ({"output_scores": True, "return_dict_in_generate": True}, "does not return output_scores"),
+        ({"output_attentions": True, "return_dict_in_generate": True}, "does not return output_attentions"),
         ({"eos_token_id": 7}, "asks to stop at EOS [7]"),
         ({"no_repeat_ngram_size": 2}, "cannot apply NoRepeatNGramLogitsProcessor"),
     ],

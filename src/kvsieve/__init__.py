@@ -18,12 +18,12 @@ from kvsieve.compress.policies.snapkv import SnapKV
 from kvsieve.compress.policies.streaming import StreamingLLM
 from kvsieve.compress.policies.tova import TOVA
 from kvsieve.compress.stages import Compress, Evict
-from kvsieve.custom_generate import decoding
 from kvsieve.decode import Sampling
 from kvsieve.engine import GenerationResult, RunState, StageRecord, generate, run
 from kvsieve.errors import KvsieveError
 from kvsieve.feed.chunked import ChunkedPrefill
 from kvsieve.feed.full import FullPrefill
+from kvsieve.integrations.custom_generate import decoding
 from kvsieve.loading import load_model
 from kvsieve.models import architecture, prepare
 from kvsieve.prompt import Prompt, build_prompt

@@ -34,7 +34,8 @@ class Sampling:
     picked before that many tokens (vLLM's sampling extensions). Penalties and logit biases change
     the logits before any choice, greedy included (`adjust`); a `grammar` then masks the tokens
     that would leave it (`kvsieve.structured`). `logprobs` (None: off) asks for each answer
-    token's log-probability and that many likeliest alternatives (`TokenLogprob`).
+    token's log-probability and that many likeliest alternatives (`TokenLogprob`). `keep_logits`
+    keeps every step's raw logits in the result (transformers' output_scores and output_logits).
     """
 
     max_new_tokens: int = 64
@@ -53,6 +54,7 @@ class Sampling:
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (vLLM's field)
     grammar: str | None = None  # "json" (any JSON value) or a JSON Schema text: kvsieve.structured
     n: int = 1  # answers sampled from the one prefill (each from its own copy of the prefilled cache)
+    keep_logits: bool = False  # each step's (vocab,) raw logits in `GenerationResult.logits`
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:

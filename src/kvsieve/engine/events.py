@@ -32,6 +32,7 @@ class Text:
     tokens: int  # answer tokens so far (a piece can span several tokens, or wait for the next)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of this piece's tokens, when asked for
     index: int = 0  # which of the request's n answers
+    ids: list[int] = field(default_factory=list)  # the answer's tokens since the last event (a token streamer's)
 
 
 @dataclass
@@ -41,6 +42,7 @@ class Finished:
     info: dict[str, Any]
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of answer tokens no Text reported
     index: int = 0  # which of the request's n answers
+    ids: list[int] = field(default_factory=list)  # the answer's tokens no Text reported (its EOS included)
 
 
 @dataclass
@@ -74,10 +76,11 @@ class GenerationResult:
     selected_indices: list[int] | None = None
     selected_text: str | None = None
     state: RunState | None = field(default=None, repr=False)  # what the run learned (tensors; not in to_dict)
+    logits: list[torch.Tensor] | None = field(default=None, repr=False)  # each step's raw logits (keep_logits)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form: everything but the per-run state."""
-        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "state"}
+        """JSON-ready form: everything but the per-run state and logits."""
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("state", "logits")}
         data["stages"] = [asdict(stage) for stage in self.stages]
         return data
 

@@ -11,12 +11,14 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.generation.streamers import BaseStreamer
 
 from kvsieve import registry
 from kvsieve.compress.stages import Compress, Evict
 from kvsieve.decode import Sampling
-from kvsieve.engine.events import Event, GenerationResult, Text
+from kvsieve.engine.events import Event, Failed, Finished, GenerationResult, Text
 from kvsieve.engine.prefix_cache import PrefixCache, reuse_compress
 from kvsieve.engine.request import Request
 from kvsieve.engine.scheduler import Scheduler
@@ -57,14 +59,16 @@ def run(
     compress: Compress | None = None,
     evict: Evict | None = None,
     sampling: Sampling | None = None,
-    stream: Callable[[str], None] | None = None,
+    stream: Callable[[str], None] | BaseStreamer | None = None,
     max_batch: int = 16,
     prefix_cache: PrefixCache | None = None,
 ) -> Results:
     """Generate from built `Prompt`s through `method`'s stages (or stages given one by one).
 
     A list of prompts runs as a batch of at most `max_batch` at a time; `stream` receives the
-    answer's text as it becomes final (one prompt only). The first failure raises its error.
+    answer's text as it becomes final (one prompt only), or is a transformers streamer (`TextStreamer`,
+    `TextIteratorStreamer`): it gets the prompt's ids, then the answer's as their text becomes final, then `end()`,
+    as transformers' `generate` feeds it. The first failure raises its error.
     With `sampling.n` > 1 each prompt gives a list of its n answers, all decoded from one prefill.
     With `prefix_cache` each prompt stores the state of its context (everything before its question) there, and
     prompts that start with a stored context continue from it (`prefill_with_reuse`): prompts prefill in turn, so
@@ -77,7 +81,7 @@ def run(
     prompts = [prompt] if isinstance(prompt, Prompt) else list(prompt)
     if stream is not None and (len(prompts) != 1 or sampling.n > 1):
         raise ValueError("stream= takes the text of one answer; run a list of prompts (or n > 1) without it.")
-    emit = _text_to(stream) if stream is not None else None
+    emit = None if stream is None else _events_to(stream, prompts[0].ids[0])
     scheduler = Scheduler(model, tokenizer, max_batch=max_batch, prefix_cache=prefix_cache)
     requests = [Request(p, spec, sampling, emit, boundary=p.context_start + p.context_len) for p in prompts]
     scheduler.run_to_end(requests)
@@ -95,12 +99,24 @@ def finished(request: Request) -> GenerationResult:
     return request.result
 
 
-def _text_to(stream: Callable[[str], None]) -> Callable[[Event], None]:
-    def emit(event: Event) -> None:
-        if isinstance(event, Text):
-            stream(event.piece)
+def _events_to(stream: Callable[[str], None] | BaseStreamer, prompt: torch.Tensor) -> Callable[[Event], None]:
+    """What a request's events give `run`'s `stream`: text pieces, or a transformers streamer's token ids."""
+    if not isinstance(stream, BaseStreamer):
 
-    return emit
+        def text(event: Event) -> None:
+            if isinstance(event, Text):
+                stream(event.piece)
+
+        return text
+    stream.put(prompt.cpu())
+
+    def tokens(event: Event) -> None:
+        if isinstance(event, Text | Finished) and event.ids:
+            stream.put(torch.tensor(event.ids))
+        if isinstance(event, Finished | Failed):
+            stream.end()
+
+    return tokens
 
 
 def generate(

@@ -43,6 +43,8 @@ class Output:
         if seed is not None:
             self.generator = torch.Generator().manual_seed(seed if index == 0 else (seed + index) % 2**64)
         self.pending: list[TokenLogprob] = []  # sampled tokens' entries not yet reported
+        self.reported = 0  # answer tokens an event has reported
+        self.logits: list[torch.Tensor] | None = [] if sampling.keep_logits else None
 
     @property
     def tokens(self) -> list[int]:
@@ -70,14 +72,21 @@ class Output:
             self.constraint.accept(token)
         if sampling.logprobs is not None:
             self.pending.append(token_logprob(logits, token, sampling.logprobs))
+        if self.logits is not None:
+            self.logits.append(logits.float().clone())
         return token
 
     def add(self, token: int) -> bool:
         """Record `token` and report the text it made final; True when the answer is complete."""
         piece = self.text.add(token)
         if piece:
-            self.emit(Text(piece, len(self.tokens), self.take_logprobs(), self.index))
+            self.emit(Text(piece, len(self.tokens), self.take_logprobs(), self.index, self.take_ids()))
         return self.finish is not None
+
+    def take_ids(self) -> list[int]:
+        """The answer's tokens no event has reported yet."""
+        taken, self.reported = self.tokens[self.reported :], len(self.tokens)
+        return taken
 
     def take_logprobs(self) -> list[TokenLogprob]:
         """The log-probabilities of the tokens not yet reported (an EOS that ended the answer is not one)."""
@@ -88,4 +97,4 @@ class Output:
 
     def finished(self, info: dict[str, Any]) -> None:
         """Report the end of the answer with the request's record `info`."""
-        self.emit(Finished(self.finish, len(self.tokens), info, self.take_logprobs(), self.index))
+        self.emit(Finished(self.finish, len(self.tokens), info, self.take_logprobs(), self.index, self.take_ids()))

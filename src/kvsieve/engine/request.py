@@ -180,6 +180,7 @@ class Request:
             selected_indices=None if selected is None else selected.tolist(),
             selected_text=None if selected is None else self.tokenizer.decode(done.ids[0]),
             state=done.state,
+            logits=answer.logits,
         )
         answer.finished({**self.info, "kv_entries_at_end": kv_entries})
 
