@@ -55,7 +55,8 @@ def test_full_gives_transformers_own_scores_and_logits(options, single_thread):
     got = plain.generate(ids(40), **asked, custom_generate=kvsieve.decoding())
     assert got.sequences.tolist() == expected.sequences.tolist()
     assert len(got.scores) == len(expected.scores) == 6 and len(got.logits) == 6
-    for mine, theirs in [*zip(got.scores, expected.scores, strict=True), *zip(got.logits, expected.logits, strict=True)]:
+    pairs = [*zip(got.scores, expected.scores, strict=True), *zip(got.logits, expected.logits, strict=True)]
+    for mine, theirs in pairs:
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
     if options:  # the processors changed the scores: the test compares processed values, not raw twice
         assert not torch.allclose(got.scores[1], got.logits[1])
