@@ -23,6 +23,7 @@ from kvsieve.engine import GenerationResult, RunState, StageRecord, generate, ru
 from kvsieve.errors import KvsieveError
 from kvsieve.feed.chunked import ChunkedPrefill
 from kvsieve.feed.full import FullPrefill
+from kvsieve.integrations import pipeline_task as pipeline_task  # registers pipeline("kvsieve-text-generation")
 from kvsieve.integrations.custom_generate import decoding
 from kvsieve.loading import load_model
 from kvsieve.models import architecture, prepare

@@ -22,6 +22,7 @@ import importlib.util
 import os
 import sys
 import unittest.mock
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +72,13 @@ class PackagedModel:
     def converted_dir(self) -> Path:
         """Folder of the model converted to safetensors (created on first use)."""
         return cache_dir() / "models" / self.name
+
+    def folder(self) -> Path:
+        """The converted transformers folder, converted from the wheel's GGUF file the first time (no network)."""
+        folder = self.converted_dir()
+        if not (folder / "config.json").is_file():
+            _convert(self, folder)
+        return folder
 
 
 DEFAULT = PackagedModel(DEFAULT_MODEL, DEFAULT_PACKAGE, DEFAULT_GGUF, DEFAULT_INSTALL)
@@ -290,10 +298,7 @@ def load_model(
     hub_id, folder, gguf_file = None, None, None
     packaged = DEFAULT if name_or_path is None else PACKAGED.get(str(name_or_path))
     if packaged is not None:
-        folder = packaged.converted_dir()
-        if not (folder / "config.json").is_file():
-            _convert(packaged, folder)
-        gguf_file = None
+        folder = packaged.folder()
     else:
         local = _local_source(name_or_path)
         if local is None:
@@ -318,5 +323,23 @@ def load_model(
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-    model = prepare(model)
-    return quantize_weights(model.to(torch_device), quantize), tokenizer
+    model = quantize_weights(prepare(model).to(torch_device), quantize)
+    _TOKENIZERS[model] = tokenizer
+    return model, tokenizer
+
+
+_TOKENIZERS: weakref.WeakKeyDictionary[PreTrainedModel, PreTrainedTokenizerBase] = weakref.WeakKeyDictionary()
+
+
+def tokenizer_of(model: PreTrainedModel) -> PreTrainedTokenizerBase:
+    """The tokenizer `load_model` loaded with `model`, else the one transformers loads from the model's own name or
+    folder (a model the user loaded); an error that says to pass one where neither is there."""
+    if model in _TOKENIZERS:
+        return _TOKENIZERS[model]
+    name = getattr(model, "name_or_path", "") or ""
+    try:
+        if not name:
+            raise OSError("the model records no name or folder")
+        return AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as error:
+        raise KvsieveError(f"No tokenizer was given and none loads for this model ({error}); pass one.") from None

@@ -47,9 +47,7 @@ def prefill_with_reuse(
         longest = prompt.length - tail
         key, squeeze = prefix_key(spec, cache.budget), reuse_compress(spec, cache.budget)
         hit = cache.lookup(key, ids, longest)
-        # The chat's boundary when the method's scored queries fit after it, else whole blocks: a follow-up whose
-        # question is a token longer then finds the same state rather than storing a copy one token longer.
-        split = boundary if 0 < boundary <= longest else longest - longest % BLOCK
+        split = _split(boundary, longest, tail)
         status = "hit" if hit is not None else "miss"
         if split > (hit.length if hit is not None else 0):
             keep = split
@@ -82,6 +80,18 @@ def prefill_with_reuse(
         cache.store(key, ids[:keep], done.stored)
         done.stored = None  # the cache holds its own copy
     return done, reuse
+
+
+def _split(boundary: int, longest: int, tail: int) -> int:
+    """Where a request stores its prefix state: the context's end (`boundary`) when the method's scored queries fit
+    after it; else whole blocks before it, by the method's tail, so that every question of that context, whatever
+    its length, finds the same state whole (a hybrid model's state past its sliding window cannot be cut shorter);
+    without a boundary, whole blocks: a prompt one token longer then finds the same state rather than storing a copy
+    one token longer."""
+    if 0 < boundary <= longest:
+        return boundary
+    split = max(0, boundary - tail) if boundary > 0 else longest
+    return split - split % BLOCK
 
 
 def select_stage_only(model: PreTrainedModel, prompt: Prompt, spec: MethodSpec) -> Selected:
