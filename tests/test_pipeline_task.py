@@ -171,3 +171,34 @@ def test_the_task_with_no_model_answers_with_the_embedded_default(smollm):
     alone = kvsieve.generate(model, tokenizer, case.context, case.question, method=kvsieve.method(
         "snapkv", {"compress.budget": 0.5}), sampling=Sampling(max_new_tokens=12))  # fmt: skip
     assert case.answer in answer["generated_text"] and answer["tokens"] == alone.tokens
+
+
+REAL_SETTINGS = {  # budgets that bite on a 180-token prompt
+    "gemfilter": {"select.k": 96},
+    "snapkv": {"compress.budget": 64},
+    "a2sf": {"evict.budget": 64},
+    "imdc": {"feed.chunk": 48, "feed.memory": 48},
+    "critiprefill": {"attention.segment": 32, "attention.block": 8, "attention.budget": 48},
+}
+
+
+@pytest.mark.real_model
+def test_every_seed_preset_answers_as_kvsieve_on_smollm2_through_both_fronts(smollm):
+    """SmolLM2 in float32: through the pipeline, each preset gives `kvsieve.generate`'s tokens for the same context
+    and question; through `model.generate`, `kvsieve.run`'s tokens for the same ids."""
+    from kvsieve.data import passkey_case
+    from kvsieve.prompt import ids_prompt
+
+    model, tokenizer = smollm
+    pipe = pipeline(TASK, model=model, tokenizer=tokenizer)
+    case = passkey_case(tokenizer, 180, 0.3, seed=4)
+    ids = kvsieve.build_prompt(tokenizer, case.context, case.question).ids
+    for name, settings in REAL_SETTINGS.items():
+        spec = kvsieve.method(name, settings)
+        [answer] = pipe(case.context, question=case.question, method=name, set=settings, max_new_tokens=6)
+        alone = kvsieve.generate(model, tokenizer, case.context, case.question, method=spec, sampling=Sampling(6))
+        assert answer["tokens"] == alone.tokens, name
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                             custom_generate=kvsieve.decoding(name, settings))  # fmt: skip
+        direct = kvsieve.run(model, tokenizer, ids_prompt(ids[0].tolist()), method=spec, sampling=Sampling(6))
+        assert out[0, ids.shape[1] :].tolist()[: len(direct.tokens)] == direct.tokens, name
