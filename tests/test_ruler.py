@@ -10,6 +10,7 @@ the question-agnostic mode compresses the context before the question, and a rer
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 import json
 from pathlib import Path
 
@@ -200,4 +201,18 @@ def test_cases_are_kept_apart_for_another_tokenizer(tokenizer, cases_folder):
     assert ruler.tokenizer_key(copy.deepcopy(tokenizer)) == ruler.tokenizer_key(tokenizer)
     ruler.generate_cases(other, "vt", LENGTH, 1, 42, cases_folder)
     files = sorted(p.name for p in cases_folder.glob("vt-*.jsonl"))
-    assert files == sorted(f"vt-{LENGTH}-1-42-{ruler.tokenizer_key(t)}.jsonl" for t in (tokenizer, other))
+    assert files == sorted(f"vt-{LENGTH}-1-42-{ruler.cases_key(t, 'vt')}.jsonl" for t in (tokenizer, other))
+
+
+def test_the_cases_key_holds_rulers_version_and_the_tasks_settings(tokenizer, monkeypatch):
+    """Cases made by another RULER release, or for a task whose settings changed, are never read back."""
+    key = ruler.cases_key(tokenizer, "vt")
+    version = importlib.metadata.version(ruler.RULER_DISTRIBUTION)
+    assert key.startswith(ruler.tokenizer_key(tokenizer)) and version in key
+    configs = ruler.task_configs()
+    changed = {**configs, "vt": {**configs["vt"], "args": {**configs["vt"]["args"], "num_chains": 99}}}
+    with monkeypatch.context() as patch:
+        patch.setattr(ruler, "task_configs", lambda: changed)
+        assert ruler.cases_key(tokenizer, "vt") != key
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.0")
+    assert ruler.cases_key(tokenizer, "vt") != key

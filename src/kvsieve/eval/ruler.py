@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -68,6 +69,7 @@ MODES = ("question", "agnostic")
 # The field that sets a preset's KV budget, first found first: what the cache keeps after the prefill.
 BUDGET_FIELDS = ("compress.budget", "evict.budget", "feed.memory", "select.k")
 GENERATOR_SECONDS = 600  # one task's cases; 4K cases take seconds, a length too small never ends
+RULER_DISTRIBUTION = "nvidia-long-context-eval"  # what installs `long_context_eval`
 INSTALL = "RULER needs the `ruler` extra: pip install 'kvsieve[ruler]' (make setup installs it)."
 
 
@@ -126,13 +128,23 @@ def tokenizer_key(tokenizer: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256(vocabulary.encode()).hexdigest()[:10]
 
 
+def cases_key(tokenizer: PreTrainedTokenizerBase, task: str) -> str:
+    """What a task's cases depend on besides their length, count and seed: the tokenizer (`tokenizer_key`), the RULER
+    package's version and the task's settings (its generator arguments, template, answer prefix): cases kept under
+    one key are never read back for another."""
+    settings = json.dumps(task_configs()[task], sort_keys=True, default=str)
+    version = importlib.metadata.version(RULER_DISTRIBUTION)
+    task_hash = hashlib.sha256(f"{version}\n{settings}".encode()).hexdigest()[:8]
+    return f"{tokenizer_key(tokenizer)}-{version}-{task_hash}"
+
+
 def generate_cases(
     tokenizer: PreTrainedTokenizerBase, task: str, length: int, samples: int, seed: int, folder: Path
 ) -> list[dict[str, Any]]:
     """`samples` cases of `task` at RULER length `length`, made by NVIDIA's generator script with `tokenizer` (run as
-    its `prepare.py` runs it, in a process of its own), kept in `folder` under the tokenizer's fingerprint
-    (`tokenizer_key`) and read back from there next time."""
-    path = folder / f"{task}-{length}-{samples}-{seed}-{tokenizer_key(tokenizer)}.jsonl"
+    its `prepare.py` runs it, in a process of its own), kept in `folder` under `cases_key` (the tokenizer, RULER's
+    version, the task's settings) and read back from there next time."""
+    path = folder / f"{task}-{length}-{samples}-{seed}-{cases_key(tokenizer, task)}.jsonl"
     if not path.is_file():
         config = task_configs()[task]
         script = package_folder() / "data" / "synthetic" / f"{config['task']}.py"
