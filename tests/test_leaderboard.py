@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvsieve.errors import KvsieveError
 from kvsieve.eval import leaderboard
 
 
@@ -109,3 +110,11 @@ def test_the_report_opens_with_the_leaderboard(tmp_path):
     assert "| niah_single_1 | 100.0 | 6 | yes |" in text
     assert (path.parent / "figures" / "ruler_4096.png").stat().st_size > 5000
     assert "### Per task at 4096 tokens" in text and "| snapkv | 0.1 | agnostic | 100.0 | 0.0 |" in text
+
+    # Files of other cases are never put on one board: another seed, model or case count is refused, by name.
+    for field, value in [("seed", 7), ("model", "gemma3-270m"), ("samples", 5)]:
+        other = document(rows_of("tova", 0.5, "question", scores, kept=50), "full,tova")
+        other["settings"][field] = value
+        records.save(tmp_path / "other.json", other)
+        with pytest.raises(KvsieveError, match=f"answered different cases \\({field} differs: ruler.json: "):
+            write_report(tmp_path / "docs" / "R.md", ruler_files=[tmp_path / "ruler.json", tmp_path / "other.json"])

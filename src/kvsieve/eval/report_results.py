@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,6 +54,19 @@ def _bench_summary(documents: Sequence[dict[str, Any]], baseline: str) -> list[d
     return summary
 
 
+def same_cases(documents: Sequence[dict[str, Any]], fields: Sequence[str]) -> None:
+    """Refuse to put RULER files on one board unless they answered the same cases: the same model and seed (and,
+    among the sweep's files, as many cases per task); rows of other cases would be compared as if paired."""
+    for name in fields:
+        values = {json.dumps(d["settings"].get(name)) for d in documents}
+        if len(values) > 1:
+            files = ", ".join(f"{d.get('file', '?')}: {d['settings'].get(name)!r}" for d in documents)
+            raise KvsieveError(
+                f"These RULER files answered different cases ({name} differs: {files}); one board compares rows on "
+                "the same cases. Report them apart, or run the missing rows with the same settings."
+            )
+
+
 class Results:
     """The result documents a report is made from, merged, and what the sections look up in them (`report_sections`
     renders them)."""
@@ -68,6 +82,8 @@ class Results:
     ) -> None:
         if not niah_docs and not ppl_docs and not bench_docs and not ruler_docs:
             raise KvsieveError("Nothing to report: give at least one of --niah, --ppl, --bench, --ruler.")
+        same_cases(ruler_docs, ("model", "seed", "samples"))
+        same_cases([*ruler_docs, *calibration_docs], ("model", "seed"))
         probes = dict.fromkeys(d["settings"]["probe"] for d in niah_docs)
         self.niah_docs = [merge([d for d in niah_docs if d["settings"]["probe"] == p]) for p in probes]
         self.ppl, self.bench, self.baseline = merge(ppl_docs), merge(bench_docs), baseline

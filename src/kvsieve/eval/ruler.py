@@ -3,8 +3,9 @@
 The cases come from NVIDIA's own generators (the `nvidia-long-context-eval` package, installed by the `ruler` extra):
 its task configs (`synthetic.yaml`), templates and answer prefixes (`data/synthetic/constants.py`) and its generator
 scripts, run with the model's own tokenizer at each length, where a length is RULER's `max_seq_length` (the prompt
-plus the task's answer tokens). They are scored by RULER's own metrics: `string_match_all` (every reference in the
-answer) for the needle, variable-tracking and word-frequency tasks, `string_match_part` (any reference) for QA.
+plus the task's answer tokens). They are scored by RULER's own metrics: `string_match_all` (the share of the
+references found in the answer) for the needle, variable-tracking and word-frequency tasks, `string_match_part` (100
+when any reference is found) for QA.
 
 Tasks, by RULER's categories: retrieval (`niah_*`, 8 variants), multi-hop tracing (`vt`), aggregation (`cwe`, `fwe`)
 and question answering (`qa_1` on SQuAD, `qa_2` on HotpotQA). Every file they read ships in the package's wheel;
@@ -232,8 +233,9 @@ def load_cases(
 
 
 def score(task: str, answer: str, references: list[str]) -> float:
-    """RULER's score of one answer, 0-100: its task's metric (`string_match_all` or `string_match_part`) on the
-    answer cleaned as its evaluate.py cleans predictions (stripped, control characters as line breaks)."""
+    """RULER's score of one answer, 0-100: its task's metric on the answer cleaned as its evaluate.py cleans
+    predictions (stripped, control characters as line breaks). `string_match_all` is the share of the references
+    found in the answer (case-insensitive; 3 of 4 values found score 75), `string_match_part` is 100 when any one is."""
     from long_context_eval.eval.synthetic.constants import TASKS as METRICS
 
     cleaned = re.sub(r"[\x00-\x1f]", "\n", answer.strip()).strip()
