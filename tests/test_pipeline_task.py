@@ -93,6 +93,21 @@ def test_a_reuse_budget_keeps_the_context_compressed_for_every_question(pipe):
         assert feed.get("context_entries", 32) == 32  # the question's pass saw the 32 kept entries, not the document
 
 
+@pytest.mark.parametrize("name", ["h2o", "a2sf", "tova"])
+def test_eviction_after_a_question_agnostic_context_does_not_see_the_question(name, pipe):
+    """A context compressed before any question (`reuse_budget`) is then evicted from while decoding: by scores of
+    the context's own queries, never the question's. Two questions leave the same scores on the context's entries."""
+    questions = [QUESTION, "remember it what is the answer"]
+    spec = kvsieve.method(name, {"evict.budget": 40})
+    results = kvsieve.generate(pipe.model, pipe.tokenizer, DOC, questions, method=spec, reuse_budget=32,
+                               sampling=Sampling(max_new_tokens=1))  # fmt: skip
+    kept = [r.stages[0].details["context_entries"] for r in results]
+    assert kept == [32, 32]
+    first, second = (r.state.evict.scores for r in results)
+    for layer in first:
+        torch.testing.assert_close(first[layer][:, :32], second[layer][:, :32], rtol=0, atol=0)
+
+
 def test_a_list_of_contexts_is_one_batch_answering_each_as_alone(pipe):
     contexts = [DOC, SHORT]
     out = pipe(contexts, question=QUESTION, method="snapkv", set=PRESET_SETTINGS["snapkv"], max_new_tokens=4)

@@ -129,12 +129,16 @@ def sum_recorders(
     return observers
 
 
-def score_observers(policy: Policy, into: dict[int, torch.Tensor], prior: PrefixSums | None = None) -> list[Observer]:
+def score_observers(
+    policy: Policy, into: dict[int, torch.Tensor], prior: PrefixSums | None = None, blind: bool = False
+) -> list[Observer]:
     """Observers storing `policy`'s scores of every layer's keys in `into`; none for position-only policies.
 
     Policies whose scores are made from accumulated attention (H2O, A2SF, Collie) take it from the
     prefill attention itself, added to the `prior` sums of a stored prefix's queries when the pass
-    continues one.
+    continues one. `blind`: the pass's queries add nothing (a question asked of a context compressed without it,
+    question-agnostic reuse: the question must not choose what is evicted later either); the scores are the prior
+    sums' alone, zero for the pass's own keys.
     """
     if policy.position_only:
         return []
@@ -142,12 +146,18 @@ def score_observers(policy: Policy, into: dict[int, torch.Tensor], prior: Prefix
     if alpha is not None:
 
         def receive(layer: int, sums: torch.Tensor, queries: int) -> None:
+            if blind and prior is None:
+                into[layer] = torch.zeros_like(sums)
+                return
+            if blind:
+                sums, queries = torch.zeros_like(sums), 0
             into[layer] = policy.from_sums(*_continued(prior, alpha, layer, sums, queries))
 
         return [AccumulatedScores(alpha, receive, policy.accumulated_scores)]
 
     def score(layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
-        into[layer] = policy.prompt_scores(query[0], key[0], _scaling(query))
+        scores = policy.prompt_scores(query[0], key[0], _scaling(query))
+        into[layer] = torch.zeros_like(scores) if blind else scores
 
     return [score]
 
@@ -190,10 +200,10 @@ class CompressRun:
     pruned: dict[int, torch.Tensor] = field(default_factory=dict)  # layers pruned during the prefill
     held: int = 0  # the budget as a count of entries, set by `hold` (0: the configured budget)
 
-    def observers(self, prior: PrefixSums | None = None) -> list[Observer]:
+    def observers(self, prior: PrefixSums | None = None, blind: bool = False) -> list[Observer]:
         """Score observers for the feed's last pass (a prompt, or a chunked feed's last chunk), continuing
         the `prior` sums of a stored prefix; none for a run that `hold`s, which prunes nothing."""
-        return [] if self.held else score_observers(self.config.policy, self.scores, prior)
+        return [] if self.held else score_observers(self.config.policy, self.scores, prior, blind)
 
     def resolve_budget(self, tokens: int) -> None:
         """Take a fractional budget of `tokens` prompt tokens rather than of the entries the cache holds
@@ -313,10 +323,10 @@ class EvictRun(InPlaceEviction):
     reencoding: Reencoding | None = None  # StreamingLLM's positions by place in the cache, else None
     layers: list[int] = field(default_factory=list)  # the layers it evicts: all but a hybrid model's windowed ones
 
-    def observers(self, prior: PrefixSums | None = None) -> list[Observer]:
+    def observers(self, prior: PrefixSums | None = None, blind: bool = False) -> list[Observer]:
         """Observers for the feed's last pass: they start the running scores from the prompt (or last chunk),
-        continuing the `prior` sums of a stored prefix."""
-        return score_observers(self.config.policy, self.scores, prior)
+        continuing the `prior` sums of a stored prefix; `blind` (`score_observers`): from those sums alone."""
+        return score_observers(self.config.policy, self.scores, prior, blind)
 
     def hold(self, entries: int) -> None:
         """The budget is the `entries` the cache will hold after this pass: new tokens appended to a context

@@ -303,7 +303,8 @@ def _feed_one_pass(
     if compressed:  # the new tokens are appended to it; nothing is pruned again with their scores
         for run in runs:
             run.hold(context_entries + ids.shape[1] - start_at)
-    observers = [observer for run in runs for observer in run.observers(sums)]
+    # After a context compressed without the question, the question's pass scores nothing (`score_observers`).
+    observers = [observer for run in runs for observer in run.observers(sums, blind=compressed)]
     finishers = [runs[0].finisher(cache)] if runs and not compressed else []
     with attention_hooks(last_pass=observers, finishers=finishers):
         prefilled = feed.prefill(model, ids[:, start_at:], cache=cache, position=position, every_logit=prompt_logits)
