@@ -80,12 +80,12 @@ def test_the_report_opens_with_the_leaderboard(tmp_path):
         return {"kind": "ruler", "schema": 1, "command": "kvsieve ruler ...", "commands": ["kvsieve ruler ..."],
                 "machine": records.machine(), "settings": settings, "rows": rows}  # fmt: skip
 
-    scores = {"niah_single_1": [100] * 6, "qa_1": [100, 0, 100, 0, 100, 0]}
+    scores = {"niah_single_1": [100] * 18, "qa_1": [100, 0] * 9}  # 18 cases a task: enough for verdicts
     rows = rows_of("full", None, "question", scores)
     rows += rows_of("snapkv", 0.5, "question", scores, kept=50)
-    rows += rows_of("snapkv", 0.1, "question", {"niah_single_1": [0] * 6, "qa_1": [0] * 6}, kept=10)
-    rows += rows_of("snapkv", 0.1, "agnostic", {"niah_single_1": [100] * 6, "qa_1": [0] * 6}, kept=15)
-    calibration = rows_of("full", None, "question", {**scores, "vt": [0] * 6})
+    rows += rows_of("snapkv", 0.1, "question", {"niah_single_1": [0] * 18, "qa_1": [0] * 18}, kept=10)
+    rows += rows_of("snapkv", 0.1, "agnostic", {"niah_single_1": [100] * 18, "qa_1": [0] * 18}, kept=15)
+    calibration = rows_of("full", None, "question", {**scores, "vt": [0] * 18})
     longer = rows_of("full", None, "question", {"qa_1": [100, 0]}, length=16384)  # a second run, at 16K
     longer += rows_of("snapkv", 0.5, "question", {"qa_1": [0, 0]}, kept=50, length=16384)
     records.save(tmp_path / "ruler.json", document(rows, "full,snapkv"))
@@ -99,15 +99,19 @@ def test_the_report_opens_with_the_leaderboard(tmp_path):
     text = path.read_text()
     assert text.index("## RULER leaderboard: SmolLM2-135M-Instruct, 4096 tokens") < text.index("## Commands")
     assert "## RULER leaderboard: SmolLM2-135M-Instruct, 16384 tokens" in text  # its own board, its own cases
-    assert "| snapkv | 0.5 | question | 0.0 | -50.0 [" in text
     assert "| snapkv | 0.5 | question | 75.0 | +0.0 [+0.0, +0.0] | - | 0.50 |" in text
     assert "| snapkv | 0.1 | agnostic | 50.0 | -25.0 [" in text
-    assert (
-        "**snapkv**: With the question, loses to full attention at 0.1; matches full attention at 0.5. "
-        "Question-agnostic, loses to full attention at 0.1." in text
+    assert (  # the verdict on the average, then each task family whose own interval lies below zero
+        "**snapkv**: With the question, loses to full attention at 0.1; matches full attention at 0.5; loses on "
+        "single and multi-key retrieval at 0.1 (-100.0 [-100.0, -100.0]), question answering at 0.1 (-50.0 [" in text
     )
-    assert "| vt | 0.0 | 6 | no: full attention scores 0.0 < 20" in text
-    assert "| niah_single_1 | 100.0 | 6 | yes |" in text
+    assert "Question-agnostic, loses to full attention at 0.1; loses on question answering at 0.1 (-50.0 [" in text
+    assert "| vt | 0.0 | 18 | no: full attention scores 0.0 < 20" in text
+    assert "| niah_single_1 | 100.0 | 18 | yes |" in text
+    # The 16K board has 2 cases a task: points, no intervals, no verdicts.
+    at_16k = text[text.index("## RULER leaderboard: SmolLM2-135M-Instruct, 16384 tokens") :]
+    assert "| snapkv | 0.5 | question | 0.0 | -50.0 (no interval) |" in at_16k
+    assert "**No verdicts on this board**: 2 cases a task, fewer than 15." in at_16k
     assert (path.parent / "figures" / "ruler_4096.png").stat().st_size > 5000
     assert "### Per task at 4096 tokens" in text and "| snapkv | 0.1 | agnostic | 100.0 | 0.0 |" in text
 

@@ -25,6 +25,15 @@ FULL = ("full", None, "question")  # the reference configuration: full attention
 RESAMPLES = 2000
 LEVEL = 0.90
 
+# RULER's tasks by what they ask of a cache: a method can match full attention on the average and still lose a family.
+FAMILIES = {
+    "single and multi-key retrieval": ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1",
+                                       "niah_multikey_2", "niah_multikey_3"),
+    "multi-value and multi-query retrieval": ("niah_multivalue", "niah_multiquery"),
+    "multi-hop tracing": ("vt",),
+    "aggregation": ("cwe", "fwe"),
+    "question answering": ("qa_1", "qa_2"),
+}  # fmt: skip
 Case = tuple[str, int, int]  # (task, length, sample index)
 Key = tuple[str, float | None, str]  # (method, budget, mode)
 
@@ -113,6 +122,7 @@ class Entry:
     kept: float  # mean KV share kept after the prefill
     cases: int
     tasks: dict[str, float]  # each task's mean score
+    families: dict[str, tuple[float, float, float]]  # each task family's paired difference and interval (FAMILIES)
 
     @property
     def key(self) -> Key:
@@ -154,6 +164,11 @@ def leaderboard(rows: Sequence[Mapping[str, Any]], tasks: Sequence[str] | None =
         per_task: dict[str, list[float]] = {}
         for case, value in scores.items():
             per_task.setdefault(case[0], []).append(value)
+        families = {}
+        for family, members in FAMILIES.items():
+            own = {case: value for case, value in differences.items() if case[0] in members}
+            if own:
+                families[family] = paired_difference(own)
         entries.append(
             Entry(
                 *key,
@@ -164,6 +179,7 @@ def leaderboard(rows: Sequence[Mapping[str, Any]], tasks: Sequence[str] | None =
                 kept=sum(kept_share(mine[case]) for case in reference) / max(len(reference), 1),
                 cases=len(reference),
                 tasks={task: sum(v) / len(v) for task, v in per_task.items()},
+                families=families,
             )
         )
     entries.sort(key=lambda e: (e.key != FULL, e.mode != "question", e.method, e.budget or 1.0))

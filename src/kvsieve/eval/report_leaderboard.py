@@ -11,6 +11,9 @@ from kvsieve import figures
 from kvsieve.eval.leaderboard import FULL, Board, Entry
 
 SEEDS = ("gemfilter", "critiprefill", "imdc", "a2sf")  # the four papers' presets
+# Fewer cases a task than this and the bootstrap intervals do not hold (5 cases whose answers all agree give a
+# zero-width interval; cases of another seed fell outside them): the board gives points, and no verdicts.
+VERDICT_CASES = 15
 MODE_TITLES = {
     "question": "question in the prompt",
     "agnostic": "question-agnostic (context compressed first)",
@@ -21,9 +24,16 @@ def _budget(value: float | None) -> str:
     return "-" if value is None else f"{value:g}"
 
 
-def _interval(entry: Entry) -> str:
+def fewest_cases(board: Board) -> int:
+    """The fewest cases any task of the board has."""
+    return min((sum(1 for case in board.cases if case[0] == task) for task in board.tasks), default=0)
+
+
+def _interval(entry: Entry, judged: bool) -> str:
     if entry.key == FULL:
         return "-"
+    if not judged:
+        return f"{entry.difference:+.1f} (no interval)"
     return f"{entry.difference:+.1f} [{entry.low:+.1f}, {entry.high:+.1f}]"
 
 
@@ -54,6 +64,7 @@ def leaderboard_section(
         "cache's entries after the prefill over the prompt's tokens, measured per answer and averaged (a budget "
         "is a share of the prompt; the agnostic mode keeps the question's entries on top of the compressed "
         f"context). {speedup_label}",
+        *few_cases_note(board),
         "",
         f"![RULER average against the KV share kept]({figure.relative_to(root).as_posix()})",
         "",
@@ -62,7 +73,13 @@ def leaderboard_section(
     ]
     for e in board.entries:
         ratio = speedup(e.method)
-        cells = [e.method, _budget(e.budget), e.mode, f"{e.average:.1f}", _interval(e)]
+        cells = [
+            e.method,
+            _budget(e.budget),
+            e.mode,
+            f"{e.average:.1f}",
+            _interval(e, fewest_cases(board) >= VERDICT_CASES),
+        ]
         cells += ["-" if ratio is None else f"{ratio:.2f}x", f"{e.kept:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     if board.incomplete:
@@ -73,6 +90,19 @@ def leaderboard_section(
     return lines
 
 
+def few_cases_note(board: Board) -> list[str]:
+    """Why a board of too few cases a task gives no intervals or verdicts (empty for one that has enough)."""
+    fewest = fewest_cases(board)
+    if fewest >= VERDICT_CASES:
+        return []
+    return [
+        "",
+        f"**No verdicts on this board**: {fewest} cases a task, fewer than {VERDICT_CASES}. With so few, the bootstrap "
+        "intervals do not hold (cases whose answers all agree give a zero-width interval, and cases of another seed "
+        "have fallen outside them): `vs full` is the point difference only. Run more cases a task for verdicts.",
+    ]
+
+
 def verdict(entry: Entry) -> str:
     """How an entry compares with full attention on the board's cases: its 90% interval lies above zero (beats),
     holds it (matches) or lies below it (loses)."""
@@ -80,7 +110,11 @@ def verdict(entry: Entry) -> str:
 
 
 def which_method_when(board: Board, methods: Sequence[str]) -> list[str]:
-    """Per method and mode, how it compares with full attention at each budget, as sentences read off the board."""
+    """Per method and mode, how it compares with full attention at each budget, as sentences read off the board, and
+    each task family where it loses though its average may not (`leaderboard.FAMILIES`); none on a board of too few
+    cases a task (`VERDICT_CASES`)."""
+    if fewest_cases(board) < VERDICT_CASES:
+        return ["", "### Which method when", "", f"Not on this board: fewer than {VERDICT_CASES} cases a task."]
     sentences = []
     for method in methods:
         parts = []
@@ -98,6 +132,14 @@ def which_method_when(board: Board, methods: Sequence[str]) -> list[str]:
                 f"{v} full attention" + (f" at {', '.join(budgets)}" if any(budgets) else "")
                 for v, budgets in by_verdict.items()
             )
+            losses = [
+                f"{family}{'' if e.budget is None else f' at {e.budget:g}'} ({d:+.1f} [{low:+.1f}, {high:+.1f}])"
+                for e in mine
+                for family, (d, low, high) in e.families.items()
+                if high < 0
+            ]
+            if losses:
+                said += f"; loses on {', '.join(losses)}"
             parts.append(f"{where}, {said}")
         if parts:
             sentences.append(f"**{method}**: {'. '.join(parts)}.")
@@ -107,7 +149,8 @@ def which_method_when(board: Board, methods: Sequence[str]) -> list[str]:
         "",
         'Read off the table above, budgets as shares of the prompt ("matches": the 90% interval holds zero '
         'difference from full attention on these cases, which a wider case set may still separate; "beats" and '
-        '"loses to": the interval lies above or below zero):',
+        '"loses to": the interval lies above or below zero; "loses on": a task family whose own interval lies '
+        "below zero, whatever the average says):",
         "",
         *(f"- {s}" for s in sentences),
     ]
