@@ -143,6 +143,14 @@ def test_what_it_cannot_do_is_refused_by_name(options, message, single_thread):
         model.generate(ids(20), max_new_tokens=3, pad_token_id=0, custom_generate=kvsieve.decoding(), **options)
 
 
+def test_assisted_generation_is_refused_rather_than_ignored(single_thread):
+    """transformers hands a callable decoding method no assistant: kvsieve finds it in the call and refuses it."""
+    model, assistant = build_model("llama", num_layers=2), build_model("llama", num_layers=1, seed=3)
+    for options in ({"assistant_model": assistant}, {"prompt_lookup_num_tokens": 3}):
+        with pytest.raises(KvsieveError, match="does not run assisted"):
+            model.generate(ids(20), max_new_tokens=3, pad_token_id=0, custom_generate=kvsieve.decoding(), **options)
+
+
 def test_an_eos_narrower_than_the_models_is_refused(single_thread):
     """The engine stops at every EOS id the model lists: a call asking for fewer could be stopped where it did not
     ask, so it is refused; the model's own ids (the default) are decoded."""

@@ -26,7 +26,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from kvsieve.engine import GenerationResult, resolve_method, run
 from kvsieve.errors import KvsieveError
-from kvsieve.integrations.generation_config import check_eos, refuse_what_it_cannot_do, sampling_of
+from kvsieve.integrations.generation_config import ASSISTED, check_eos, refuse_what_it_cannot_do, sampling_of
 from kvsieve.models import prepare
 from kvsieve.prompt import ids_prompt
 from kvsieve.spec import MethodSpec
@@ -49,12 +49,15 @@ def decoding(method: MethodSpec | str = "full", settings: Mapping[str, Any] | No
         **model_kwargs: Any,
     ) -> torch.Tensor | GenerateDecoderOnlyOutput:
         refuse_what_it_cannot_do(generation_config, logits_processor, stopping_criteria)
+        if generate_argument(model, "assistant_model") is not None:
+            raise KvsieveError(ASSISTED)
         prepare(model)  # kvsieve's attention (plain causal SDPA where no stage hooks in); a no-op once prepared
-        streamer = generate_streamer(model)
+        streamer = generate_argument(model, "streamer")
         if streamer is not None and input_ids.shape[0] > 1:
             raise KvsieveError(f"A streamer takes one prompt; this batch has {input_ids.shape[0]}.")
         if tokenizer is None:  # the text decides when streamed tokens are final: the streamer's tokenizer, if any
             tokenizer = getattr(streamer, "tokenizer", None) or IdsOnly()
+        streamer = cast(BaseStreamer | None, streamer)
         check_eos(model, tokenizer, generation_config)
         mask = model_kwargs.get("attention_mask")
         rows = [row[mask[i].bool()] if mask is not None else row for i, row in enumerate(input_ids)]
@@ -96,14 +99,15 @@ def step_logits(results: list[GenerationResult], steps: int) -> tuple[torch.Tens
     return tuple(out)
 
 
-def generate_streamer(model: PreTrainedModel) -> BaseStreamer | None:
-    """The `streamer` given to the `generate` call that runs this decoding method. transformers does not hand it to a
-    callable `custom_generate` (it passes only the arguments its own `_sample` does not take, and `_sample` takes the
-    streamer), so it is read from that call's frame: generate's own local, after generate put the prompt into it."""
+def generate_argument(model: PreTrainedModel, name: str) -> Any:
+    """An argument of the `generate` call that runs this decoding method (`streamer`, `assistant_model`).
+    transformers does not hand them to a callable `custom_generate` (it passes only the arguments its own `_sample`
+    does not take), so they are read from that call's frame: generate's own locals (the streamer after generate put
+    the prompt into it)."""
     frame = inspect.currentframe()
     while frame is not None:
         if frame.f_code.co_name == "generate" and frame.f_locals.get("self") is model:
-            return frame.f_locals.get("streamer")
+            return frame.f_locals.get(name)
         frame = frame.f_back
     return None
 

@@ -5,7 +5,7 @@ Applied: max_new_tokens (or max_length), min_new_tokens (or min_length), do_samp
 repetition_penalty, output_scores and output_logits (with return_dict_in_generate), eos_token_id when it is the
 model's own. Refused by name, with what to do instead: beam search, attentions and hidden states per step, stop
 strings, logits processors or stopping criteria the config's own fields do not build, and an EOS other than the
-model's (the engine stops at the model's EOS ids).
+model's (the engine stops at the model's EOS ids), assisted generation.
 """
 
 from __future__ import annotations
@@ -37,6 +37,10 @@ MAPPED_PROCESSORS = (
 )  # fmt: skip
 MAPPED_CRITERIA = (MaxLengthCriteria, EosTokenCriteria)
 UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states")
+ASSISTED = (
+    "kvsieve's decoding does not run assisted (speculative) generation: leave out assistant_model and "
+    "prompt_lookup_num_tokens, or generate without kvsieve to use them."
+)
 
 
 def sampling_of(config: GenerationConfig, prompt_length: int) -> Sampling:
@@ -79,6 +83,8 @@ def refuse_what_it_cannot_do(
             f"kvsieve's decoding samples or decodes greedily; it does not run beam search (num_beams="
             f"{config.num_beams}). Use num_beams=1, or generate without kvsieve for beam search."
         )
+    if config.prompt_lookup_num_tokens:
+        raise KvsieveError(ASSISTED)
     asked = [name for name in UNSUPPORTED_OUTPUTS if getattr(config, name, False)]
     if asked:
         raise KvsieveError(
