@@ -195,12 +195,12 @@ def test_smollm2_answers_through_generate_as_through_the_engine(smollm):
 def test_a_prompt_that_names_no_question_is_guided_by_its_tail(smollm):
     """Token ids carry no question, yet IMDC's pruning is guided by one: the prompt's last tokens stand in for it
     (`kvsieve.prompt.question_tail`, the rule the server's completions share). On this 1,200-token passkey prompt
-    at a memory of 192 entries, only the guided pruning keeps the key (measured: 3 of 4 such cases guided, 0 of 4
-    unguided; 12 of 18 against 0 of 18 at 3,000 tokens and 512 entries)."""
+    at a memory of 192 entries, only the guided pruning keeps the key (benchmarks/question_window.py: 8 of 12 such
+    cases guided by the last 16 tokens, 0 of 12 unguided; 18 of 18 against 0 of 18 at 3,000 tokens and 512)."""
     from kvsieve.data import passkey_case
 
     model, tokenizer = smollm
-    case = passkey_case(tokenizer, 1200, 0.5, seed=1)
+    case = passkey_case(tokenizer, 1200, 0.5, seed=0)
     messages = [{"role": "user", "content": f"{case.context}\n\n{case.question}"}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     answers = {}

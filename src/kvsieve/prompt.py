@@ -40,7 +40,7 @@ class Prompt:
 
 # Tokens at a prompt's end that stand in for its question where nothing marks one (token ids, a completion, a
 # chat's single message): the question-guided stages (IMDC's chunk pruning, GemFilter's kept tail) read them.
-QUESTION_WINDOW = 32
+QUESTION_WINDOW = 16
 
 
 def question_tail(length: int, marked: int | None = None) -> int:
