@@ -131,6 +131,8 @@ def test_sampling_options_apply_as_generate_applies_them(pipe):
     sampled = pipe(SHORT, question=QUESTION, method="full", max_new_tokens=5, do_sample=True, temperature=1.5,
                    top_k=1, num_return_sequences=2)  # fmt: skip
     assert [s["tokens"] for s in sampled] == [greedy["tokens"]] * 2
+    [same] = pipe(SHORT, question=QUESTION, method="full", max_new_tokens=5, return_full_text=False)  # its own way
+    assert same["tokens"] == greedy["tokens"]
 
 
 @pytest.mark.parametrize(
@@ -144,6 +146,7 @@ def test_sampling_options_apply_as_generate_applies_them(pipe):
         ({"question": QUESTION, "method": "snapkv", "set": {"compress.nope": 1}}, "has no field 'nope'"),
         ({"question": QUESTION, "reuse_budget": 0.5}, "give questions="),
         ({"question": QUESTION, "max_length": 50}, "takes max_new_tokens"),
+        ({"question": QUESTION, "return_full_text": True}, "returns the answer alone"),
     ],
 )
 def test_bad_calls_are_refused_by_name(options, message, pipe):

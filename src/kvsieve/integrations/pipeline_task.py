@@ -87,8 +87,14 @@ class KvsieveTextGenerationPipeline(Pipeline):
         reuse_budget: int | float | None = None,
         max_batch: int | None = None,
         streamer: BaseStreamer | None = None,
+        return_full_text: bool | None = None,
         **options: Any,
     ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        if return_full_text:
+            raise KvsieveError(
+                "This pipeline returns the answer alone (text-generation's return_full_text=False): the prompt is the "
+                "context and question you gave. Leave return_full_text out, or set it to False."
+            )
         forward: dict[str, Any] = {} if streamer is None else {"streamer": streamer}
         if question is not None or questions is not None:
             forward["asked"] = asked(question, questions)
