@@ -36,7 +36,7 @@ from kvsieve.eval import bench, records
 from kvsieve.eval.report_sections import machine_line, spread
 from kvsieve.loading import resolve_dtype
 from kvsieve.memory import PeakWatch
-from kvsieve.models import prepare
+from kvsieve.preparation import prepare
 from kvsieve.prompt import Prompt
 
 CONFIGS = Path(__file__).parent / "configs"

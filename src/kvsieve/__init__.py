@@ -26,7 +26,8 @@ from kvsieve.feed.full import FullPrefill
 from kvsieve.integrations import pipeline_task as pipeline_task  # registers pipeline("kvsieve-text-generation")
 from kvsieve.integrations.custom_generate import decoding
 from kvsieve.loading import load_model
-from kvsieve.models import architecture, prepare
+from kvsieve.models import architecture
+from kvsieve.preparation import prepare
 from kvsieve.prompt import Prompt, build_prompt
 from kvsieve.registry import REGISTRY, method, register
 from kvsieve.select.gemfilter import GemFilter

@@ -32,8 +32,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from transformers.utils import logging as hf_logging
 
 from kvsieve.errors import KvsieveError
-from kvsieve.models import prepare
 from kvsieve.paths import cache_dir
+from kvsieve.preparation import prepare
 from kvsieve.quantize import QUANTIZE_CHOICES
 from kvsieve.quantize import quantize as quantize_weights
 

@@ -13,9 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import Cache, PreTrainedModel
 
-from kvsieve.attention import ATTENTION_NAME
 from kvsieve.errors import KvsieveError
-from kvsieve.kernels.products import fuse_linears
 
 # Decoder layouts whose attention follows Llama's: q/k/v projections (or Phi-3's fused qkv), RoPE from
 # `model.model.rotary_emb` (Gemma 3: one per layer kind), and attention through transformers' AttentionInterface.
@@ -191,16 +189,3 @@ def with_cache(module: torch.nn.Module, cache: Cache | None) -> dict[str, Cache 
 @functools.cache
 def _cache_keyword(forward: Callable) -> str:
     return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
-
-
-def prepare(model: PreTrainedModel) -> PreTrainedModel:
-    """Check that kvsieve supports `model`, route its attention through kvsieve's function and give its linear
-    layers the fused CPU product for decoding steps (`kvsieve.kernels.products.fuse_linears`).
-
-    The function is registered with transformers' public AttentionInterface; no model class is
-    patched. Without hooks active it computes plain causal SDPA attention.
-    """
-    architecture(model)
-    if model.config._attn_implementation != ATTENTION_NAME:
-        model.set_attn_implementation(ATTENTION_NAME)
-    return fuse_linears(model).eval()

@@ -27,7 +27,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from kvsieve.engine import GenerationResult, resolve_method, run
 from kvsieve.errors import KvsieveError
 from kvsieve.integrations.generation_config import ASSISTED, check_eos, refuse_what_it_cannot_do, sampling_of
-from kvsieve.models import prepare
+from kvsieve.preparation import prepare
 from kvsieve.prompt import ids_prompt
 from kvsieve.spec import MethodSpec
 

@@ -36,7 +36,7 @@ from kvsieve.engine import GenerationResult, generate, resolve_method
 from kvsieve.errors import KvsieveError
 from kvsieve.integrations.generation_config import check_eos, refuse_what_it_cannot_do, sampling_of
 from kvsieve.loading import DEFAULT, load_model, tokenizer_of
-from kvsieve.models import prepare
+from kvsieve.preparation import prepare
 from kvsieve.spec import MethodSpec
 
 TASK = "kvsieve-text-generation"
