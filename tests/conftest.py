@@ -250,7 +250,9 @@ SLOW_FIRST = (
     "test_commands.py::test_evaluations_write_their_files_and_report_draws_them",  # 70 s (five processes at once)
     "test_commands.py::test_demo_answers_side_by_side",  # 25 s
     "test_commands.py::test_generate_json_from_stdin_is_json_on_a_models_first_run",  # 25 s (converts the model)
+    "test_pipeline_task.py::test_every_seed_preset_answers_as_kvsieve_on_smollm2_through_both_fronts",  # 33 s
     "test_commands.py::test_serve_answers_the_official_client_and_stops_on_sigterm",  # 15 s
+    "test_custom_generate.py::test_a_prompt_that_names_no_question_is_guided_by_its_tail",  # 14 s
     "test_compiled_step.py::test_compiled_steps_give_the_ordinary_steps_logits_and_compile_once",  # 25 s
     "test_compiled_step.py::test_int8_weights_under_bfloat16_get_their_own_logits",  # 23 s
     "test_serve_real.py::test_langchain_chat_openai_runs_against_the_server",  # 20 s
@@ -260,6 +262,7 @@ SLOW_FIRST = (
     "test_entry_points.py::test_bench_runs_each_configuration_in_its_own_process",  # 14 s
     "test_serve_real.py::test_passkey_document_is_reused_for_the_next_question",  # 12 s
     "test_real_model.py::test_bfloat16_default_model_answers_through_gemfilter",  # 11 s
+    "test_pipeline_task.py::test_the_task_with_no_model_answers_with_the_embedded_default",  # 9 s
     "test_compiled_step.py::test_evicting_rows_are_compiled_with_their_observers_once_at_their_budget",  # 10 s
     "test_serve.py::test_every_preset_answers_as_the_library",  # 10 s
     "test_serve_hybrid.py::test_every_preset_answers_as_the_library",  # 10 s
