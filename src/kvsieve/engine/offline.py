@@ -80,7 +80,7 @@ def run(
     spec = resolve_method(method, dict(zip(STAGES, stages, strict=True)))
     prompts = [prompt] if isinstance(prompt, Prompt) else list(prompt)
     if stream is not None and (len(prompts) != 1 or sampling.n > 1):
-        raise ValueError("stream= takes the text of one answer; run a list of prompts (or n > 1) without it.")
+        raise KvsieveError("stream= takes one answer: one prompt and one question (n = 1); run the others without it.")
     emit = None if stream is None else _events_to(stream, prompts[0].ids[0])
     scheduler = Scheduler(model, tokenizer, max_batch=max_batch, prefix_cache=prefix_cache)
     requests = [Request(p, spec, sampling, emit, boundary=p.context_start + p.context_len) for p in prompts]
@@ -112,7 +112,7 @@ def _events_to(stream: Callable[[str], None] | BaseStreamer, prompt: torch.Tenso
 
     def tokens(event: Event) -> None:
         if isinstance(event, Text | Finished) and event.ids:
-            stream.put(torch.tensor(event.ids))
+            stream.put(torch.tensor(event.ids, device="cpu"))  # a streamer reads ids on the CPU, as generate puts them
         if isinstance(event, Finished | Failed):
             stream.end()
 
@@ -141,12 +141,15 @@ def generate(
     """
     if isinstance(context, str) and (question is None or isinstance(question, str)):
         if reuse_budget is not None:
-            raise ValueError("reuse_budget applies to one context asked several questions: pass a list of questions.")
+            raise KvsieveError("reuse_budget keeps one context for several questions: pass a list of questions.")
         return run(model, tokenizer, build_prompt(tokenizer, context, question, raw=raw), **options)
     if isinstance(context, str):
         questions = list(cast(Sequence[str], question))
         if not questions:
             raise KvsieveError("questions is empty; give at least one question.")
+        empty = [i for i, q in enumerate(questions) if not isinstance(q, str) or not q.strip()]
+        if empty:
+            raise KvsieveError(f"questions[{empty[0]}] is empty; every question needs some text.")
         spec = resolve_method(options.pop("method", None), {name: options.pop(name, None) for name in STAGES})
         if reuse_budget is not None and reuse_compress(spec, reuse_budget) is None:
             raise KvsieveError(
@@ -157,7 +160,7 @@ def generate(
         cache = PrefixCache(model, sys.maxsize, reuse_budget)  # holds this context's state only
         return run(model, tokenizer, prompts, method=spec, prefix_cache=cache, **options)
     if reuse_budget is not None:
-        raise ValueError("reuse_budget applies to one context asked several questions, not to a list of contexts.")
+        raise KvsieveError("reuse_budget keeps one context for several questions, not a list of contexts.")
     contexts = list(context)
     questions = [question] * len(contexts) if question is None or isinstance(question, str) else list(question)
     if len(questions) != len(contexts):

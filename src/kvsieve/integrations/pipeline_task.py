@@ -125,16 +125,12 @@ class KvsieveTextGenerationPipeline(Pipeline):
         streamer: BaseStreamer | None = None,
     ) -> dict[str, Any]:
         """Run `generate` on the contexts and the question(s) with the call's method and options."""
-        if isinstance(contexts, Contexts) and isinstance(asked, list):
+        if isinstance(contexts, Contexts) and isinstance(asked, list):  # `generate` would pair them, one per context
             raise KvsieveError("questions=[...] asks one context; give a list of contexts one question each, or one.")
-        if reuse_budget is not None and not isinstance(asked, list):
-            raise KvsieveError("reuse_budget keeps one context for several questions: give questions=[...].")
         spec = spec if spec is not None else resolve_method(DEFAULT_METHOD, {})
         context = list(contexts.texts) if isinstance(contexts, Contexts) else contexts
         options: dict[str, Any] = {"reuse_budget": reuse_budget} if reuse_budget is not None else {}
         if streamer is not None:
-            if isinstance(contexts, Contexts) or isinstance(asked, list):
-                raise KvsieveError("A streamer takes one answer: give one context and one question.")
             options["stream"] = streamer
         sampling = self.sampling(generation or {})
         results = generate(self.model, self.tokenizer, context, asked, method=spec, sampling=sampling,
@@ -155,9 +151,14 @@ class KvsieveTextGenerationPipeline(Pipeline):
                 f"Unknown option(s) {', '.join(sorted(unknown))}: the pipeline takes method, set, question(s), "
                 "reuse_budget, batch_size and generation options (max_new_tokens, do_sample, temperature, top_p, ...)."
             )
+        if config.output_scores or config.output_logits:
+            raise KvsieveError(
+                "The pipeline returns each answer's text and measures, not per-step scores or logits: call "
+                "model.generate(..., custom_generate=kvsieve.decoding(method)) for them."
+            )
         refuse_what_it_cannot_do(config)
         check_eos(self.model, self.tokenizer, config)
-        return replace(sampling_of(config, 0), n=config.num_return_sequences or 1, keep_logits=False)
+        return replace(sampling_of(config, 0), n=config.num_return_sequences or 1)
 
     def postprocess(self, model_outputs: dict[str, Any], **postprocess_parameters: Any) -> list[Any]:
         """One context and question: its answers (a list, as text-generation's); several questions: one answer each
@@ -172,16 +173,13 @@ class KvsieveTextGenerationPipeline(Pipeline):
 
 
 def asked(question: str | None, questions: list[str] | None) -> str | list[str]:
-    """The call's question, or its list of questions (not both, none empty)."""
+    """The call's question, or its list of questions (not both; `generate` checks each question)."""
     if question is not None and questions is not None:
         raise KvsieveError("Give question= or questions=[...], not both.")
     if question is not None:
         return question
-    if isinstance(questions, str) or not isinstance(questions, list | tuple) or not questions:
-        raise KvsieveError("questions must be a non-empty list of strings; for one question use question=.")
-    empty = [i for i, q in enumerate(questions) if not isinstance(q, str) or not q.strip()]
-    if empty:
-        raise KvsieveError(f"questions[{empty[0]}] is empty; every question needs some text.")
+    if not isinstance(questions, list | tuple):
+        raise KvsieveError("questions must be a list of strings; for one question use question=.")
     return list(questions)
 
 
