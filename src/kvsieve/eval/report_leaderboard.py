@@ -12,7 +12,7 @@ from kvsieve.eval.leaderboard import FULL, Board, Entry
 
 SEEDS = ("gemfilter", "critiprefill", "imdc", "a2sf")  # the four papers' presets
 # Fewer cases a task than this and the bootstrap intervals do not hold (5 cases whose answers all agree give a
-# zero-width interval; cases of another seed fell outside them): the board gives points, and no verdicts.
+# zero-width interval): the board gives points, and no verdicts.
 VERDICT_CASES = 15
 MODE_TITLES = {
     "question": "question in the prompt",
@@ -98,8 +98,8 @@ def few_cases_note(board: Board) -> list[str]:
     return [
         "",
         f"**No verdicts on this board**: {fewest} cases a task, fewer than {VERDICT_CASES}. With so few, the bootstrap "
-        "intervals do not hold (cases whose answers all agree give a zero-width interval, and cases of another seed "
-        "have fallen outside them): `vs full` is the point difference only. Run more cases a task for verdicts.",
+        "intervals do not hold (cases whose answers all agree give a zero-width interval): `vs full` is the point "
+        "difference only. Run more cases a task for verdicts.",
     ]
 
 
