@@ -31,6 +31,7 @@ from transformers import DynamicCache
 from kvsieve import load_model
 from kvsieve.attention import attention_hooks
 from kvsieve.attention.accumulate import accumulation_weights
+from kvsieve.compress.policy import LayerPass
 from kvsieve.decode import Sampling, TextStream, eos_token_ids
 from kvsieve.engine import Continuation
 from kvsieve.eval.grading import contains, rouge1_recall
@@ -58,8 +59,7 @@ def parse_setting(text: str):
 
 def prompt_scores(policy, queries: dict[int, torch.Tensor], keys: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     """Every layer's prompt scores, from its captured last queries (1, h, w, d) and its keys (1, g, n, d)."""
-    scaling = keys[0].shape[-1] ** -0.5
-    return {layer: policy.prompt_scores(q[0], keys[layer][0], scaling) for layer, q in queries.items()}
+    return {layer: policy.prompt_scores(LayerPass(q[0], keys[layer][0])) for layer, q in queries.items()}
 
 
 def greedy(model, tokenizer, cache, prefilled, evict, sampling: Sampling) -> TextStream:

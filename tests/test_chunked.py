@@ -18,6 +18,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvsieve import A2SF, H2O, Collie, SnapKV, StreamingLLM
 from kvsieve.attention import attention_hooks
+from kvsieve.compress.policy import LayerPass
 from kvsieve.compress.stages import Evict
 from kvsieve.decode import Sampling
 from kvsieve.engine.offline import run
@@ -296,7 +297,7 @@ def test_gqa_query_head_h_votes_for_kv_head_h_div_n_rep(pruner):
     query = torch.zeros(1, 4, 2, dim)
     query[0, 0:2, :, 0] = 50.0
     query[0, 2:4, :, 1] = 50.0
-    scores = pruner.prompt_scores(query[0], key[0], dim**-0.5)
+    scores = pruner.prompt_scores(LayerPass(query[0], key[0], scale=dim**-0.5))
     assert scores.shape == (2, n)
     early = scores[:, : n - 2]
     assert int(early[0].argmax()) == 2 and int(early[1].argmax()) == 5
@@ -390,7 +391,9 @@ def test_compress_after_a_chunked_feed_ranks_the_cache_by_the_last_steps_scores(
     calls: dict[int, list[torch.Tensor]] = {}
 
     def reference(layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
-        calls.setdefault(layer, []).append(H2O().prompt_scores(query[0], key[0], query.shape[-1] ** -0.5))
+        calls.setdefault(layer, []).append(
+            H2O().prompt_scores(LayerPass(query[0], key[0], scale=query.shape[-1] ** -0.5))
+        )
 
     feed = ChunkedPrefill(chunk=16, memory=40, pruner=SnapKV(window=4), question_guided=False)  # one pass a step
     compress = Compress(H2O(), 20)

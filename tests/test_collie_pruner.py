@@ -14,6 +14,7 @@ from conftest import FakeTokenizer, build_model, make_prompt
 from kvsieve import Compress, Evict, Sampling, run
 from kvsieve.attention import attention_hooks
 from kvsieve.compress.policies.collie import Collie
+from kvsieve.compress.policy import LayerPass
 from kvsieve.compress.scorers import accumulated_attention, keep_indices, visible_counts
 from kvsieve.errors import KvsieveError
 from kvsieve.feed.chunked import ChunkedPrefill, _recent
@@ -60,7 +61,7 @@ def qk():
 @pytest.mark.parametrize(("kernel", "sinks"), [(5, 4), (5, 0), (3, 2), (1, 4), (7, 19), (5, 30)])
 def test_scores_equal_the_dense_reference(qk, kernel, sinks):
     query, key = qk
-    got = Collie(pool_size=kernel, sinks=sinks).prompt_scores(query, key, 0.35)
+    got = Collie(pool_size=kernel, sinks=sinks).prompt_scores(LayerPass(query, key, scale=0.35))
     assert got.dtype == torch.float32 and got.shape == (3, 20)
     torch.testing.assert_close(got.double(), naive_collie(query, key, 0.35, kernel, sinks), atol=1e-6, rtol=1e-5)
 
@@ -71,7 +72,9 @@ def test_query_blocks_change_nothing(q_len, rows):
     torch.manual_seed(1)
     query, key = torch.randn(4, q_len, 16), torch.randn(2, 20, 16)
     expected = naive_collie(query, key, 0.25, 5, 4)
-    torch.testing.assert_close(Collie().prompt_scores(query, key, 0.25).double(), expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        Collie().prompt_scores(LayerPass(query, key, scale=0.25)).double(), expected, atol=1e-6, rtol=1e-5
+    )
     blocked = Collie().from_sums(accumulated_attention(query, key, 0.25, alpha=1.0, chunk=rows), q_len)
     torch.testing.assert_close(blocked.double(), expected, atol=1e-6, rtol=1e-5)
 
@@ -83,7 +86,7 @@ def test_each_key_is_averaged_over_the_queries_that_see_it(qk):
     assert visible_counts(4, 10).tolist() == [4, 4, 4, 4, 4, 4, 4, 3, 2, 1]
     assert visible_counts(3, 3).tolist() == [3, 2, 1]
     probs = dense_probs(query, key, 0.35)  # (6, 9, 20): the 9 queries sit at positions 11..19
-    got = Collie(pool_size=1, sinks=0).prompt_scores(query, key, 0.35).double()
+    got = Collie(pool_size=1, sinks=0).prompt_scores(LayerPass(query, key, scale=0.35)).double()
     for g in range(3):
         heads = probs[2 * g : 2 * g + 2]
         for k in (0, 5, 11, 14, 19):
@@ -106,14 +109,14 @@ def test_pooling_never_mixes_sink_scores():
     query[..., 0] = 4.0  # every query looks at the sinks
     sums = accumulated_attention(query, key, 1.0, alpha=1.0)  # (2, n)
     counts = visible_counts(q_len, n)
-    got = Collie(pool_size=5, sinks=sinks).prompt_scores(query, key, 1.0)
+    got = Collie(pool_size=5, sinks=sinks).prompt_scores(LayerPass(query, key, scale=1.0))
     torch.testing.assert_close(got[:, :sinks], sums[:, :sinks] / counts[:sinks])
     torch.testing.assert_close(got[:, 4], (sums[:, 4] + sums[:, 5] + sums[:, 6]) / 5 / counts[4])
     torch.testing.assert_close(got[:, 5], sums[:, 4:8].sum(1) / 5 / counts[5])
     across = (sums[:, 2:7].sum(1) / 5) / counts[4]  # what pooling across the boundary would give
     assert bool((across > 10 * got[:, 4]).all())
     # Pooling every position (sinks=0) lets the sink mass leak into key 4.
-    leaky = Collie(pool_size=5, sinks=0).prompt_scores(query, key, 1.0)
+    leaky = Collie(pool_size=5, sinks=0).prompt_scores(LayerPass(query, key, scale=1.0))
     torch.testing.assert_close(leaky[:, 4], across)
 
 
@@ -126,7 +129,7 @@ def test_gqa_query_head_h_votes_for_kv_head_h_div_n_rep():
     query = torch.zeros(1, 4, 3, dim)
     query[0, 0:2, :, 0] = 50.0
     query[0, 2:4, :, 1] = 50.0
-    scores = Collie(pool_size=1, sinks=0).prompt_scores(query[0], key[0], dim**-0.5)
+    scores = Collie(pool_size=1, sinks=0).prompt_scores(LayerPass(query[0], key[0], scale=dim**-0.5))
     assert scores.shape == (2, n)
     assert int(scores[0].argmax()) == 2 and int(scores[1].argmax()) == 5
 

@@ -22,6 +22,7 @@ from kvsieve import (
     run,
 )
 from kvsieve.attention import attention_hooks
+from kvsieve.compress.policy import LayerPass
 from kvsieve.compress.scorers import accumulated_attention, keep_indices, window_attention
 from kvsieve.errors import KvsieveError
 from kvsieve.kv.cache import resolve_budget
@@ -201,7 +202,7 @@ def test_evict_running_score_follows_a2sf_recurrence():
 def test_tova_scores_are_the_last_querys_attention_averaged_over_heads(qk):
     query, key = qk
     expected = reference_attention(query, key, 0.5)[:, -1].mean(0)  # (n,): one ranking for the layer
-    scores = TOVA().prompt_scores(query, key, 0.5)
+    scores = TOVA().prompt_scores(LayerPass(query, key, scale=0.5))
     assert scores.shape == (3, 12)
     for g in range(3):
         torch.testing.assert_close(scores[g], expected)
@@ -214,7 +215,7 @@ def test_tova_scores_are_the_last_querys_attention_averaged_over_heads(qk):
 def test_knorm_keeps_the_keys_with_the_smallest_norms(make_model):
     key = torch.ones(2, 6, 4) * torch.tensor([3.0, 1.0, 5.0, 0.5, 2.0, 4.0])[None, :, None]
     key[1] = key[1].flip(0)
-    scores = KNorm().prompt_scores(torch.randn(4, 6, 4), key, 0.5)
+    scores = KNorm().prompt_scores(LayerPass(torch.randn(4, 6, 4), key))
     assert keep_indices(scores, 3).tolist() == [[1, 3, 4], [1, 2, 4]]
     # End to end: the compressed cache holds exactly each KV head's lowest-norm keys.
     model = make_model("llama")

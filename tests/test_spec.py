@@ -151,9 +151,10 @@ def test_a_new_component_is_usable_everywhere_once_registered():
     class Oldest(Policy):
         """Keeps the oldest tokens: score = minus the position."""
 
-        def prompt_scores(self, query, key, scaling):
+        def prompt_scores(self, seen):
             import torch
 
+            key = seen.key
             return -torch.arange(key.shape[1], device=key.device, dtype=torch.float32).expand(key.shape[0], -1)
 
     try:

@@ -19,6 +19,7 @@ from typing import Any
 from kvsieve.attention.critiprefill import CritiPrefill
 from kvsieve.compress.policies.a2sf import A2SF
 from kvsieve.compress.policies.collie import Collie  # noqa: F401  (registers the 'collie' policy)
+from kvsieve.compress.policies.expected_attention import ExpectedAttention
 from kvsieve.compress.policies.h2o import H2O
 from kvsieve.compress.policies.knorm import KNorm
 from kvsieve.compress.policies.local import LocalWindow
@@ -161,6 +162,14 @@ register(
         "pyramidkv",
         "PyramidKV: SnapKV's votes, budgets falling linearly from the first layer to the last (beta 20) [paper]",
         compress=Compress(PyramidKV()),
+    )
+)
+register(
+    MethodSpec(
+        "expected-attention",
+        "Expected Attention: the attention future queries are expected to pay, times ||v||; no question needed "
+        "[paper]",
+        compress=Compress(ExpectedAttention()),
     )
 )
 register(MethodSpec("h2o", "H2O: heavy hitters + recent half, evicting every step [paper]", evict=Evict(H2O())))

@@ -5,7 +5,8 @@ AttentionInterface, no model-class patching). Outside `attention_hooks(...)` the
 plain causal SDPA. Inside, two things can change:
 
 - observers see every layer's post-RoPE query and key (GemFilter's scoring, calibration,
-  attention-based KV scorers); an observer may raise `StopForward` to end the forward pass early.
+  attention-based KV scorers; a `PassReader` its values too); an observer may raise `StopForward` to end the forward
+  pass early.
   An `AccumulatedScores` observer (H2O, A2SF, Collie) gets its scores out of the dense attention itself
   (a prefill, or a decoding step's row) instead of computing them in a second pass, and an `AttentionRows`
   observer gets a decoding step's probabilities (a padded batch's too) from the attention's own pass;
@@ -35,7 +36,7 @@ from typing import cast
 import torch
 from transformers import AttentionInterface
 
-from kvsieve.attention.accumulate import AccumulatedScores, AttentionRows, accumulating_attention
+from kvsieve.attention.accumulate import AccumulatedScores, AttentionRows, PassReader, accumulating_attention
 from kvsieve.attention.dense import bottom_right_causal_mask, dense_attention, local_attention, repeat_kv
 from kvsieve.errors import KvsieveError
 from kvsieve.kernels.attention import decode_attention, decode_attention_probs, grouped_attention
@@ -168,7 +169,7 @@ def _hooked(
         fused = []  # no dense prefill pass to take the scores from: they compute their own
     for observer in observers:
         if not any(observer is f for f in fused) and not isinstance(observer, AttentionRows):
-            observer(layer, query, key)
+            _observe(observer, layer, query, key, value)
     if rows:  # a decoding step and its probabilities
         out, probs = decode_attention_probs(query, key, value, scaling, lengths)
         for observer in rows:
@@ -184,6 +185,16 @@ def _hooked(
     else:
         out = prefill(layer, query, key, value, scaling)
     return out
+
+
+def _observe(
+    observer: Observer | PassReader, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> None:
+    """Hand one observer the layer's pass: a `PassReader` its values too."""
+    if isinstance(observer, PassReader):
+        observer.receive(layer, query, key, value)
+    else:
+        observer(layer, query, key)
 
 
 def _windowed_or_capped(
@@ -210,7 +221,7 @@ def _windowed_or_capped(
     rows = [o for o in observers if isinstance(o, AttentionRows)]
     for observer in observers:
         if not isinstance(observer, AttentionRows):
-            observer(layer, query, key)
+            _observe(observer, layer, query, key, value)
     if rows:  # a soft-capped global layer's decoding step (a sliding layer has no observers)
         out, probs = decode_attention_probs(query, key, value, scaling, lengths, softcap)
         for observer in rows:
@@ -235,6 +246,7 @@ __all__ = [
     "Hooks",
     "NO_HOOKS",
     "Observer",
+    "PassReader",
     "PrefillAttention",
     "StopForward",
     "attention_hooks",

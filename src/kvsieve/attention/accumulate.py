@@ -77,6 +77,16 @@ class AccumulatedScores:
 
 
 @dataclass(frozen=True)
+class PassReader:
+    """An observer that reads a layer's values besides its query and keys: `receive(layer, query, key, value)`, query
+    (b, h, q, d) and key (b, kv_heads, n, d) post-RoPE, value (b, kv_heads, n, d). Passed among the observers of
+    `attention_hooks`, like a plain observer; prompt scorers that read values (Expected Attention's ||v||) get them
+    here (`kvsieve.compress.stages.score_observers`)."""
+
+    receive: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
 class AttentionRows:
     """An observer asking for a decoding step's attention: `receive(layer, probs, kv_heads)` with probs (b, h, n)
     float32, each row's one query over its keys (0 past the row's length in a padded batch), and the layer's KV

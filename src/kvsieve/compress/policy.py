@@ -2,18 +2,21 @@
 
 A policy is a small frozen dataclass registered with `@component(tag, "policy")`, of one of two kinds:
 
-- `PromptScorer` (SnapKV, KNorm, TOVA, StreamingLLM, the local window, Collie): scores the cached keys from the
-  prompt's last queries, from the keys alone, or by position alone. Write `prompt_scores` (or set `position_only`).
-  Set `rescores` for a rule that evicts while decoding by scoring again at every step (TOVA, KNorm).
+- `PromptScorer` (SnapKV, KNorm, TOVA, StreamingLLM, the local window, Collie, Expected Attention): scores the cached
+  keys from one layer's pass (`LayerPass`: the pass's queries, the keys, the values, the layer's rotary embedding),
+  or by position alone. Write `prompt_scores` and name what it reads in `reads` (or set `position_only`). Set
+  `rescores` for a rule that evicts while decoding by scoring again at every step (TOVA, KNorm).
 - `StepRule` (H2O, A2SF): running scores, score <- step_alpha * score + the new query's attention (A2SF eq. 6),
   whose prompt scores are the same sum over the prompt's queries (eq. 5), made inside kvsieve's attention pass.
   Set `step_alpha`.
 
 Either may override `protected` (positions kept whatever their score) and `layer_budget` (a budget per layer).
-The stages that prune KV read every policy the same way (the members of `Policy` below): `Compress` once after
-prefill, `Evict` after every decoding step, and the chunked feeds (FM / IM / IMDC) at every chunk. Scores are
-(kv_heads, n), higher means keep, computed in float32 whatever the model's dtype; query head h votes for KV head
-h // n_rep (`kvsieve.compress.scorers`).
+What a scorer reads is handed over in one place, `kvsieve.compress.stages.score_observers`, which builds each layer's
+`LayerPass` from the attention's own arguments and checks the `reads` it cannot supply (the rotary embedding without
+the model) before any pass runs. The stages that prune KV read every policy the same way (the members of `Policy`
+below): `Compress` once after prefill, `Evict` after every decoding step, and the chunked feeds (FM / IM / IMDC) at
+every chunk. Scores are (kv_heads, n), higher means keep, computed in float32 whatever the model's dtype; query head
+h votes for KV head h // n_rep (`kvsieve.compress.scorers`).
 
 To add a policy: one module in `compress/policies/` with a subclass of one kind, plus one line in
 `kvsieve/registry.py` naming its preset. Nothing else changes.
@@ -21,12 +24,38 @@ To add a policy: one module in `compress/policies/` with a subclass of one kind,
 
 from __future__ import annotations
 
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import torch
 
 from kvsieve.compress.scorers import accumulated_attention, attention_probs, per_kv_head
 from kvsieve.errors import KvsieveError
+from kvsieve.models import Rotary
+
+Reading = Literal["queries", "keys", "values", "rotary"]
+
+
+@dataclass(frozen=True)
+class LayerPass:
+    """What a prompt scorer reads of one layer's forward pass (the prompt's, or a chunk's), batch row 0.
+
+    query (h, q, d) and key (kv_heads, n, d) post-RoPE, the queries the last q of the n key positions; value
+    (kv_heads, n, d) where the policy `reads` values; `rotary` the layer's rotary embedding where it reads it
+    (`kvsieve.models.Rotary`: moving a query or key to other positions), else None. Scores use `scaling`.
+    """
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor | None = None
+    rotary: Rotary | None = None
+    scale: float | None = None  # None: head_dim ** -0.5
+
+    @property
+    def scaling(self) -> float:
+        """The logits' scale: `scale`, else head_dim ** -0.5 (`kvsieve.compress.stages`' note on Gemma's
+        query_pre_attn_scalar)."""
+        return self.query.shape[-1] ** -0.5 if self.scale is None else self.scale
 
 
 class Policy:
@@ -36,6 +65,7 @@ class Policy:
     tag: ClassVar[str]
     kind: ClassVar[str]
     position_only: ClassVar[bool] = False  # keeps tokens by position alone (no scores at all)
+    reads: ClassVar[frozenset[Reading]] = frozenset({"queries", "keys"})  # what `prompt_scores` reads of a pass
     accumulates: ClassVar[bool] = False  # the prompt scores are A2SF eq. 5 with `step_alpha` (a `StepRule`)
 
     @property
@@ -61,11 +91,12 @@ class Policy:
         """Whether `layer_budget` gives the layers budgets of their own, which only the compress stage applies."""
         return type(self).layer_budget is not Policy.layer_budget
 
-    def prompt_scores(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor | None:
-        """(kv_heads, n) scores of the keys (kv_heads, n, d) from queries (h, q, d), the last q of n
-        positions; None for position-only policies. Default: `from_sums` of A2SF eq. 5 with `summed_alpha`."""
+    def prompt_scores(self, seen: LayerPass) -> torch.Tensor | None:
+        """(kv_heads, n) scores of the pass's n keys; None for position-only policies. Default: `from_sums` of A2SF
+        eq. 5 with `summed_alpha` (where the attention pass cannot give them, `score_observers`)."""
         if self.summed_alpha is not None:
-            return self.from_sums(self.accumulated_scores(query, key, scaling), query.shape[1])
+            sums = self.accumulated_scores(seen.query, seen.key, seen.scaling)
+            return self.from_sums(sums, seen.query.shape[1])
         return None
 
     @property
@@ -127,7 +158,7 @@ class Policy:
 class PromptScorer(Policy):
     """Kind 1: the cached keys scored from the prompt's last queries, from the keys alone, or by position alone.
 
-    Write `prompt_scores` (query (h, q, d), key (kv_heads, n, d) -> (kv_heads, n)), or set `position_only`. With
+    Write `prompt_scores` (a `LayerPass` -> (kv_heads, n)) and its `reads`, or set `position_only`. With
     `rescores`, `Evict` scores again after every decoding step with the newest query as the only one
     (`step_scores`; a rule that reads only that query's attention row may give `row_scores` and set
     `step_reads_attention`, so the step's own attention is reused)."""
@@ -143,7 +174,7 @@ class PromptScorer(Policy):
     ) -> torch.Tensor | None:
         if self.step_reads_attention or not self.rescores:
             return super().step_scores(previous, query, key, scaling)
-        return self.prompt_scores(query, key, scaling)
+        return self.prompt_scores(LayerPass(query, key))
 
 
 class StepRule(Policy):

@@ -31,10 +31,10 @@ from typing import Any
 import torch
 from transformers import Cache
 
-from kvsieve.attention import AccumulatedScores, AttentionRows, Finisher, Observer
+from kvsieve.attention import AccumulatedScores, AttentionRows, Finisher, Observer, PassReader
 from kvsieve.compress.policies.a2sf import A2SF
 from kvsieve.compress.policies.snapkv import SnapKV
-from kvsieve.compress.policy import Policy, observed_scores
+from kvsieve.compress.policy import LayerPass, Policy, observed_scores
 from kvsieve.compress.scorers import accumulated_attention, keep_indices
 from kvsieve.errors import KvsieveError
 from kvsieve.kv.cache import (
@@ -47,6 +47,7 @@ from kvsieve.kv.cache import (
 )
 from kvsieve.kv.in_place import InPlaceEviction
 from kvsieve.kv.reencoding import Reencoding
+from kvsieve.models import Architecture
 from kvsieve.spec import component, option
 
 BUDGET_HELP = "KV entries kept per layer and KV head: a count (1024) or a fraction of the prompt (0.25)"
@@ -130,9 +131,17 @@ def sum_recorders(
 
 
 def score_observers(
-    policy: Policy, into: dict[int, torch.Tensor], prior: PrefixSums | None = None, blind: bool = False
-) -> list[Observer]:
+    policy: Policy,
+    into: dict[int, torch.Tensor],
+    prior: PrefixSums | None = None,
+    blind: bool = False,
+    arch: Architecture | None = None,
+) -> list[Observer | PassReader]:
     """Observers storing `policy`'s scores of every layer's keys in `into`; none for position-only policies.
+
+    The one place a prompt scorer's `reads` are supplied: each layer's pass as a `LayerPass`, its values where the
+    policy reads them, the layer's rotary embedding from `arch` (the model's; a policy that reads it refuses to run
+    without).
 
     Policies whose scores are made from accumulated attention (H2O, A2SF, Collie) take it from the
     prefill attention itself, added to the `prior` sums of a stored prefix's queries when the pass
@@ -155,11 +164,23 @@ def score_observers(
 
         return [AccumulatedScores(alpha, receive, policy.accumulated_scores)]
 
-    def score(layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
-        scores = policy.prompt_scores(query[0], key[0], _scaling(query))
+    if "rotary" in policy.reads and arch is None:
+        raise KvsieveError(
+            f"{policy.name} reads the layers' rotary embedding, which this stage was not given; run it through "
+            "kvsieve.prefill / kvsieve.run (they pass the model)."
+        )
+
+    def score(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        seen = LayerPass(
+            query[0],
+            key[0],
+            value[0] if "values" in policy.reads else None,
+            arch.rotary(layer) if arch is not None and "rotary" in policy.reads else None,
+        )
+        scores = policy.prompt_scores(seen)
         into[layer] = torch.zeros_like(scores) if blind else scores
 
-    return [score]
+    return [PassReader(score)]
 
 
 @component("compress", "compress")
@@ -200,10 +221,13 @@ class CompressRun:
     pruned: dict[int, torch.Tensor] = field(default_factory=dict)  # layers pruned during the prefill
     held: int = 0  # the budget as a count of entries, set by `hold` (0: the configured budget)
 
-    def observers(self, prior: PrefixSums | None = None, blind: bool = False) -> list[Observer]:
+    def observers(
+        self, prior: PrefixSums | None = None, blind: bool = False, arch: Architecture | None = None
+    ) -> list[Observer | PassReader]:
         """Score observers for the feed's last pass (a prompt, or a chunked feed's last chunk), continuing
-        the `prior` sums of a stored prefix; none for a run that `hold`s, which prunes nothing."""
-        return [] if self.held else score_observers(self.config.policy, self.scores, prior, blind)
+        the `prior` sums of a stored prefix; none for a run that `hold`s, which prunes nothing. `arch`: the model's,
+        for a policy that reads its rotary embedding (`score_observers`)."""
+        return [] if self.held else score_observers(self.config.policy, self.scores, prior, blind, arch)
 
     def resolve_budget(self, tokens: int) -> None:
         """Take a fractional budget of `tokens` prompt tokens rather than of the entries the cache holds
@@ -323,10 +347,12 @@ class EvictRun(InPlaceEviction):
     reencoding: Reencoding | None = None  # StreamingLLM's positions by place in the cache, else None
     layers: list[int] = field(default_factory=list)  # the layers it evicts: all but a hybrid model's windowed ones
 
-    def observers(self, prior: PrefixSums | None = None, blind: bool = False) -> list[Observer]:
+    def observers(
+        self, prior: PrefixSums | None = None, blind: bool = False, arch: Architecture | None = None
+    ) -> list[Observer | PassReader]:
         """Observers for the feed's last pass: they start the running scores from the prompt (or last chunk),
-        continuing the `prior` sums of a stored prefix; `blind` (`score_observers`): from those sums alone."""
-        return score_observers(self.config.policy, self.scores, prior, blind)
+        continuing the `prior` sums of a stored prefix; `blind` and `arch` as in `score_observers`."""
+        return score_observers(self.config.policy, self.scores, prior, blind, arch)
 
     def hold(self, entries: int) -> None:
         """The budget is the `entries` the cache will hold after this pass: new tokens appended to a context

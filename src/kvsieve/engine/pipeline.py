@@ -304,7 +304,8 @@ def _feed_one_pass(
         for run in runs:
             run.hold(context_entries + ids.shape[1] - start_at)
     # After a context compressed without the question, the question's pass scores nothing (`score_observers`).
-    observers = [observer for run in runs for observer in run.observers(sums, blind=compressed)]
+    arch = architecture(model)
+    observers = [observer for run in runs for observer in run.observers(sums, blind=compressed, arch=arch)]
     finishers = [runs[0].finisher(cache)] if runs and not compressed else []
     with attention_hooks(last_pass=observers, finishers=finishers):
         prefilled = feed.prefill(model, ids[:, start_at:], cache=cache, position=position, every_logit=prompt_logits)
@@ -322,7 +323,8 @@ def _feed_chunked(
     """A chunked feed of `ids`; the prompt's `question` last tokens (kept by a select stage) can guide its pruning,
     and the compress and evict stages observe its last pass."""
     start = time.perf_counter()
-    with attention_hooks(last_pass=[observer for run in runs for observer in run.observers()]):
+    arch = architecture(model)
+    with attention_hooks(last_pass=[observer for run in runs for observer in run.observers(arch=arch)]):
         prefilled = feed.prefill(model, ids, question=question)
     details = {"tokens": ids.shape[1], **prefilled.details}
     return prefilled, StageRecord("feed", feed.name, time.perf_counter() - start, details)
@@ -389,7 +391,8 @@ def prefix_states(
     runs = [squeeze.begin() if squeeze is not None else None for squeeze in squeezes]
     sums: dict[float, dict[int, torch.Tensor]] = {}
     observers = sum_recorders(alphas, sums, prior)
-    observers += [observer for run in runs if run is not None for observer in run.observers(prior)]
+    arch = architecture(model)
+    observers += [observer for run in runs if run is not None for observer in run.observers(prior, arch=arch)]
     with attention_hooks(observers=observers, intermediate=True):
         FullPrefill().prefill(model, ids, cache=cache, position=position)
     length = position + ids.shape[1]

@@ -35,7 +35,7 @@ def prefill_with_reuse(
 
     boundary: tokens of reusable context at the start of the prompt (a chat's earlier messages), where the
         prefix state is stored; use_cache: look up and store prefix states (off: the whole prompt runs)."""
-    tail = reuse_tail(spec)
+    tail = reuse_tail(spec, cache.budget if cache is not None else None)
     status, hit, keep, squeeze, key = "off", None, 0, None, None
     wants_prompt = sampling.prompt_logprobs is not None  # a reused prefix computed no logits
     ids = prompt.ids[0].tolist()

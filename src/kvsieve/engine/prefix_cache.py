@@ -41,16 +41,19 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
-def reuse_tail(spec: MethodSpec) -> int | None:
+def reuse_tail(spec: MethodSpec, budget: int | float | None = None) -> int | None:
     """The fewest new tokens a request must run on top of a stored prefix for `spec` to give exactly
-    what a run of the whole prompt gives; None when the method cannot start from one.
+    what a run of the whole prompt gives; None when the method cannot start from one. `budget`: the
+    reuse budget the prefix is stored at (`reuse_compress`).
 
     A select stage (GemFilter) continues its selection pass up to the filter layer, which does not
     depend on the question, and needs its voting queries among the new tokens; its feed and later
     stages then run on the kept tokens afresh. A prefill kernel (CritiPrefill) and a chunked feed
     plan their segments and chunks from the whole length: they do not continue a prefix. After a
     one-pass feed, compression and eviction need their policies' scored queries among the new
-    tokens (SnapKV: its window); accumulating ones continue the stored sums.
+    tokens (SnapKV: its window); accumulating ones continue the stored sums. A prefix stored compressed
+    (question-agnostic) is continued by a pass that scores nothing (`score_observers`' blind), so any
+    policy continues it from one new token.
     """
     if spec.attention is not None:
         return None
@@ -59,6 +62,8 @@ def reuse_tail(spec: MethodSpec) -> int | None:
     if not spec.one_pass:
         return None
     tail = 1  # the last prompt token's logits give the first answer token
+    if reuse_compress(spec, budget) is not None:
+        return tail
     for stage in (spec.compress, spec.evict):
         if stage is not None:
             queries = stage.policy.scored_queries
@@ -97,10 +102,11 @@ def prefix_key(spec: MethodSpec, budget: int | float | None = None) -> str:
     return key if squeeze is None else f"{key}+{squeeze.policy!r}@{budget!r}"
 
 
-def fillable(spec: MethodSpec) -> bool:
-    """Whether a pass of a context alone can make the prefix state `spec` stores (`fill`): a method that continues a
-    stored prefix from its one-pass feed (a select stage stores its own pass up to the filter layer)."""
-    return reuse_tail(spec) is not None and spec.select is None
+def fillable(spec: MethodSpec, budget: int | float | None = None) -> bool:
+    """Whether a pass of a context alone can make the prefix state `spec` stores at reuse budget `budget` (`fill`): a
+    method that continues a stored prefix from its one-pass feed (a select stage stores its own pass up to the filter
+    layer)."""
+    return reuse_tail(spec, budget) is not None and spec.select is None
 
 
 def fill_prefix_caches(model: PreTrainedModel, ids: list[int], entries: list[tuple[PrefixCache, MethodSpec]]) -> int:
@@ -115,7 +121,7 @@ def fill_prefix_caches(model: PreTrainedModel, ids: list[int], entries: list[tup
     groups: dict[str, list[tuple[PrefixCache, MethodSpec]]] = {}
     stored = set()  # (cache, key): methods whose states are the same (full attention and SnapKV's exact one) store once
     for cache, spec in entries:
-        if not fillable(spec):
+        if not fillable(spec, cache.budget):
             raise KvsieveError(f"Method '{spec.name}' does not store prefix states a pass of the context can fill.")
         if (id(cache), prefix_key(spec, cache.budget)) not in stored:
             stored.add((id(cache), prefix_key(spec, cache.budget)))

@@ -414,7 +414,7 @@ def _answer_case(
         for mode, reuse in todo
     }
     jobs = [(caches[group], c, spec_at(specs[c.method], c.budget, length)) for group, cs in todo.items() for c in cs]
-    if share_prefill and (entries := [(cache, spec) for cache, _, spec in jobs if fillable(spec)]):
+    if share_prefill and (entries := [(cache, spec) for cache, _, spec in jobs if fillable(spec, cache.budget)]):
         fill_prefix_caches(model, case.prompt.ids[0, : case.boundary].tolist(), entries)
     # Every configuration decodes in one batch, each request with its group's prefix cache: one step feeds all of
     # them (groups decoding one after another would step as many times more, each reading every weight).

@@ -337,7 +337,7 @@ class ChunkedRun:
         self.logits, self.next_position, self.max_position = None, self.length, 0
         guided = feed.question_guided and not feed.pruner.position_only and 0 < question < self.length
         self.asked = ids[:, self.length - question :] if guided else None
-        self.observers = score_observers(feed.pruner, self.scores)
+        self.observers = score_observers(feed.pruner, self.scores, arch=self.arch)
 
     def run(self) -> FeedOutput:
         with torch.no_grad():

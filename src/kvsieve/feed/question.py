@@ -7,10 +7,12 @@ the question's queries, and drop its entries again.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers import Cache, PreTrainedModel
 
-from kvsieve.attention import Observer, attention_hooks
+from kvsieve.attention import Observer, PassReader, attention_hooks
 from kvsieve.kv.cache import is_windowed
 from kvsieve.models import with_cache
 
@@ -20,7 +22,7 @@ def ask_question(
     cache: Cache,
     question: torch.Tensor,
     position: int,
-    observers: list[Observer],
+    observers: Sequence[Observer | PassReader],
     scores: dict[int, torch.Tensor],
 ) -> None:
     """Run the question after the chunk (at `position` onwards), let the pruner's `observers` score the keys

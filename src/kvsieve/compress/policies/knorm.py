@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import torch
 
-from kvsieve.compress.policy import PromptScorer
+from kvsieve.compress.policy import LayerPass, PromptScorer, Reading
 from kvsieve.spec import component
 
 
@@ -27,5 +27,7 @@ class KNorm(PromptScorer):
     def scored_queries(self) -> int:
         return 0  # none: keys only
 
-    def prompt_scores(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
-        return -key.float().norm(dim=-1)
+    reads: ClassVar[frozenset[Reading]] = frozenset({"keys"})
+
+    def prompt_scores(self, seen: LayerPass) -> torch.Tensor:
+        return -seen.key.float().norm(dim=-1)

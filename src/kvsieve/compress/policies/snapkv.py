@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 
-from kvsieve.compress.policy import PromptScorer
+from kvsieve.compress.policy import LayerPass, PromptScorer
 from kvsieve.compress.scorers import check_pool_size, window_attention
 from kvsieve.errors import KvsieveError
 from kvsieve.spec import component, option
@@ -33,8 +33,8 @@ class SnapKV(PromptScorer):
     def scored_queries(self) -> int:
         return self.window  # the observation window
 
-    def prompt_scores(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
-        return window_attention(query, key, scaling, self.window, self.pool_size, self.pool)
+    def prompt_scores(self, seen: LayerPass) -> torch.Tensor:
+        return window_attention(seen.query, seen.key, seen.scaling, self.window, self.pool_size, self.pool)
 
     def protected(self, budget: int) -> tuple[int, int]:
         if self.window > budget:

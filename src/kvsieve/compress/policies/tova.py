@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import torch
 
-from kvsieve.compress.policy import PromptScorer
+from kvsieve.compress.policy import LayerPass, PromptScorer
 from kvsieve.compress.scorers import attention_probs
 from kvsieve.spec import component
 
@@ -33,8 +33,9 @@ class TOVA(PromptScorer):
     def step_reads_attention(self) -> bool:
         return True
 
-    def prompt_scores(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
-        return self.row_scores(None, attention_probs(query[:, -1:], key, scaling)[:, 0], key.shape[0])
+    def prompt_scores(self, seen: LayerPass) -> torch.Tensor:
+        row = attention_probs(seen.query[:, -1:], seen.key, seen.scaling)[:, 0]
+        return self.row_scores(None, row, seen.key.shape[0])
 
     def row_scores(self, previous: torch.Tensor | None, row: torch.Tensor, kv_heads: int) -> torch.Tensor:
         """The last query's attention (h, n), averaged over the heads, for every KV head (`previous` unused)."""
