@@ -122,3 +122,32 @@ def test_the_report_opens_with_the_leaderboard(tmp_path):
         records.save(tmp_path / "other.json", other)
         with pytest.raises(KvsieveError, match=f"answered different cases \\({field} differs: ruler.json: "):
             write_report(tmp_path / "docs" / "R.md", ruler_files=[tmp_path / "ruler.json", tmp_path / "other.json"])
+
+
+def test_a_later_sweeps_full_attention_is_the_boards_control_row(tmp_path):
+    """Full attention answered again by a second sweep on the same cases is kept as `full-again` (not dropped as a
+    repeat): its difference from full attention is the board's noise floor, and it gets no verdict sentence."""
+    from kvsieve import registry
+    from kvsieve.eval import records
+    from kvsieve.eval.report import write_report
+
+    def document(rows, methods):
+        specs = {name: spec.to_dict() for name, spec in registry.methods(methods).items()}
+        settings = {"methods": specs, "budgets": [0.25], "samples": 16, "seed": 42, "model": None,
+                    "dtype": "bfloat16", "device": "cpu"}  # fmt: skip
+        return {"kind": "ruler", "schema": 1, "command": "kvsieve ruler ...", "commands": ["kvsieve ruler ..."],
+                "machine": records.machine(), "settings": settings, "rows": rows}  # fmt: skip
+
+    scores = {"niah_single_1": [100] * 16, "qa_1": [100, 0] * 8}
+    first = rows_of("full", None, "question", scores) + rows_of("snapkv", 0.25, "question", scores, kept=25)
+    again = {"niah_single_1": [100] * 16, "qa_1": [0, 0] + [100, 0] * 7}  # one answer moved
+    second = rows_of("full", None, "question", again) + rows_of("tova", 0.25, "question", scores, kept=25)
+    records.save(tmp_path / "sweep.json", document(first, "full,snapkv"))
+    records.save(tmp_path / "new.json", document(second, "full,tova"))
+    text = write_report(tmp_path / "docs" / "R.md", ruler_files=[tmp_path / "sweep.json", tmp_path / "new.json"])
+    text = text.read_text()
+    assert "| full | - | question | 75.0 |" in text  # the first sweep's full attention stays the reference
+    assert "| full-again | - | question | 71.9 | -3.1 [" in text  # (100 + 43.75) / 2
+    assert "`full-again` is a control" in text and "(-3.1 points)" in text
+    assert "| tova | 0.25 | question | 75.0 |" in text
+    assert "**full-again**" not in text

@@ -167,8 +167,7 @@ register(
 register(
     MethodSpec(
         "expected-attention",
-        "Expected Attention: the attention future queries are expected to pay, times ||v||; no question needed "
-        "[paper]",
+        "Expected Attention: the attention future queries are expected to pay, times ||v||; no question needed [paper]",
         compress=Compress(ExpectedAttention()),
     )
 )

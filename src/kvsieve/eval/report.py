@@ -20,7 +20,7 @@ from kvsieve.eval import niah, records
 from kvsieve.eval import report_leaderboard as board_sections
 from kvsieve.eval import report_sections as sections
 from kvsieve.eval.bench import plot_scaling
-from kvsieve.eval.leaderboard import KEEP_AT
+from kvsieve.eval.leaderboard import CONTROL, KEEP_AT
 from kvsieve.eval.report_results import GLANCE_BUDGET, Results
 from kvsieve.eval.report_sections import machine_line, measured_on, spread
 from kvsieve.eval.ruler import TASKS
@@ -50,7 +50,7 @@ def ruler_sections(report: Results, root: Path) -> list[str]:
             f"TTFT speedup: the median of ratios to full attention from the bench at {length} tokens, each preset "
             "at its registered budget (not the row's), where the bench ran it."
         )
-        methods = list(dict.fromkeys(e.method for e in board.entries if e.method != "full"))
+        methods = list(dict.fromkeys(e.method for e in board.entries if e.method not in ("full", CONTROL)))
         seeds_first = [m for m in board_sections.SEEDS if m in methods]
         seeds_first += [m for m in methods if m not in board_sections.SEEDS]
         lines += [

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvsieve import figures
-from kvsieve.eval.leaderboard import FULL, Board, Entry
+from kvsieve.eval.leaderboard import CONTROL, FULL, Board, Entry
 
 SEEDS = ("gemfilter", "critiprefill", "imdc", "a2sf")  # the four papers' presets
 # Fewer cases a task than this and the bootstrap intervals do not hold (5 cases whose answers all agree give a
@@ -65,6 +65,7 @@ def leaderboard_section(
         "is a share of the prompt; the agnostic mode keeps the question's entries on top of the compressed "
         f"context). {speedup_label}",
         *few_cases_note(board),
+        *control_note(board),
         "",
         f"![RULER average against the KV share kept]({figure.relative_to(root).as_posix()})",
         "",
@@ -100,6 +101,19 @@ def few_cases_note(board: Board) -> list[str]:
         f"**No verdicts on this board**: {fewest} cases a task, fewer than {VERDICT_CASES}. With so few, the bootstrap "
         "intervals do not hold (cases whose answers all agree give a zero-width interval): `vs full` is the point "
         "difference only. Run more cases a task for verdicts.",
+    ]
+
+
+def control_note(board: Board) -> list[str]:
+    """What the control row (`CONTROL`) says, where the board has one (empty otherwise)."""
+    control = next((e for e in board.entries if e.method == CONTROL), None)
+    if control is None:
+        return []
+    return [
+        "",
+        f"`{CONTROL}` is a control: full attention answered again, by a later sweep, on the same cases. Its difference "
+        f"from `full` ({control.difference:+.1f} points) is how far full attention moves from itself: greedy bfloat16 "
+        "answers change with what a decoding batch holds. A row's difference no larger than that is not the method's.",
     ]
 
 

@@ -28,19 +28,35 @@ def _length(row: dict[str, Any]) -> int | None:
 def merge(documents: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     """One document from several result files of one kind: each method's rows at each length (and its spec) come
     from the first file that has the method at that length, so a later run can add methods, or lengths, next to an
-    earlier one."""
+    earlier one. A later RULER file's full attention at a length already given becomes the control row
+    (`leaderboard.CONTROL`, the first such file's)."""
     if not documents:
         return None
     first = documents[0]
     merged = {**first, "settings": {**first["settings"], "methods": {}}, "rows": []}
     seen: set[tuple[str, int | None]] = set()
     for doc in documents:
+        if doc is not first and doc.get("kind") == "ruler":
+            doc = _as_control(doc, seen)
         new = {(r["method"], _length(r)) for r in doc["rows"]} - seen
         seen |= new
         for method in dict.fromkeys(m for m, _ in new):
             merged["settings"]["methods"].setdefault(method, doc["settings"]["methods"][method])
         merged["rows"] += [r for r in doc["rows"] if (r["method"], _length(r)) in new]
     return merged
+
+
+def _as_control(doc: dict[str, Any], seen: set[tuple[str, int | None]]) -> dict[str, Any]:
+    """`doc` with its full attention rows at the lengths `seen` already holds renamed to the control
+    (`leaderboard.CONTROL`)."""
+    full = leaderboard.FULL[0]
+    again = {_length(r) for r in doc["rows"] if r["method"] == full and (full, _length(r)) in seen}
+    if not again:
+        return doc
+    control = leaderboard.CONTROL
+    rows = [{**r, "method": control} if r["method"] == full and _length(r) in again else r for r in doc["rows"]]
+    methods = {**doc["settings"]["methods"], control: doc["settings"]["methods"][full]}
+    return {**doc, "rows": rows, "settings": {**doc["settings"], "methods": methods}}
 
 
 def _bench_summary(documents: Sequence[dict[str, Any]], baseline: str) -> list[dict]:
