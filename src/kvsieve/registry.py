@@ -22,6 +22,7 @@ from kvsieve.compress.policies.collie import Collie  # noqa: F401  (registers th
 from kvsieve.compress.policies.expected_attention import ExpectedAttention
 from kvsieve.compress.policies.h2o import H2O
 from kvsieve.compress.policies.knorm import KNorm
+from kvsieve.compress.policies.kvzip import KVzip
 from kvsieve.compress.policies.local import LocalWindow
 from kvsieve.compress.policies.pyramidkv import PyramidKV
 from kvsieve.compress.policies.snapkv import SnapKV
@@ -169,6 +170,13 @@ register(
         "expected-attention",
         "Expected Attention: the attention future queries are expected to pay, times ||v||; no question needed [paper]",
         compress=Compress(ExpectedAttention()),
+    )
+)
+register(
+    MethodSpec(
+        "kvzip",
+        "KVzip: what the model attends to while repeating the context, a second pass; no question needed [paper]",
+        compress=Compress(KVzip()),
     )
 )
 register(MethodSpec("h2o", "H2O: heavy hitters + recent half, evicting every step [paper]", evict=Evict(H2O())))

@@ -24,6 +24,7 @@ To add a policy: one module in `compress/policies/` with a subclass of one kind,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -33,7 +34,7 @@ from kvsieve.compress.scorers import accumulated_attention, attention_probs, per
 from kvsieve.errors import KvsieveError
 from kvsieve.models import Rotary
 
-Reading = Literal["queries", "keys", "values", "rotary"]
+Reading = Literal["queries", "keys", "values", "rotary", "second_pass"]
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,8 @@ class LayerPass:
 
     query (h, q, d) and key (kv_heads, n, d) post-RoPE, the queries the last q of the n key positions; value
     (kv_heads, n, d) where the policy `reads` values; `rotary` the layer's rotary embedding where it reads it
-    (`kvsieve.models.Rotary`: moving a query or key to other positions), else None. Scores use `scaling`.
+    (`kvsieve.models.Rotary`: moving a query or key to other positions), else None. Scores use `scaling`. A policy
+    that reads "second_pass" (KVzip) scores the passes its `second_pass` names rather than the prompt's own.
     """
 
     query: torch.Tensor
@@ -98,6 +100,12 @@ class Policy:
             sums = self.accumulated_scores(seen.query, seen.key, seen.scaling)
             return self.from_sums(sums, seen.query.shape[1])
         return None
+
+    def second_pass(self, ids: torch.Tensor, encode: Callable[[str], list[int]]) -> list[torch.Tensor]:
+        """For a policy that reads "second_pass": the token ids (1, m) of each pass run on top of a cache holding
+        `ids` (1, n) and dropped again, whose `LayerPass`es it scores (`kvsieve.feed.reconstruction`); `encode` turns
+        text into the model's token ids."""
+        raise NotImplementedError(f"{self.name} reads no second pass.")
 
     @property
     def step_alpha(self) -> float | None:

@@ -226,8 +226,17 @@ class CompressRun:
     ) -> list[Observer | PassReader]:
         """Score observers for the feed's last pass (a prompt, or a chunked feed's last chunk), continuing
         the `prior` sums of a stored prefix; none for a run that `hold`s, which prunes nothing. `arch`: the model's,
-        for a policy that reads its rotary embedding (`score_observers`)."""
-        return [] if self.held else score_observers(self.config.policy, self.scores, prior, blind, arch)
+        for a policy that reads its rotary embedding (`score_observers`). A policy that reads a second pass scores none
+        of the prompt's own (`rereads`)."""
+        if self.held or "second_pass" in self.config.policy.reads:
+            return []
+        return score_observers(self.config.policy, self.scores, prior, blind, arch)
+
+    @property
+    def rereads(self) -> bool:
+        """Whether its scores come from the policy's second pass over the cache (`kvsieve.feed.reconstruction`), run
+        after the feed and before `compress`: a policy that reads one, on a run that prunes (not one that `hold`s)."""
+        return "second_pass" in self.config.policy.reads and not self.held
 
     def resolve_budget(self, tokens: int) -> None:
         """Take a fractional budget of `tokens` prompt tokens rather than of the entries the cache holds
@@ -246,7 +255,7 @@ class CompressRun:
         """Prune each layer of `cache` (a one-pass prefill's) right after that layer's attention."""
 
         def finish(layer: int) -> None:
-            if not is_windowed(cache.layers[layer]):
+            if not is_windowed(cache.layers[layer]) and not self.rereads:  # scores come after the whole pass
                 self.pruned[layer] = self._prune(cache, layer, self.scores)
 
         return finish

@@ -10,6 +10,7 @@ to every pass that prefills: the selector's scoring pass and the feed.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -28,7 +29,9 @@ from kvsieve.compress.stages import (
 from kvsieve.errors import KvsieveError
 from kvsieve.feed import Feed, FeedOutput, PromptState
 from kvsieve.feed.full import FullPrefill
+from kvsieve.feed.reconstruction import second_pass_scores
 from kvsieve.kv.cache import compose_kept, kv_entries, resolve_budget, wrap_cache
+from kvsieve.loading import tokenizer_of
 from kvsieve.models import architecture
 from kvsieve.prompt import Prompt
 from kvsieve.select import Selector
@@ -211,6 +214,9 @@ def prefill(
     kept = prefilled.kept_positions  # cache entries among the feed's last attended keys (None: all)
     if state.compress is not None:
         compress_start = time.perf_counter()
+        if state.compress.rereads:  # its second pass over the cache, which holds `ids` (a one-pass feed's)
+            policy = state.compress.config.policy
+            state.compress.scores = second_pass_scores(model, prefilled.cache, ids, policy, encoder(model))
         details = state.compress.compress(prefilled.cache, kept)
         kept = compose_kept(kept, state.compress.kept_positions)
         records.append(StageRecord("compress", spec.compress.name, time.perf_counter() - compress_start, details))
@@ -267,6 +273,11 @@ def _check_run(
         )
     if store_with is not None and (spec.select is not None or not keep):
         raise KvsieveError("store_with compresses the prefix state that `keep` stores after a one-pass feed.")
+    if spec.compress is not None and "second_pass" in spec.compress.policy.reads and not feed.one_pass:
+        raise KvsieveError(
+            f"{spec.compress.policy.name} scores a second pass over the prompt's whole cache; the {feed.name} feed "
+            "leaves a pruned one. Use it after the full feed."
+        )
     if start_at >= prompt.length or (keep and not start_at < keep < prompt.length):
         raise KvsieveError(f"A stored prefix ({start_at} / {keep} tokens) must leave prompt tokens to run.")
     check_positions(model, spec.stages(), prompt.length, reserve)
@@ -294,7 +305,7 @@ def _feed_one_pass(
     if keep:
         alphas = accumulating([run.config.policy for run in runs])
         part = ids[:, start_at:keep]
-        stored = prefix_states(model, part, cache, position, sums, alphas, [store_with])[0]
+        stored = prefix_states(model, part, cache, position, sums, alphas, [store_with], context=ids[:, :keep])[0]
         start_at, sums, position = keep, stored.sums, keep
         if stored.compressed:  # go on from the state later requests will start from
             cache = _snapshot(model, stored.cache)
@@ -362,6 +373,13 @@ def select_tokens(
     return selection.indices, StageRecord("select", select.name, time.perf_counter() - start, details), stored
 
 
+def encoder(model: PreTrainedModel) -> Callable[[str], list[int]]:
+    """Text to `model`'s token ids (no special tokens), with the tokenizer it was loaded with (`tokenizer_of`): a
+    policy's second pass writes its own prompt (KVzip's "repeat the previous context")."""
+    tokenizer = tokenizer_of(model)
+    return lambda text: list(tokenizer.encode(text, add_special_tokens=False))
+
+
 def _snapshot(model: PreTrainedModel, cache: DynamicCache) -> DynamicCache:
     """A cache sharing `cache`'s tensors as they are now (later passes replace them, never change them);
     layers it has not filled yet (those above a select stage's filter layer) stay empty."""
@@ -377,6 +395,7 @@ def prefix_states(
     prior: PrefixSums | None,
     alphas: list[float],
     squeezes: list[Compress | None],
+    context: torch.Tensor | None = None,
 ) -> list[PromptState]:
     """Run `ids` onto `cache` (at `position`) as a one-pass prefill of their own and return, per entry of `squeezes`,
     the prefix state they end in: the exact state for None, else that state compressed by the Compress.
@@ -384,9 +403,11 @@ def prefix_states(
     The sums of `alphas` (accumulating policies, continuing `prior`'s) are recorded; nothing is pruned in `cache`,
     so the exact state is what any later prompt that starts with these tokens would compute. A compressed state is
     cut to its budget by its policy's scores of this pass (the prefix's own queries: query-agnostic), its sums
-    gathered alike. One pass serves every squeeze: a sweep of reuse budgets and policies over one context prefills
-    it once (`engine.fill_prefix_caches`); the squeezes only observe, so each state is the one a pass for it alone
-    gives, as long as the accumulated sums (`alphas`), which choose the attention's path, are the same.
+    gathered alike; a squeeze whose policy reads a second pass (KVzip) runs it over `context`, every token the cache
+    holds (default: `ids`, from position 0). One pass serves every squeeze: a sweep of reuse budgets and policies over
+    one context prefills it once (`engine.fill_prefix_caches`); the squeezes only observe, so each state is the one a
+    pass for it alone gives, as long as the accumulated sums (`alphas`), which choose the attention's path, are the
+    same.
     """
     runs = [squeeze.begin() if squeeze is not None else None for squeeze in squeezes]
     sums: dict[float, dict[int, torch.Tensor]] = {}
@@ -402,6 +423,11 @@ def prefix_states(
         state = PromptState(_snapshot(model, cache), length, length, PrefixSums(length, kept_sums) if alphas else None)
         if run is not None:
             run.resolve_budget(length)
+            if run.rereads:
+                whole = context if context is not None else ids
+                if whole.shape[1] != length:
+                    raise KvsieveError("A second pass reads every token of the prefix: pass them all as context.")
+                run.scores = second_pass_scores(model, state.cache, whole, run.config.policy, encoder(model))
             run.compress(state.cache)
             for by_layer in kept_sums.values():  # the scored layers' sums (a hybrid model's sliding layers have none)
                 for layer in by_layer:

@@ -207,6 +207,12 @@ class ChunkedPrefill:
                 "budget of its own; prune the memory with another policy (snapkv, h2o, collie, ...), or use "
                 f"{self.pruner.name} in the compress stage."
             )
+        if "second_pass" in self.pruner.reads:
+            raise KvsieveError(
+                f"{self.pruner.name} scores a second pass over a whole cache, which a chunk's memory is not; prune "
+                "the memory with another policy (snapkv, h2o, collie, ...), or use "
+                f"{self.pruner.name} in the compress stage."
+            )
 
     @property
     def name(self) -> str:

@@ -1,0 +1,83 @@
+"""KVzip (Kim et al. 2025, "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", arXiv
+2505.23416): a cached entry is worth what the model needs of it to repeat the context, whatever is asked later.
+
+After the context's prefill the model reads a "repeat the previous context" prompt followed by the context again, in
+chunks of `chunk` tokens (2K in the paper), each chunk's pass on top of the context's cache and then dropped; an
+entry's score is the largest attention any repeating query pays it (over the chunk's queries and the KV head's query
+heads, the softmax over every key the query sees). A chunk after the first starts its prompt with the previous
+chunk's last `overlap` tokens (the paper's "starting with ..."). The first `sinks` positions are kept.
+
+The passes are the policy's second pass (`reads` "second_pass"): `kvsieve.feed.reconstruction` runs them and hands
+each layer's pass to `prompt_scores` like any other (the one supplier, `score_observers`); the prompt's own pass scores
+nothing. Their cost is about one more prefill of the context (`benchmarks/scorer_cost.py`).
+
+Selection here is per layer and KV head at the stage's budget, as for every kvsieve scorer: the paper selects
+globally across heads and layers, which needs a cache that holds a different count per head (not in kvsieve yet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvsieve.compress.policy import LayerPass, PromptScorer, Reading
+from kvsieve.compress.scorers import attention_probs
+from kvsieve.errors import KvsieveError
+from kvsieve.spec import component, option
+
+ROWS = 256  # repeating queries scored at a time (their attention is rows x keys per head)
+
+
+@component("kvzip", "policy")
+@dataclass(frozen=True)
+class KVzip(PromptScorer):
+    """The largest attention an entry receives while the model repeats the context (its second pass)."""
+
+    reads: ClassVar[frozenset[Reading]] = frozenset({"queries", "keys", "second_pass"})
+
+    chunk: int = option(2048, "context tokens repeated by one reconstruction pass (paper: 2048)")
+    overlap: int = option(8, "the previous chunk's last tokens that open the next chunk's prompt (paper: 8)")
+    sinks: int = option(4, "first positions always kept (paper: 4)")
+    first: str = option("\n\nRepeat the previous context exactly.", "the first chunk's prompt (paper's)")
+    later: str = option(
+        "\n\nRepeat the part of the previous context exactly, starting with", "a later chunk's prompt (paper's)"
+    )
+
+    def __post_init__(self) -> None:
+        for name, least in (("chunk", 1), ("overlap", 0), ("sinks", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise KvsieveError(f"KVzip's {name} must be a whole number >= {least}, got {value!r}.")
+
+    def protected(self, budget: int) -> tuple[int, int]:
+        return min(self.sinks, budget), 0
+
+    def prompt_scores(self, seen: LayerPass) -> torch.Tensor:
+        """(kv_heads, n): the largest attention each key receives from the pass's queries, over the KV head's
+        query heads (float32)."""
+        kv_heads, n = seen.key.shape[0], seen.key.shape[1]
+        heads, q = seen.query.shape[0], seen.query.shape[1]
+        best = torch.zeros(kv_heads, n, dtype=torch.float32, device=seen.key.device)
+        for start in range(0, q, ROWS):  # queries start .. stop of the last q see the keys up to n - q + stop
+            stop = min(start + ROWS, q)
+            visible = n - q + stop
+            probs = attention_probs(seen.query[:, start:stop], seen.key[:, :visible], seen.scaling)
+            rows = probs.view(kv_heads, heads // kv_heads * (stop - start), visible).amax(1)
+            best[:, :visible] = torch.maximum(best[:, :visible], rows)
+        return best
+
+    def second_pass(self, ids: torch.Tensor, encode: Callable[[str], list[int]]) -> list[torch.Tensor]:
+        """The passes that repeat the context `ids` (1, n): per chunk, its prompt then the chunk's ids, (1, m) each."""
+        passes = []
+        for start in range(0, ids.shape[1], self.chunk):
+            part = ids[:, start : start + self.chunk]
+            if start == 0:
+                opening = torch.tensor([encode(self.first)], dtype=ids.dtype, device=ids.device)
+            else:
+                prompt = torch.tensor([encode(self.later)], dtype=ids.dtype, device=ids.device)
+                opening = torch.cat([prompt, ids[:, max(0, start - self.overlap) : start]], dim=1)
+            passes.append(torch.cat([opening, part], dim=1))
+        return passes

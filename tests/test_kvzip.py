@@ -1,0 +1,114 @@
+"""KVzip: the reconstruction prompt and its chunks, the scores against attention computed by transformers' own eager
+attention, and the cache left as it was."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import VOCAB, FakeTokenizer, make_prompt, word_level_tokenizer
+from transformers import DynamicCache
+
+import kvsieve
+from kvsieve import Sampling, run
+from kvsieve.compress.policies.kvzip import KVzip
+from kvsieve.compress.scorers import keep_indices
+from kvsieve.compress.stages import Compress
+from kvsieve.engine.prefix_cache import PrefixCache
+from kvsieve.errors import KvsieveError
+from kvsieve.feed.chunked import ChunkedPrefill
+from kvsieve.feed.reconstruction import second_pass_scores
+from kvsieve.loading import _TOKENIZERS
+from kvsieve.models import architecture, with_cache
+
+
+def fake_encode(text: str) -> list[int]:
+    """A stand-in tokenizer: one id per word, from the word's length (ids 3 .. 12)."""
+    return [3 + len(word) % 10 for word in text.split()]
+
+
+def test_the_reconstruction_repeats_the_context_in_chunks_each_after_its_prompt():
+    policy = KVzip(chunk=10, overlap=3)
+    ids = torch.arange(100, 125)[None]  # 25 tokens: chunks of 10, 10 and 5
+    passes = policy.second_pass(ids, fake_encode)
+    first, later = fake_encode(policy.first), fake_encode(policy.later)
+    assert [p.shape[1] for p in passes] == [len(first) + 10, len(later) + 3 + 10, len(later) + 3 + 5]
+    assert passes[0][0].tolist() == first + list(range(100, 110))
+    assert passes[1][0].tolist() == later + [107, 108, 109] + list(range(110, 120))  # "starting with" the last 3
+    assert passes[2][0].tolist() == later + [117, 118, 119] + list(range(120, 125))
+    repeated = [p[0, -min(10, 25 - 10 * i) :].tolist() for i, p in enumerate(passes)]
+    assert sum(repeated, []) == ids[0].tolist()  # every token repeated once, in order
+
+
+def _eager_scores(model, ids: torch.Tensor, passes: list[torch.Tensor], layer: int) -> torch.Tensor:
+    """By transformers' eager attention: each pass appended to the context in one plain forward, the attention
+    weights its tokens pay the context's keys, maxed over those queries, the KV head's query heads and the passes."""
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    n, kv_heads = ids.shape[1], model.config.num_key_value_heads
+    best = torch.zeros(kv_heads, n)
+    for tokens in passes:
+        with torch.no_grad():
+            out = eager(torch.cat([ids, tokens], dim=1), output_attentions=True)
+        weights = out.attentions[layer][0, :, n:, :n]  # (h, m, n): the pass's queries over the context's keys
+        per_kv = weights.reshape(kv_heads, -1, n).amax(1)
+        best = torch.maximum(best, per_kv)
+    return best
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_kvzip_scores_are_the_largest_attention_the_repeating_queries_pay(make_model, arch):
+    model = make_model(arch)
+    ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(5))
+    policy = KVzip(chunk=12, overlap=4)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, **with_cache(model, cache), use_cache=True)
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    scores = second_pass_scores(model, cache, ids, policy, fake_encode)
+    for layer in architecture(model).global_layers:
+        expected = _eager_scores(model, ids, policy.second_pass(ids, fake_encode), layer)
+        torch.testing.assert_close(scores[layer], expected, rtol=1e-4, atol=1e-6)
+    for (keys, values), layer in zip(before, cache.layers, strict=True):  # the passes were dropped again
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+
+
+def test_kvzip_compresses_a_prompt_by_its_second_pass(make_model):
+    model = make_model("llama")
+    _TOKENIZERS[model] = word_level_tokenizer()
+    result = run(model, FakeTokenizer(), make_prompt(80), compress=Compress(KVzip(chunk=32), 24), sampling=Sampling(2))
+    scores = result.state.compress.scores
+    for layer, kept in enumerate(result.state.compress.kept_positions):
+        assert torch.equal(kept, keep_indices(scores[layer], 24, sinks=4))
+    record = next(s for s in result.stages if s.stage == "compress")
+    assert record.details["budget"] == 24 and not record.details["layer_by_layer"]  # pruned after its second pass
+
+
+def test_kvzip_is_refused_where_no_whole_cache_is_there_to_repeat():
+    with pytest.raises(KvsieveError, match="second pass"):
+        ChunkedPrefill(pruner=KVzip())
+
+
+@pytest.mark.parametrize("field,value", [("chunk", 0), ("overlap", -1), ("sinks", 1.5)])
+def test_kvzip_refuses_bad_settings(field, value):
+    with pytest.raises(KvsieveError, match=field):
+        KVzip(**{field: value})
+
+
+def test_a_context_kept_compressed_by_kvzip_serves_every_question(make_model):
+    """Question-agnostic reuse: the stored context is compressed by its own reconstruction, and each question
+    continues from its entries."""
+    model = make_model("llama")
+    _TOKENIZERS[model] = word_level_tokenizer()
+    first = make_prompt(80, tail_len=6)
+    ids = first.ids.clone()
+    ids[0, -6:] = torch.arange(10, 16)
+    cache = PrefixCache(model, 10**9, 24)
+    spec = kvsieve.method("kvzip", {"compress.budget": 40, "compress.policy.chunk": 32})
+    results = run(model, FakeTokenizer(), [first, replace(first, ids=ids)], method=spec, prefix_cache=cache,
+                  sampling=Sampling(2))  # fmt: skip
+    feeds = [r.stages[0].details for r in results]
+    assert [f["context_entries"] for f in feeds] == [24, 24]
+    assert feeds[1]["reused_tokens"] == first.context_start + first.context_len
