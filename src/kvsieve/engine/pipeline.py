@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from kvsieve.attention import ATTENTION_NAME, attention_hooks
+from kvsieve.compress.policy import Policy
 from kvsieve.compress.stages import (
     Compress,
     CompressRun,
@@ -418,6 +419,7 @@ def prefix_states(
         FullPrefill().prefill(model, ids, cache=cache, position=position)
     length = position + ids.shape[1]
     states = []
+    reread: dict[Policy, dict[int, torch.Tensor]] = {}  # a policy's second pass runs once, whatever the budgets
     for run in runs:
         kept_sums = {alpha: dict(by_layer) for alpha, by_layer in sums.items()}
         state = PromptState(_snapshot(model, cache), length, length, PrefixSums(length, kept_sums) if alphas else None)
@@ -427,7 +429,10 @@ def prefix_states(
                 whole = context if context is not None else ids
                 if whole.shape[1] != length:
                     raise KvsieveError("A second pass reads every token of the prefix: pass them all as context.")
-                run.scores = second_pass_scores(model, state.cache, whole, run.config.policy, encoder(model))
+                policy = run.config.policy
+                if policy not in reread:
+                    reread[policy] = second_pass_scores(model, state.cache, whole, policy, encoder(model))
+                run.scores = dict(reread[policy])
             run.compress(state.cache)
             for by_layer in kept_sums.values():  # the scored layers' sums (a hybrid model's sliding layers have none)
                 for layer in by_layer:
