@@ -135,3 +135,21 @@ def test_a_scorer_that_reads_the_rotary_embedding_is_refused_without_the_model()
 def test_expected_attention_refuses_bad_settings(field, value):
     with pytest.raises(KvsieveError, match=field):
         ExpectedAttention(**{field: value})
+
+
+@pytest.mark.parametrize("name", ["expected-attention", "kvzip", "snapkv"])
+def test_a_document_kept_compressed_holds_its_budgets_share_of_the_bytes(make_model, name):
+    """The prefix cache's bytes for a document stored at reuse budget 0.25, measured from its tensors: within 1.05 x
+    0.25 x the bytes of the same document stored whole."""
+    from conftest import word_level_tokenizer
+
+    from kvsieve.loading import _TOKENIZERS
+
+    model = make_model("llama")
+    _TOKENIZERS[model] = word_level_tokenizer()  # KVzip writes its repeat prompt with the model's tokenizer
+    prompt = make_prompt(200, tail_len=6)
+    whole, kept = PrefixCache(model, 10**9), PrefixCache(model, 10**9, 0.25)
+    run(model, FakeTokenizer(), prompt, method="full", prefix_cache=whole, sampling=Sampling(1))
+    run(model, FakeTokenizer(), prompt, method=name, prefix_cache=kept, sampling=Sampling(1))
+    assert len(whole) == len(kept) == 1
+    assert 0 < kept.bytes <= 1.05 * 0.25 * whole.bytes
