@@ -502,6 +502,13 @@ def test_a_reuse_budget_stores_the_context_compressed_and_every_request_continue
         assert [a.model_extra["kvsieve"]["cache"] for a in h2o] == ["miss", "hit"]
         assert h2o[0].choices[0].message.content == h2o[1].choices[0].message.content
         assert h2o[1].model_extra["kvsieve"]["context_entries"] == 30
+        # The question-agnostic scorers keep a document the same way; KVzip's second pass writes its repeat prompt
+        # with the tokenizer the server was given.
+        for name in ("expected-attention", "kvzip"):
+            asked = [ask(server, "hello " + DOC, q, name, {"compress.budget": 24}) for q in ("what is it", "remember")]
+            infos = [a.model_extra["kvsieve"] for a in asked]
+            assert [i["cache"] for i in infos] == ["miss", "hit"], name
+            assert all(i["context_entries"] == 30 and i["query_aware"] is False for i in infos), name
         exact = ask(server, DOC, "what is the pass key", "full", {})  # full attention has no scorer: kept whole
         assert exact.model_extra["kvsieve"]["query_aware"] is True
         assert exact.model_extra["kvsieve"]["reuse_budget"] == "whole"  # no scorer: full attention's state is whole

@@ -331,6 +331,13 @@ def load_model(
 _TOKENIZERS: weakref.WeakKeyDictionary[PreTrainedModel, PreTrainedTokenizerBase] = weakref.WeakKeyDictionary()
 
 
+def pair_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Remember `tokenizer` as `model`'s where it has none yet (`tokenizer_of`): the engine pairs them when it is given
+    both, so a stage that writes its own prompt (KVzip's repeat prompt) finds the user's tokenizer."""
+    if model not in _TOKENIZERS and callable(getattr(tokenizer, "encode", None)):
+        _TOKENIZERS[model] = tokenizer
+
+
 def tokenizer_of(model: PreTrainedModel) -> PreTrainedTokenizerBase:
     """The tokenizer `load_model` loaded with `model`, else the one transformers loads from the model's own name or
     folder (a model the user loaded); an error that says to pass one where neither is there."""

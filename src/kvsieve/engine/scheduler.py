@@ -29,6 +29,7 @@ from kvsieve.engine.prefix_cache import PrefixCache
 from kvsieve.engine.request import Request
 from kvsieve.errors import KvsieveError
 from kvsieve.kv.cache import kv_entries
+from kvsieve.loading import pair_tokenizer
 
 log = logging.getLogger("kvsieve.engine")
 
@@ -49,6 +50,7 @@ class Scheduler:
             raise KvsieveError(f"max_step_tokens must be at least 1 (or none: whole prefills), got {max_step_tokens}.")
         if max_batch < 1:
             raise KvsieveError(f"max_batch must be at least 1, got {max_batch}.")
+        pair_tokenizer(model, tokenizer)
         self.model, self.tokenizer = model, tokenizer
         self.max_step_tokens, self.max_batch = max_step_tokens, max_batch
         self.prefix_cache = prefix_cache

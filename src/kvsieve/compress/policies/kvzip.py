@@ -9,7 +9,7 @@ chunk's last `overlap` tokens (the paper's "starting with ..."). The first `sink
 
 The passes are the policy's second pass (`reads` "second_pass"): `kvsieve.feed.reconstruction` runs them and hands
 each layer's pass to `prompt_scores` like any other (the one supplier, `score_observers`); the prompt's own pass scores
-nothing. Their cost is about one more prefill of the context (`benchmarks/scorer_cost.py`).
+nothing. Their cost against a full prefill is measured by `kvsieve bench` (docs/PERFORMANCE.md).
 
 Selection here is per layer and KV head at the stage's budget, as for every kvsieve scorer: the paper selects
 globally across heads and layers, which needs a cache that holds a different count per head (not in kvsieve yet).
