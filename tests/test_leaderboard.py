@@ -151,3 +151,28 @@ def test_a_later_sweeps_full_attention_is_the_boards_control_row(tmp_path):
     assert "`full-again` is a control" in text and "(-3.1 points)" in text
     assert "| tova | 0.25 | question | 75.0 |" in text
     assert "**full-again**" not in text
+
+
+def test_a_rows_ttft_speedup_is_its_own_budgets_or_none(tmp_path):
+    """The TTFT column reads the bench only where the bench ran the row's budget: the committed bench ran snapkv at
+    1024 of 4096 tokens, so the 0.25 row gets its speedup and the 0.5 row a dash."""
+    from pathlib import Path
+
+    from kvsieve import registry
+    from kvsieve.eval import records
+    from kvsieve.eval.report import write_report
+
+    specs = {name: spec.to_dict() for name, spec in registry.methods("full,snapkv").items()}
+    settings = {"methods": specs, "budgets": [0.25, 0.5], "samples": 16, "seed": 42, "model": None,
+                "dtype": "bfloat16", "device": "cpu"}  # fmt: skip
+    scores = {"niah_single_1": [100] * 16}
+    rows = rows_of("full", None, "question", scores) + rows_of("snapkv", 0.25, "question", scores, kept=25)
+    rows += rows_of("snapkv", 0.5, "question", scores, kept=50)
+    document = {"kind": "ruler", "schema": 1, "command": "kvsieve ruler ...", "commands": ["kvsieve ruler ..."],
+                "machine": records.machine(), "settings": settings, "rows": rows}  # fmt: skip
+    records.save(tmp_path / "ruler.json", document)
+    bench = Path(__file__).parent.parent / "docs" / "results" / "ruler" / "bench_4k_bf16.json"
+    text = write_report(tmp_path / "docs" / "R.md", bench_files=[bench], ruler_files=[tmp_path / "ruler.json"])
+    board = text.read_text().split("| method | budget | mode | RULER average |")[1].split("\n\n")[0]
+    cells = {row.split("|")[2].strip(): row.split("|")[6].strip() for row in board.splitlines() if "| snapkv |" in row}
+    assert cells["0.25"].endswith("x") and cells["0.5"] == "-"

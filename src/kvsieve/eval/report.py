@@ -42,13 +42,18 @@ def ruler_sections(report: Results, root: Path) -> list[str]:
             continue
         figure = board_sections.plot_board(board, root / "figures" / f"ruler_{length}.png", title)
 
-        def speedup(method: str, length: int = length) -> float | None:
+        def speedup(method: str, budget: float | None, length: int = length) -> float | None:
             cost = report.cost(method, length) if report.bench_summary else None
-            return cost["speedup"][1] if cost and cost["speedup"] else None
+            if not cost or not cost["speedup"]:
+                return None
+            share = report.bench_share(method, length)
+            if budget is not None and (share is None or abs(share - budget) > 0.005):
+                return None  # the bench ran another budget: its speed is not this row's
+            return cost["speedup"][1]
 
         label = (
-            f"TTFT speedup: the median of ratios to full attention from the bench at {length} tokens, each preset "
-            "at its registered budget (not the row's), where the bench ran it."
+            f"TTFT speedup: the median of ratios to full attention from the bench at {length} tokens, on rows whose "
+            "budget the bench ran (`-` on the others: a budget's own speed, not another's)."
         )
         methods = list(dict.fromkeys(e.method for e in board.entries if e.method not in ("full", CONTROL)))
         seeds_first = [m for m in board_sections.SEEDS if m in methods]

@@ -41,12 +41,13 @@ def leaderboard_section(
     board: Board,
     figure: Path,
     root: Path,
-    speedup: Callable[[str], float | None],
+    speedup: Callable[[str, float | None], float | None],
     title: str,
     speedup_label: str,
     where: str,
 ) -> list[str]:
-    """The leaderboard table (with `speedup(method)`, the time-to-first-token speedup from a bench run) and its
+    """The leaderboard table (with `speedup(method, budget)`, the time-to-first-token speedup from a bench run of that
+    budget) and its
     figure, under its title and `where` (the line naming the machine and dtype)."""
     tasks = ", ".join(f"`{t}`" for t in board.tasks)
     counts = [sum(1 for case in board.cases if case[0] == task) for task in board.tasks]
@@ -73,7 +74,7 @@ def leaderboard_section(
         "|---|---|---|---|---|---|---|",
     ]
     for e in board.entries:
-        ratio = speedup(e.method)
+        ratio = speedup(e.method, e.budget)
         cells = [
             e.method,
             _budget(e.budget),

@@ -10,6 +10,7 @@ from kvsieve.errors import KvsieveError
 from kvsieve.eval import leaderboard
 from kvsieve.eval.bench import summarize
 from kvsieve.eval.methods import specs_from_settings
+from kvsieve.eval.ruler import BUDGET_FIELDS
 from kvsieve.registry import REGISTRY
 
 GLANCE_BUDGET = 0.25  # the RULER budget the glance table and the pareto figure read: the presets' 1024 entries at 4K
@@ -157,6 +158,21 @@ class Results:
 
     def cost(self, method: str, length: int) -> dict[str, Any] | None:
         return next((s for s in self.bench_summary if s["method"] == method and s["length"] == length), None)
+
+    def bench_share(self, method: str, length: int) -> float | None:
+        """The KV budget the bench ran `method` at, as a share of `length` tokens, from the first bench file that ran
+        it there (as `cost`); None where the method keeps every entry or was not benched."""
+        for doc in self.bench_docs:
+            if not any(r["method"] == method and _length(r) == length for r in doc["rows"]):
+                continue
+            spec = doc["settings"]["methods"].get(method, {})
+            for path in BUDGET_FIELDS:
+                stage, field = path.split(".")
+                value = (spec.get(stage) or {}).get(field)
+                if value is not None:
+                    return value / length if isinstance(value, int) else float(value)
+            return None
+        return None
 
     def decode_ratio(self, method: str, length: int) -> float | None:
         """Median decode tokens/s against the baseline's, paired within one run's repeats."""
