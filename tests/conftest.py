@@ -40,6 +40,7 @@ import kvsieve
 import kvsieve.data
 import kvsieve.models
 from kvsieve.kernels import native
+from kvsieve.loading import pair_tokenizer
 from kvsieve.prompt import Prompt
 
 
@@ -129,7 +130,9 @@ def build_model(arch: str, num_layers: int = 2, max_positions: int = 256, seed: 
     model = AutoModelForCausalLM.from_config(tiny_config(arch, num_layers, max_positions), dtype=torch.float32)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
-    return kvsieve.prepare(model.eval())
+    model = kvsieve.prepare(model.eval())
+    pair_tokenizer(model, FakeTokenizer())  # its tokenizer, as load_model's models have (KVzip writes a prompt)
+    return model
 
 
 class FakeTokenizer:
@@ -141,6 +144,10 @@ class FakeTokenizer:
 
     def __init__(self, eos_token_id: int | None = None):
         self.eos_token_id = eos_token_id
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """One id per word (3 + its length mod 10): enough for a prompt a stage writes itself (KVzip's)."""
+        return [3 + len(word) % 10 for word in text.split()]
 
     def decode(self, ids: Iterable[int] | torch.Tensor, skip_special_tokens: bool = True) -> str:
         if isinstance(ids, torch.Tensor):

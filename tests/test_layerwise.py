@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import make_prompt
 
-from kvsieve.attention import attention_hooks
+from kvsieve.attention import PassReader, attention_hooks
 from kvsieve.compress.policies.a2sf import A2SF
 from kvsieve.compress.policies.h2o import H2O
 from kvsieve.compress.policies.snapkv import SnapKV
@@ -90,8 +90,13 @@ def test_chunked_feed_stages_score_only_its_last_pass(make_model, monkeypatch):
         run = original(self)
         inner = run.observers()
 
-        def observers():
-            return [lambda layer, q, k: passes.append(q.shape[2]) or [o(layer, q, k) for o in inner]]
+        def observers(**kwargs):
+            def spy(layer, q, k, v):
+                passes.append(q.shape[2])
+                for observer in inner:  # the policy's own: a PassReader, handed the values too
+                    observer.receive(layer, q, k, v)
+
+            return [PassReader(spy)]
 
         run.observers = observers
         return run

@@ -377,7 +377,14 @@ def select_tokens(
 def encoder(model: PreTrainedModel) -> Callable[[str], list[int]]:
     """Text to `model`'s token ids (no special tokens), with the tokenizer it was loaded with (`tokenizer_of`): a
     policy's second pass writes its own prompt (KVzip's "repeat the previous context")."""
-    tokenizer = tokenizer_of(model)
+    try:
+        tokenizer = tokenizer_of(model)
+    except KvsieveError:
+        raise KvsieveError(
+            "This method's second pass writes its own prompt (KVzip's 'Repeat the previous context'), which needs the "
+            "model's tokenizer: load the model with kvsieve.load_model, or run it through kvsieve.run / generate / "
+            "the server, which are given one."
+        ) from None
     return lambda text: list(tokenizer.encode(text, add_special_tokens=False))
 
 
