@@ -153,3 +153,12 @@ def test_a_document_kept_compressed_holds_its_budgets_share_of_the_bytes(make_mo
     run(model, FakeTokenizer(), prompt, method=name, prefix_cache=kept, sampling=Sampling(1))
     assert len(whole) == len(kept) == 1
     assert 0 < kept.bytes <= 1.05 * 0.25 * whole.bytes
+
+
+def test_expected_attention_prunes_a_chunked_feeds_memory(make_model):
+    """As IMDC's pruner it scores each chunk's pass (and the question's, guided) with the layers' rotary embeddings."""
+    model = make_model("gemma3", num_layers=3)
+    spec = kvsieve.method("imdc", {"feed.pruner": "expected-attention", "feed.chunk": 32, "feed.memory": 40})
+    result = run(model, FakeTokenizer(), make_prompt(150), method=spec, sampling=Sampling(2))
+    feed = result.stages[0].details
+    assert feed["pruner"] == "expected-attention" and len(feed["chunk_sizes"]) > 1 and max(feed["memory_sizes"]) <= 40
