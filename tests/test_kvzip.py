@@ -112,3 +112,21 @@ def test_a_context_kept_compressed_by_kvzip_serves_every_question(make_model):
     feeds = [r.stages[0].details for r in results]
     assert [f["context_entries"] for f in feeds] == [24, 24]
     assert feeds[1]["reused_tokens"] == first.context_start + first.context_len
+
+
+def test_kvzip_across_layers_ranks_every_layers_entries_together(make_model):
+    """The paper's selection across layers: each layer keeps its share of the best entries of all layers, the
+    budget on average (within a head's rounding per layer), each layer its own best by its scores."""
+    model = make_model("llama", num_layers=4)
+    policy = KVzip(chunk=32, across_layers=True)
+    result = run(model, FakeTokenizer(), make_prompt(120), compress=Compress(policy, 30), sampling=Sampling(1))
+    scores, kept = result.state.compress.scores, result.state.compress.kept_positions
+    entries = [int(k.shape[-1]) for k in kept]
+    assert len(set(entries)) > 1 and abs(sum(entries) - 4 * 30) <= 4  # budgets differ, 30 a layer on average
+    record = next(s for s in result.stages if s.stage == "compress")
+    assert record.details["layer_entries"] == entries
+    pooled = torch.cat([scores[j][:, 4:].flatten() for j in range(4)])
+    threshold = pooled.topk((30 - 4) * 4 * 2).values[-1]
+    for j in range(4):  # the layer's share of the pooled best, per head, sinks on top
+        assert entries[j] == 4 + max(1, round(float((scores[j][:, 4:] >= threshold).sum()) / 2))
+        assert torch.equal(kept[j], keep_indices(scores[j], entries[j], sinks=4))

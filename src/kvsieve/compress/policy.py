@@ -90,8 +90,14 @@ class Policy:
 
     @property
     def budgets_per_layer(self) -> bool:
-        """Whether `layer_budget` gives the layers budgets of their own, which only the compress stage applies."""
+        """Whether `layer_budget` (or `allocate`) gives the layers budgets of their own, which only the compress stage
+        applies."""
         return type(self).layer_budget is not Policy.layer_budget
+
+    def allocate(self, scores: dict[int, torch.Tensor], budget: int, layers: list[int]) -> dict[int, int] | None:
+        """Budgets per layer chosen from every layer's `scores` at once (KVzip's selection across layers), `budget`
+        per layer on average over the budgeted `layers`; None (the default): `layer_budget`'s, layer by layer."""
+        return None
 
     def prompt_scores(self, seen: LayerPass) -> torch.Tensor | None:
         """(kv_heads, n) scores of the pass's n keys; None for position-only policies. Default: `from_sums` of A2SF

@@ -220,6 +220,7 @@ class CompressRun:
     total: int = 0  # entries per layer before pruning (0: not resolved yet)
     pruned: dict[int, torch.Tensor] = field(default_factory=dict)  # layers pruned during the prefill
     held: int = 0  # the budget as a count of entries, set by `hold` (0: the configured budget)
+    allocated: dict[int, int] = field(default_factory=dict)  # budgets the policy chose from all layers' scores
 
     def observers(
         self, prior: PrefixSums | None = None, blind: bool = False, arch: Architecture | None = None
@@ -269,6 +270,10 @@ class CompressRun:
         Afterwards `self.kept_positions` say which entries survived.
         """
         scores = _align(self.scores, kept_positions)
+        layers = budgeted_layers(cache)
+        if layers and not self.held and not self.pruned:  # budgets chosen from every layer's scores at once
+            self.total = self.total or cache.layers[layers[0]].keys.shape[2]
+            self.allocated = self.config.policy.allocate(scores, self._budget(), layers) or {}
         self.kept_positions = [
             self.pruned[layer] if layer in self.pruned else self._prune(cache, layer, scores)
             for layer in range(len(cache.layers))
@@ -280,13 +285,15 @@ class CompressRun:
         return {**details, **({"held": True} if self.held else {}), **({"note": note} if note else {})}
 
     def _prune(self, cache: Cache, layer: int, scores: dict[int, torch.Tensor]) -> torch.Tensor:
-        """Prune `layer` to its budget (the policy's `layer_budget`); the kept entries. A windowed layer, or one
-        within its budget, keeps all of its entries."""
+        """Prune `layer` to its budget (the policy's `allocate`d one, else its `layer_budget`); the kept entries. A
+        windowed layer, or one within its budget, keeps all of its entries."""
         keys = cache.layers[layer].keys
         self.total = self.total or keys.shape[2]
-        if is_windowed(cache.layers[layer]) or keys.shape[2] <= (
-            budget := self.config.policy.layer_budget(self._budget(), layer, budgeted_layers(cache))
-        ):
+        if layer in self.allocated:
+            budget = self.allocated[layer]
+        else:
+            budget = self.config.policy.layer_budget(self._budget(), layer, budgeted_layers(cache))
+        if is_windowed(cache.layers[layer]) or keys.shape[2] <= budget:
             return torch.arange(keys.shape[2], device=keys.device).expand(keys.shape[1], -1)
         sinks, recent = self.config.policy.protected(budget)
         indices = keep_indices(observed_scores(scores, layer, keys, self.config.policy), budget, sinks, recent)

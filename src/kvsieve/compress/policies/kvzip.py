@@ -11,8 +11,10 @@ The passes are the policy's second pass (`reads` "second_pass"): `kvsieve.feed.r
 each layer's pass to `prompt_scores` like any other (the one supplier, `score_observers`); the prompt's own pass scores
 nothing. Their cost against a full prefill is measured by `kvsieve bench` (docs/PERFORMANCE.md).
 
-Selection here is per layer and KV head at the stage's budget, as for every kvsieve scorer: the paper selects
-globally across heads and layers, which needs a cache that holds a different count per head (not in kvsieve yet).
+Selection is per layer and KV head at the stage's budget by default, as for every kvsieve scorer. The paper selects
+globally across heads and layers; `across_layers` ranks the layers' entries together and gives each layer its share
+(its heads' mean, since kvsieve's cache holds one length per layer and head: across heads needs per-head storage, not
+in kvsieve yet), in the compress stage only.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class KVzip(PromptScorer):
     chunk: int = option(2048, "context tokens repeated by one reconstruction pass (paper: 2048)")
     overlap: int = option(8, "the previous chunk's last tokens that open the next chunk's prompt (paper: 8)")
     sinks: int = option(4, "first positions always kept (paper: 4)")
+    across_layers: bool = option(False, "rank every layer's entries together, budgets per layer (paper: yes)")
     first: str = option("\n\nRepeat the previous context exactly.", "the first chunk's prompt (paper's)")
     later: str = option(
         "\n\nRepeat the part of the previous context exactly, starting with", "a later chunk's prompt (paper's)"
@@ -52,8 +55,30 @@ class KVzip(PromptScorer):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise KvsieveError(f"KVzip's {name} must be a whole number >= {least}, got {value!r}.")
 
+    @property
+    def budgets_per_layer(self) -> bool:
+        return self.across_layers
+
     def protected(self, budget: int) -> tuple[int, int]:
         return min(self.sinks, budget), 0
+
+    def allocate(self, scores: dict[int, torch.Tensor], budget: int, layers: list[int]) -> dict[int, int] | None:
+        """With `across_layers`, the paper's selection across layers: the budgeted layers' entries (sinks apart) are
+        ranked together, and a layer keeps, per KV head, its share of the best budget x layers x heads of them (the
+        mean over its heads, since a layer's cache holds one length per head), sinks included, at least 1 more."""
+        if not self.across_layers or not layers:
+            return None
+        ranked = [scores[j][:, self.sinks :].float() for j in layers]
+        heads = ranked[0].shape[0]
+        pooled = torch.cat([r.flatten() for r in ranked])
+        wanted = min(max(0, budget - self.sinks) * len(layers) * heads, pooled.numel())
+        if wanted == 0:
+            return dict.fromkeys(layers, budget)
+        threshold = pooled.topk(wanted).values[-1]
+        return {
+            j: self.sinks + max(1, round(float((r >= threshold).sum()) / heads))
+            for j, r in zip(layers, ranked, strict=True)
+        }
 
     def prompt_scores(self, seen: LayerPass) -> torch.Tensor:
         """(kv_heads, n): the largest attention each key receives from the pass's queries, over the KV head's
