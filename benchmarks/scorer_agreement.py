@@ -1,6 +1,7 @@
 """Whether a question-agnostic scorer ranks a context as its question will: the share of the top entries by the
 question's own attention that each scorer, reading the context alone, also puts in its top (per layer, averaged
-over KV heads), against KNorm, the newest entries and a random choice; then each method's answer at each budget.
+over KV heads), against KNorm, the newest entries and a random choice, and how much of each top lies in the context's
+newest entries; then each method's answer at each budget.
 
     python benchmarks/scorer_agreement.py --length 2000 --depth 0.5 --budgets 0.25,0.5
 
@@ -66,7 +67,13 @@ def main() -> None:
         }
         top = int(reference.shape[1] * args.share)
         agreement = {name: round(overlap(s, reference, top), 3) for name, s in scorers.items()}
-        print(json.dumps({"layer": layer, "top_share": args.share, "agreement": agreement}), flush=True)
+        last = reference.shape[1] - top  # where the context's last `share` starts
+        newest = {  # the share of each one's top entries that lie in the context's last `share`
+            name: round(float((s.topk(top, dim=1).indices >= last).float().mean()), 3)
+            for name, s in {"question": reference, "expected-attention": scorers["expected-attention"]}.items()
+        }
+        line = {"layer": layer, "top_share": args.share, "agreement": agreement, "top_in_newest": newest}
+        print(json.dumps(line), flush=True)
     for name in args.methods.split(","):
         for budget in (float(b) for b in args.budgets.split(",")):
             spec = method(name, {"compress.budget": budget})
