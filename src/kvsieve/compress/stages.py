@@ -289,11 +289,14 @@ class CompressRun:
         windowed layer, or one within its budget, keeps all of its entries."""
         keys = cache.layers[layer].keys
         self.total = self.total or keys.shape[2]
-        if layer in self.allocated:
+        windowed = is_windowed(cache.layers[layer])  # never budgeted (nor in `budgeted_layers`)
+        if windowed:
+            budget = keys.shape[2]
+        elif layer in self.allocated:
             budget = self.allocated[layer]
         else:
             budget = self.config.policy.layer_budget(self._budget(), layer, budgeted_layers(cache))
-        if is_windowed(cache.layers[layer]) or keys.shape[2] <= budget:
+        if windowed or keys.shape[2] <= budget:
             return torch.arange(keys.shape[2], device=keys.device).expand(keys.shape[1], -1)
         sinks, recent = self.config.policy.protected(budget)
         indices = keep_indices(observed_scores(scores, layer, keys, self.config.policy), budget, sinks, recent)
