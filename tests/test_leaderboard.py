@@ -18,6 +18,18 @@ def rows_of(method, budget, mode, scores: dict[str, list[float]], kept: int = 10
     ]  # fmt: skip
 
 
+def ruler_document(rows, methods: str, budgets: list[float], samples: int) -> dict:
+    """A `kvsieve ruler` result file holding `rows` of the presets `methods`, as the sweep records it."""
+    from kvsieve import registry
+    from kvsieve.eval import records
+
+    specs = {name: spec.to_dict() for name, spec in registry.methods(methods).items()}
+    settings = {"methods": specs, "budgets": budgets, "samples": samples, "seed": 42, "model": None,
+                "dtype": "bfloat16", "device": "cpu"}  # fmt: skip
+    return {"kind": "ruler", "schema": 1, "command": "kvsieve ruler ...", "commands": ["kvsieve ruler ..."],
+            "machine": records.machine(), "settings": settings, "rows": rows}  # fmt: skip
+
+
 def test_the_calibration_keeps_the_tasks_full_attention_can_do():
     rows = rows_of("full", None, "question", {"niah": [100, 100, 0], "vt": [0, 0, 40], "qa": [20, 20, 20]})
     calibration = leaderboard.calibration(rows)
@@ -69,16 +81,11 @@ def test_the_board_compares_every_configuration_on_full_attentions_cases():
 def test_the_report_opens_with_the_leaderboard(tmp_path):
     """`kvsieve report --ruler FILE --ruler-calibration FILE`: the leaderboard (with its figure, the paired
     intervals and which method when) comes before the commands; the calibration lists the dropped task and why."""
-    from kvsieve import registry
     from kvsieve.eval import records
     from kvsieve.eval.report import write_report
 
     def document(rows, methods):
-        specs = {name: spec.to_dict() for name, spec in registry.methods(methods).items()}
-        settings = {"methods": specs, "budgets": [0.1, 0.5], "samples": 6, "seed": 42, "model": None,
-                    "dtype": "bfloat16", "device": "cpu"}  # fmt: skip
-        return {"kind": "ruler", "schema": 1, "command": "kvsieve ruler ...", "commands": ["kvsieve ruler ..."],
-                "machine": records.machine(), "settings": settings, "rows": rows}  # fmt: skip
+        return ruler_document(rows, methods, [0.1, 0.5], 6)
 
     scores = {"niah_single_1": [100] * 18, "qa_1": [100, 0] * 9}  # 18 cases a task: enough for verdicts
     rows = rows_of("full", None, "question", scores)
@@ -127,16 +134,11 @@ def test_the_report_opens_with_the_leaderboard(tmp_path):
 def test_a_later_sweeps_full_attention_is_the_boards_control_row(tmp_path):
     """Full attention answered again by a second sweep on the same cases is kept as `full-again` (not dropped as a
     repeat): its difference from full attention is the board's noise floor, and it gets no verdict sentence."""
-    from kvsieve import registry
     from kvsieve.eval import records
     from kvsieve.eval.report import write_report
 
     def document(rows, methods):
-        specs = {name: spec.to_dict() for name, spec in registry.methods(methods).items()}
-        settings = {"methods": specs, "budgets": [0.25], "samples": 16, "seed": 42, "model": None,
-                    "dtype": "bfloat16", "device": "cpu"}  # fmt: skip
-        return {"kind": "ruler", "schema": 1, "command": "kvsieve ruler ...", "commands": ["kvsieve ruler ..."],
-                "machine": records.machine(), "settings": settings, "rows": rows}  # fmt: skip
+        return ruler_document(rows, methods, [0.25], 16)
 
     scores = {"niah_single_1": [100] * 16, "qa_1": [100, 0] * 8}
     first = rows_of("full", None, "question", scores) + rows_of("snapkv", 0.25, "question", scores, kept=25)
@@ -158,19 +160,13 @@ def test_a_rows_ttft_speedup_is_its_own_budgets_or_none(tmp_path):
     1024 of 4096 tokens, so the 0.25 row gets its speedup and the 0.5 row a dash."""
     from pathlib import Path
 
-    from kvsieve import registry
     from kvsieve.eval import records
     from kvsieve.eval.report import write_report
 
-    specs = {name: spec.to_dict() for name, spec in registry.methods("full,snapkv").items()}
-    settings = {"methods": specs, "budgets": [0.25, 0.5], "samples": 16, "seed": 42, "model": None,
-                "dtype": "bfloat16", "device": "cpu"}  # fmt: skip
     scores = {"niah_single_1": [100] * 16}
     rows = rows_of("full", None, "question", scores) + rows_of("snapkv", 0.25, "question", scores, kept=25)
     rows += rows_of("snapkv", 0.5, "question", scores, kept=50)
-    document = {"kind": "ruler", "schema": 1, "command": "kvsieve ruler ...", "commands": ["kvsieve ruler ..."],
-                "machine": records.machine(), "settings": settings, "rows": rows}  # fmt: skip
-    records.save(tmp_path / "ruler.json", document)
+    records.save(tmp_path / "ruler.json", ruler_document(rows, "full,snapkv", [0.25, 0.5], 16))
     bench = Path(__file__).parent.parent / "docs" / "results" / "ruler" / "bench_4k_bf16.json"
     text = write_report(tmp_path / "docs" / "R.md", bench_files=[bench], ruler_files=[tmp_path / "ruler.json"])
     board = text.read_text().split("| method | budget | mode | RULER average |")[1].split("\n\n")[0]
