@@ -141,12 +141,7 @@ def test_expected_attention_refuses_bad_settings(field, value):
 def test_a_document_kept_compressed_holds_its_budgets_share_of_the_bytes(make_model, name):
     """The prefix cache's bytes for a document stored at reuse budget 0.25, measured from its tensors: within 1.05 x
     0.25 x the bytes of the same document stored whole."""
-    from conftest import word_level_tokenizer
-
-    from kvsieve.loading import _TOKENIZERS
-
     model = make_model("llama")
-    _TOKENIZERS[model] = word_level_tokenizer()  # KVzip writes its repeat prompt with the model's tokenizer
     prompt = make_prompt(200, tail_len=6)
     whole, kept = PrefixCache(model, 10**9), PrefixCache(model, 10**9, 0.25)
     run(model, FakeTokenizer(), prompt, method="full", prefix_cache=whole, sampling=Sampling(1))

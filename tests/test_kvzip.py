@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import VOCAB, FakeTokenizer, make_prompt, word_level_tokenizer
+from conftest import VOCAB, FakeTokenizer, make_prompt
 from transformers import DynamicCache
 
 import kvsieve
@@ -20,13 +20,9 @@ from kvsieve.engine.prefix_cache import PrefixCache
 from kvsieve.errors import KvsieveError
 from kvsieve.feed.chunked import ChunkedPrefill
 from kvsieve.feed.reconstruction import second_pass_scores
-from kvsieve.loading import _TOKENIZERS
 from kvsieve.models import architecture, with_cache
 
-
-def fake_encode(text: str) -> list[int]:
-    """A stand-in tokenizer: one id per word, from the word's length (ids 3 .. 12)."""
-    return [3 + len(word) % 10 for word in text.split()]
+fake_encode = FakeTokenizer().encode  # the tiny models' tokenizer: one id per word
 
 
 def test_the_reconstruction_repeats_the_context_in_chunks_each_after_its_prompt():
@@ -77,7 +73,6 @@ def test_kvzip_scores_are_the_largest_attention_the_repeating_queries_pay(make_m
 
 def test_kvzip_compresses_a_prompt_by_its_second_pass(make_model):
     model = make_model("llama")
-    _TOKENIZERS[model] = word_level_tokenizer()
     result = run(model, FakeTokenizer(), make_prompt(80), compress=Compress(KVzip(chunk=32), 24), sampling=Sampling(2))
     scores = result.state.compress.scores
     for layer, kept in enumerate(result.state.compress.kept_positions):
@@ -101,7 +96,6 @@ def test_a_context_kept_compressed_by_kvzip_serves_every_question(make_model):
     """Question-agnostic reuse: the stored context is compressed by its own reconstruction, and each question
     continues from its entries."""
     model = make_model("llama")
-    _TOKENIZERS[model] = word_level_tokenizer()
     first = make_prompt(80, tail_len=6)
     ids = first.ids.clone()
     ids[0, -6:] = torch.arange(10, 16)
