@@ -17,16 +17,13 @@ import torch
 
 from kvsieve import Sampling, generate, load_model, method
 from kvsieve.data import passkey_case
+from kvsieve.spec import parse_settings
 
 
 def spec_of(text: str):
-    """`kvzip:across_layers=true` -> the kvzip preset with compress.policy.across_layers=true."""
+    """`kvzip:across_layers=true` -> the kvzip preset with compress.policy.across_layers=true (`--set`'s parser)."""
     name, *fields = text.split(":")
-    settings = {}
-    for item in fields:
-        path, _, value = item.partition("=")
-        settings[f"compress.policy.{path}"] = {"true": True, "false": False}.get(value, value)
-    return method(name, settings)
+    return method(name, parse_settings([f"compress.policy.{field}" for field in fields]))
 
 
 def main() -> None:

@@ -41,10 +41,9 @@ class ExpectedAttention(PromptScorer):
     value_norm: bool = option(True, "multiply by the value's norm (paper: yes)")
 
     def __post_init__(self) -> None:
-        for name in ("future", "sinks"):
+        for name, least in (("future", 1), ("sinks", 0)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "future" else 0):
-                least = 1 if name == "future" else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise KvsieveError(f"Expected Attention's {name} must be a whole number >= {least}, got {value!r}.")
 
     def protected(self, budget: int) -> tuple[int, int]:
