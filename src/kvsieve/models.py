@@ -9,6 +9,7 @@ import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import Cache, PreTrainedModel
@@ -176,14 +177,20 @@ def _layer_rotary(body: torch.nn.Module, config, layer: int) -> Rotary:
     return Rotary(module)
 
 
-def with_cache(module: torch.nn.Module, cache: Cache | None) -> dict[str, Cache | None]:
-    """The keyword that hands `cache` to `module`'s forward, as its transformers version names it.
+def with_cache(module: torch.nn.Module, cache: Cache | None) -> dict[str, Any]:
+    """The keywords that hand `cache` to `module`'s forward: the cache, as its transformers version names it, and
+    for a cache with per-head budgets its layers' segments (`key_segments`, `kvsieve.attention`).
 
     transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name warns and
     goes in 5.40); earlier 5.x releases know only `past_key_values`. Every call of a model with a
-    cache goes through here, so kvsieve never passes a deprecated argument.
+    cache goes through here, so kvsieve never passes a deprecated argument, and no forward over a segmented
+    cache misses its segments.
     """
-    return {_cache_keyword(type(module).forward): cache}
+    keywords: dict[str, Any] = {_cache_keyword(type(module).forward): cache}
+    layers = cache.layers if cache is not None else []
+    if any(hasattr(layer, "segments") for layer in layers):  # `kvsieve.kv.heads.SegmentedLayer`
+        keywords["key_segments"] = [layer if hasattr(layer, "segments") else None for layer in layers]
+    return keywords
 
 
 @functools.cache

@@ -179,6 +179,22 @@ register(
         compress=Compress(KVzip()),
     )
 )
+# AdaKV's per-head budgets over the tuned SnapKV's and Expected Attention's scores: a layer's heads share its budget,
+# each holding its own count in a segmented cache (`kvsieve.kv.heads`).
+register(
+    MethodSpec(
+        "adakv",
+        f"AdaKV: SnapKV's votes, the layer's budget shared among its KV heads (floor 0.2 each) [{TUNED}]",
+        compress=Compress(SnapKV(pool_size=63), head_budgets=True),
+    )
+)
+register(
+    MethodSpec(
+        "adakv-expected-attention",
+        "AdaKV's per-head budgets over Expected Attention's scores; no question needed [paper]",
+        compress=Compress(ExpectedAttention(), head_budgets=True),
+    )
+)
 register(MethodSpec("h2o", "H2O: heavy hitters + recent half, evicting every step [paper]", evict=Evict(H2O())))
 register(
     MethodSpec(

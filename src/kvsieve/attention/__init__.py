@@ -23,6 +23,11 @@ to the attention function: so a compiled decoding step (`engine.static_step`) ta
 The hooks themselves live in a context variable, which dynamo cannot trace (a graph break in every
 layer); a forward given `kvsieve_hooks=NO_HOOKS` reads none, which is what the compiled step passes.
 Anything else compiled by its caller still reads the context's hooks (through the graph break).
+
+Key segments mark a cache whose KV heads hold their own counts (per-head budgets, `kvsieve.kv.heads`): layer j's
+`key_segments[j]`, where not None, is the cache layer, whose `segments()` say where each head's entries lie in the
+flat keys and values the cache hands the attention (`kvsieve.kernels.attention.segment_attention`). Like the key
+lengths, an argument of the forward, which `kvsieve.models.with_cache` adds for such a cache.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 from transformers import AttentionInterface
@@ -39,7 +44,7 @@ from transformers import AttentionInterface
 from kvsieve.attention.accumulate import AccumulatedScores, AttentionRows, PassReader, accumulating_attention
 from kvsieve.attention.dense import bottom_right_causal_mask, dense_attention, local_attention, repeat_kv
 from kvsieve.errors import KvsieveError
-from kvsieve.kernels.attention import decode_attention, decode_attention_probs, grouped_attention
+from kvsieve.kernels.attention import decode_attention, decode_attention_probs, grouped_attention, segment_attention
 from kvsieve.spec import warn_renamed
 
 ATTENTION_NAME = "kvsieve"
@@ -50,6 +55,19 @@ Observer = Callable[[int, torch.Tensor, torch.Tensor], None]
 PrefillAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float | None], torch.Tensor]
 # finisher(layer_idx), called once the layer's attention output is computed
 Finisher = Callable[[int], None]
+
+
+class Segmented(Protocol):
+    """A cache layer whose KV heads hold their own counts (`kvsieve.kv.heads.SegmentedLayer`)."""
+
+    @property
+    def longest(self) -> int:
+        """The longest head's entries."""
+        ...
+
+    def segments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(starts, lengths), each (1, kv_heads): where each head's entries lie in the layer's flat buffers."""
+        ...
 
 
 class StopForward(Exception):
@@ -120,6 +138,7 @@ def kvsieve_attention(
     dropout: float = 0.0,
     key_lengths: Sequence[torch.Tensor] | None = None,
     kvsieve_hooks: Hooks | None = None,
+    key_segments: Sequence[Segmented | None] | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """AttentionInterface entry point: returns (b, q, h, d) like transformers' SDPA function.
@@ -137,7 +156,10 @@ def kvsieve_attention(
     layer = cast(int, module.layer_idx)  # transformers' attention modules carry their index as an int
     lengths = key_lengths[layer] if key_lengths is not None else None
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
-    if window is not None or softcap is not None:
+    segmented = key_segments[layer] if key_segments is not None else None
+    if segmented is not None:
+        out = _segmented(layer, hooks, query, key, value, scaling, segmented, softcap)
+    elif window is not None or softcap is not None:
         out = _windowed_or_capped(layer, hooks, query, key, value, scaling, lengths, window, softcap)
     else:
         out = _hooked(layer, hooks, query, key, value, scaling, lengths)
@@ -185,6 +207,29 @@ def _hooked(
     else:
         out = prefill(layer, query, key, value, scaling)
     return out
+
+
+def _segmented(
+    layer: int,
+    hooks: Hooks,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    segmented: Segmented,
+    softcap: float | None,
+) -> torch.Tensor:
+    """`kvsieve_attention` over a layer whose KV heads hold their own counts: key/value the layer's flat buffers (1, 1,
+    capacity, d), its `segments()` where each head's entries lie; Gemma 2's `softcap` on the logits. Nothing
+    observes such a layer: it is compressed already, and no stage scores it again."""
+    if hooks.active_observers() or (hooks.prefill is not None and query.shape[2] > 1):
+        raise KvsieveError(
+            f"Layer {layer} holds per-head budgets (compress.head_budgets): it is compressed for good, so no stage "
+            "observes it again and no prefill attention runs over it; use head budgets without an evict stage or a "
+            "prefill attention stage."
+        )
+    starts, lengths = segmented.segments()
+    return segment_attention(query, key[0, 0], value[0, 0], starts, lengths, scaling, segmented.longest, softcap)
 
 
 def _observe(

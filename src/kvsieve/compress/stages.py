@@ -45,6 +45,7 @@ from kvsieve.kv.cache import (
     prune_layer,
     resolve_budget,
 )
+from kvsieve.kv.heads import SegmentedLayer, head_counts, is_segmented
 from kvsieve.kv.in_place import InPlaceEviction
 from kvsieve.kv.reencoding import Reencoding
 from kvsieve.models import Architecture
@@ -190,10 +191,24 @@ class Compress:
 
     policy: Policy = option(help="the KV policy that scores the prompt's tokens", kind="policy", factory=SnapKV)
     budget: int | float = option(1024, BUDGET_HELP)
+    head_budgets: bool = option(
+        False,
+        "AdaKV: a layer's KV heads share its budget x heads as one top-k over all their scores, each head holding "
+        "its own count (a cache of per-head segments, so the memory follows the budget)",
+    )
+    head_floor: float = option(0.2, "with head_budgets, the share of the budget each head keeps at least (AdaKV's)")
 
     def __post_init__(self) -> None:
         _check_policy(self.policy)
         _check_budget(self.budget)
+        if not 0 <= self.head_floor <= 1:
+            raise KvsieveError(f"head_floor is a share of the budget in [0, 1], got {self.head_floor}.")
+        if self.head_budgets and (self.policy.position_only or self.policy.accumulates or self.policy.decodes):
+            raise KvsieveError(
+                "head_budgets shares a layer's budget among its KV heads by a prompt scorer's scores; "
+                f"{self.policy.name} keeps tokens by position alone or scores them while decoding. Use a prompt "
+                "scorer (snapkv, expected-attention, kvzip, knorm, pyramidkv)."
+            )
         if _reencodes(self.policy):
             raise KvsieveError(
                 f"{self.policy.name}'s reencode places tokens by their place in the cache while decoding; it needs "
@@ -286,7 +301,17 @@ class CompressRun:
 
     def _prune(self, cache: Cache, layer: int, scores: dict[int, torch.Tensor]) -> torch.Tensor:
         """Prune `layer` to its budget (the policy's `allocate`d one, else its `layer_budget`); the kept entries. A
-        windowed layer, or one within its budget, keeps all of its entries."""
+        windowed layer, or one within its budget, keeps all of its entries; with `head_budgets` the layer becomes a
+        `SegmentedLayer` (`_prune_heads`)."""
+        segmented = cache.layers[layer]
+        if is_segmented(segmented) and self.held:  # a question on a context compressed per head: kept as it is
+            columns = torch.arange(max(segmented.counts), device=segmented.device).expand(segmented.kv_heads, -1)
+            return columns.masked_fill(columns >= segmented.lengths[:, None], -1)
+        if is_segmented(segmented):
+            raise KvsieveError(
+                "This cache holds per-head budgets already (compress.head_budgets): it is compressed for good, and "
+                "cannot be compressed again, stored as a prefix or continued by another method."
+            )
         keys = cache.layers[layer].keys
         self.total = self.total or keys.shape[2]
         windowed = is_windowed(cache.layers[layer])  # never budgeted (nor in `budgeted_layers`)
@@ -299,9 +324,29 @@ class CompressRun:
         if windowed or keys.shape[2] <= budget:
             return torch.arange(keys.shape[2], device=keys.device).expand(keys.shape[1], -1)
         sinks, recent = self.config.policy.protected(budget)
-        indices = keep_indices(observed_scores(scores, layer, keys, self.config.policy), budget, sinks, recent)
+        layer_scores = observed_scores(scores, layer, keys, self.config.policy)
+        if self.config.head_budgets:
+            return self._prune_heads(cache, layer, layer_scores, budget)
+        indices = keep_indices(layer_scores, budget, sinks, recent)
         prune_layer(cache, layer, indices)
         return indices
+
+    def _prune_heads(self, cache: Cache, layer: int, scores: torch.Tensor, budget: int) -> torch.Tensor:
+        """AdaKV: the layer's KV heads keep `head_counts` entries each (budget x heads in all), the best of their own
+        scores, in a `SegmentedLayer` that holds exactly those. Returns the kept positions (kv_heads, longest), each
+        head's padded with -1 after its own (they are not a rectangle; nothing gathers by them)."""
+        entry = cache.layers[layer]
+        n = scores.shape[1]
+        sinks, recent = self.config.policy.protected(budget)
+        position = torch.arange(n, device=scores.device)
+        protected = (position < sinks) | (position >= n - recent)
+        counts = head_counts(scores, budget, self.config.head_floor, protected).tolist()  # the one read of the layer
+        kept = [keep_indices(scores[g : g + 1], count, sinks, recent)[0] for g, count in enumerate(counts)]
+        cache.layers[layer] = SegmentedLayer.kept(entry.keys, entry.values, kept, room=0)  # held as kept
+        padded = torch.full((len(kept), max(counts)), -1, dtype=torch.long, device=scores.device)
+        for g, index in enumerate(kept):
+            padded[g, : index.shape[0]] = index
+        return padded
 
 
 @component("evict", "evict")

@@ -17,7 +17,9 @@ tables, their padding and their evictions hold the global layers alone. A step
 3. lets each row's eviction compact that row in place (`EvictRun.after_step` on the row's buffers:
    at most the evicted count of entries moves per layer and KV head).
 
-One request alone is the same step with one row and no padding: the fastest batch-1 path. In both, an
+One request alone is the same step with one row and no padding: the fastest batch-1 path. A request whose cache
+holds per-head budgets (`kv.heads`) decodes alone in its own cache (the tables hold one count per row and layer);
+the scheduler runs it when no other row decodes, and the others after it. In both, an
 eviction whose step rule reads only the new query's attention (H2O, A2SF, TOVA) takes it from the step's own
 attention (`AttentionRows`: the CPU kernel's one pass over the keys). A row keeps its columns
 while others join and leave, so its eviction's record of entry ages stays valid; the tables are
@@ -46,6 +48,7 @@ from kvsieve.compress.stages import EvictRun
 from kvsieve.engine.static_step import StaticStep, steady
 from kvsieve.errors import KvsieveError
 from kvsieve.kernels.native import build_kernels
+from kvsieve.kv.cache import kv_entries
 from kvsieve.kv.tables import BatchTables
 from kvsieve.models import with_cache
 
@@ -135,6 +138,8 @@ class DecodeBatch:
     def entries(self, index: int) -> int:
         """KV entries per layer and KV head that row `index` holds (its first global layer's; a model without one:
         its first ring's)."""
+        if self.tables.alone:  # per-head budgets: their mean count
+            return kv_entries(self.caches[index])
         layer = self.tables.order[0]
         window = self.tables.windows[layer]
         entries = self.caches[index].layers[layer].length + self._pending(index, sliding=window is not None)
@@ -183,7 +188,10 @@ class DecodeBatch:
         self._settle()
         for i in set(range(len(self.rows))) - set(keep):
             cache = self.caches[i]
-            cache.layers = [] if id(self.rows[i]) in emptied else [layer.detached() for layer in cache.layers]
+            if id(self.rows[i]) in emptied:
+                cache.layers = []
+            elif not self.tables.alone:  # a row alone decoded in its own cache: it keeps it as it is
+                cache.layers = [layer.detached() for layer in cache.layers]
             if self.rows[i].evict is not None:
                 self.rows[i].evict.retable(None)
         self._rebuild(keep)
@@ -193,15 +201,16 @@ class DecodeBatch:
         """One forward pass for every row; returns (rows, vocab) logits of the next tokens."""
         device = self.model.device
         windows = self.tables.windows
-        longest = max(
-            (cache.layers[j].length + self._pending(i) for i, cache in enumerate(self.caches)
-             for j in range(len(windows)) if windows[j] is None),
-            default=0,
-        )  # fmt: skip
-        if longest + 1 > self.tables.keys.shape[3]:
-            self._settle()
-            self._rebuild(list(range(len(self))))  # room for SPARE more steps
-        if self.static and (self.static_step is not None or self._steady()):
+        if not self.tables.alone:
+            longest = max(
+                (cache.layers[j].length + self._pending(i) for i, cache in enumerate(self.caches)
+                 for j in range(len(windows)) if windows[j] is None),
+                default=0,
+            )  # fmt: skip
+            if longest + 1 > self.tables.keys.shape[3]:
+                self._settle()
+                self._rebuild(list(range(len(self))))  # room for SPARE more steps
+        if self.static and not self.tables.alone and (self.static_step is not None or self._steady()):
             return self._static()
         self._settle()
         self.static_step = None  # its tensors no longer say where the rows stand

@@ -32,6 +32,7 @@ from kvsieve.feed import Feed, FeedOutput, PromptState
 from kvsieve.feed.full import FullPrefill
 from kvsieve.feed.reconstruction import second_pass_scores
 from kvsieve.kv.cache import compose_kept, kv_entries, resolve_budget, wrap_cache
+from kvsieve.kv.heads import carry_segments
 from kvsieve.loading import tokenizer_of
 from kvsieve.models import architecture
 from kvsieve.prompt import Prompt
@@ -279,6 +280,12 @@ def _check_run(
             f"{spec.compress.policy.name} scores a second pass over the prompt's whole cache; the {feed.name} feed "
             "leaves a pruned one. Use it after the full feed."
         )
+    if spec.compress is not None and spec.compress.head_budgets and (spec.evict is not None or not feed.one_pass):
+        raise KvsieveError(
+            "compress.head_budgets leaves each KV head its own count of entries, which an evict stage (one count "
+            "per head while decoding) and a chunked feed (which prunes its memory itself) do not take; use it with "
+            "the full feed and no evict stage."
+        )
     if start_at >= prompt.length or (keep and not start_at < keep < prompt.length):
         raise KvsieveError(f"A stored prefix ({start_at} / {keep} tokens) must leave prompt tokens to run.")
     check_positions(model, spec.stages(), prompt.length, reserve)
@@ -392,7 +399,7 @@ def _snapshot(model: PreTrainedModel, cache: DynamicCache) -> DynamicCache:
     """A cache sharing `cache`'s tensors as they are now (later passes replace them, never change them);
     layers it has not filled yet (those above a select stage's filter layer) stay empty."""
     layers = [(layer.keys, layer.values) for layer in cache.layers if layer.is_initialized]
-    return wrap_cache(model, layers, cache.get_seq_length())
+    return carry_segments(cache, wrap_cache(model, layers, cache.get_seq_length()), share=True)
 
 
 def prefix_states(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from dataclasses import replace
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -83,10 +84,11 @@ def reuse_compress(spec: MethodSpec, budget: int | float | None) -> Compress | N
     """
     if budget is None or spec.select is not None:
         return None
-    stage = spec.compress or spec.evict
-    if stage is None or (spec.evict is not None and spec.evict.reencodes):
+    if spec.compress is not None:  # its own settings (per-head budgets) at the reuse budget
+        return replace(spec.compress, budget=budget)
+    if spec.evict is None or spec.evict.reencodes:
         return None
-    return Compress(stage.policy, budget)
+    return Compress(spec.evict.policy, budget)
 
 
 def prefix_key(spec: MethodSpec, budget: int | float | None = None) -> str:
@@ -99,7 +101,9 @@ def prefix_key(spec: MethodSpec, budget: int | float | None = None) -> str:
     policies = [stage.policy for stage in (spec.compress, spec.evict) if stage is not None]
     key = "full" + "".join(f"+sums@{alpha:g}" for alpha in accumulating(policies))
     squeeze = reuse_compress(spec, budget)
-    return key if squeeze is None else f"{key}+{squeeze.policy!r}@{budget!r}"
+    if squeeze is None:
+        return key
+    return f"{key}+{squeeze.policy!r}@{budget!r}" + (f"+heads@{squeeze.head_floor:g}" if squeeze.head_budgets else "")
 
 
 def fillable(spec: MethodSpec, budget: int | float | None = None) -> bool:

@@ -34,6 +34,7 @@ from kvsieve.engine.prefill_run import prefill_tokens, prefill_with_reuse, selec
 from kvsieve.engine.prefix_cache import PrefixCache
 from kvsieve.engine.slices import PrefillSlices
 from kvsieve.kv.cache import wrap_cache
+from kvsieve.kv.heads import carry_segments
 from kvsieve.prompt import Prompt
 from kvsieve.spec import MethodSpec
 
@@ -142,7 +143,7 @@ class Request:
         fork = copy.copy(self)  # the prompt, method, record and events are shared
         fork.forks, fork.output = [], self.output.fork(index)
         layers = [(layer.keys.clone(), layer.values.clone()) for layer in self.decode_cache.layers]
-        fork.decode_cache = wrap_cache(self.model, layers)
+        fork.decode_cache = carry_segments(self.decode_cache, wrap_cache(self.model, layers), share=False)
         fork.row = Row(0, self.row.position, copy.deepcopy(self.row.evict))
         fork.sample(logits)
         return fork

@@ -29,6 +29,7 @@ from kvsieve.engine.prefix_cache import PrefixCache
 from kvsieve.engine.request import Request
 from kvsieve.errors import KvsieveError
 from kvsieve.kv.cache import kv_entries
+from kvsieve.kv.heads import is_segmented
 from kvsieve.loading import pair_tokenizer
 
 log = logging.getLogger("kvsieve.engine")
@@ -59,6 +60,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self.running: list[Request] = []  # in the order of the batch's rows
+        self.parked: list[Request] = []  # prefilled answers waiting for the batch (`_joinable`)
         self.ended = 0  # prefills and answers that ended so far
 
     def add(self, request: Request) -> None:
@@ -78,10 +80,10 @@ class Scheduler:
 
     def has_room(self) -> bool:
         """Whether a request added now could start at the next step (fewer than max_batch in all)."""
-        return len(self.waiting) + len(self.prefilling) + len(self.running) < self.max_batch
+        return len(self.waiting) + len(self.prefilling) + len(self.running) + len(self.parked) < self.max_batch
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
+        return bool(self.waiting or self.prefilling or self.running or self.parked)
 
     def kv_entries(self) -> int:
         """KV entries per layer and KV head held by the running requests."""
@@ -152,7 +154,7 @@ class Scheduler:
     def _next_prefill(self) -> Request | None:
         if self.prefilling:
             return self.prefilling[0]
-        while self.waiting and len(self.running) + len(self.prefilling) < self.max_batch:
+        while self.waiting and len(self.running) + len(self.prefilling) + len(self.parked) < self.max_batch:
             request = self.waiting.popleft()
             if request.cancelled.is_set():
                 continue
@@ -182,9 +184,26 @@ class Scheduler:
                     answer.finish(kv_entries(answer.decode_cache))
                 else:
                     joining.append(answer)
+        joining = self._joinable(self.parked + joining)
         if joining:
             self.batch.join([(answer.row, answer.decode_cache) for answer in joining])
             self.running.extend(joining)
+
+    def _joinable(self, ready: list[Request]) -> list[Request]:
+        """Of the prefilled answers `ready` (oldest first), those that join the batch now; the rest wait in
+        `parked`. An answer whose cache holds per-head budgets decodes alone (`kv.tables`): it joins an empty batch
+        by itself, and the others join once it has left."""
+        alone = self.batch.tables.alone
+        joining: list[Request] = []
+        self.parked = []
+        for answer in ready:
+            segmented = any(is_segmented(layer) for layer in answer.decode_cache.layers)
+            if alone or (segmented and (self.running or joining)):
+                self.parked.append(answer)
+                continue
+            joining.append(answer)
+            alone = segmented
+        return joining
 
     def _fail(self, request: Request, error: Exception) -> None:
         self.ended += 1
@@ -200,6 +219,9 @@ class Scheduler:
             self.ended += 1
             request.slices.close()
             self.prefilling.remove(request)
+        for request in [r for r in self.parked if r.cancelled.is_set()]:
+            self.ended += 1
+            self.parked.remove(request)
         self._leave([r for r in self.running if r.cancelled.is_set()])
 
     def _leave(self, leaving: list[Request]) -> None:

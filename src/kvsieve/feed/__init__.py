@@ -16,6 +16,7 @@ from transformers import Cache, DynamicCache, PreTrainedModel
 
 from kvsieve.compress.stages import PrefixSums
 from kvsieve.kv.cache import is_windowed, kv_entries, wrap_cache
+from kvsieve.kv.heads import carry_segments
 from kvsieve.spec import warn_renamed
 
 
@@ -115,7 +116,8 @@ class PromptState:
         if self.sums is not None:
             copied = {alpha: {j: t.clone() for j, t in by_layer.items()} for alpha, by_layer in self.sums.sums.items()}
             sums = PrefixSums(self.sums.queries, copied)
-        return PromptState(wrap_cache(model, layers, length), self.position if whole else length, length, sums)
+        cache = carry_segments(self.cache, wrap_cache(model, layers, length), share=False)
+        return PromptState(cache, self.position if whole else length, length, sums)
 
 
 def __getattr__(name: str) -> object:

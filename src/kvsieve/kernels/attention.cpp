@@ -195,36 +195,86 @@ int64_t chunk_size(int64_t lanes, int64_t keys, int64_t threads) {
   return best;
 }
 
-// query (b, h, 1, d); key, value (b, g, n, d) with h a multiple of g and d contiguous; lengths (b,) int64: row b
-// attends to its first lengths[b] keys (all n without). Returns (b, h, 1, d): query head i reads KV head i / (h/g).
-// Where `probs` is given ((b, h, n) float32, contiguous) it receives each query head's attention over the keys (the
-// softmax, 0 past the row's length): the chunks' exponentials, rescaled once the chunks are merged, so the keys are
-// read once for both (H2O's and A2SF's per-step scores).
-at::Tensor attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                  const std::optional<at::Tensor>& lengths, double scale, float* probs) {
+// Where a lane (one row's KV head) reads its keys and values: the first key's and value's element offsets, the
+// steps between keys and between values, and how many keys it attends to.
+struct Lanes {
+  std::vector<int64_t> key_at, value_at, ends;
+  int64_t key_step, value_step;
+};
+
+// The common checks of both layouts: CPU tensors, float32 or bfloat16, one query per row, d contiguous and built for.
+void check_tensors(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value) {
   TORCH_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(), "CPU tensors only");
   const auto kind = key.scalar_type();
   TORCH_CHECK((kind == at::kFloat || kind == at::kBFloat16) && value.scalar_type() == kind &&
                   (query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16),
               "float32 or bfloat16 tensors only, keys and values of one dtype");
-  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && query.size(2) == 1, "one query per row");
-  const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(3);
-  const int64_t kv_heads = key.size(1), keys = key.size(2);
-  TORCH_CHECK(key.sizes() == value.sizes() && key.size(0) == rows && key.size(3) == dim && heads % kv_heads == 0,
+  TORCH_CHECK(query.dim() == 4 && query.size(2) == 1, "one query per row");
+  TORCH_CHECK(key.stride(-1) == 1 && value.stride(-1) == 1, "keys and values contiguous in d");
+  TORCH_CHECK(key.size(-1) == query.size(3) && value.size(-1) == query.size(3), "keys, values and queries of one d");
+  TORCH_CHECK(chunk_for<float>(query.size(3)) != nullptr, "head dimension ", query.size(3),
+              " is not one of 16, 32, 64, 96, 128, 256");
+}
+
+// The lanes of a padded cache: key, value (b, g, n, d); lengths (b,) int64, row b attending to its first lengths[b]
+// keys (all n without).
+Lanes padded_lanes(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                   const std::optional<at::Tensor>& lengths) {
+  const int64_t rows = query.size(0), kv_heads = key.size(1), keys = key.size(2);
+  TORCH_CHECK(key.dim() == 4 && key.sizes() == value.sizes() && key.size(0) == rows && query.size(1) % kv_heads == 0,
               "query (b, h, 1, d) and key/value (b, g, n, d) with h a multiple of g");
-  TORCH_CHECK(key.stride(3) == 1 && value.stride(3) == 1, "keys and values contiguous in d");
-  TORCH_CHECK(chunk_for<float>(dim) != nullptr, "head dimension ", dim, " is not one of 16, 32, 64, 96, 128, 256");
-  const int64_t group = heads / kv_heads;
-  std::vector<int64_t> ends(rows, keys);
+  std::vector<int64_t> per_row(rows, keys);
   if (lengths.has_value()) {
     const at::Tensor counts = lengths->to(at::kLong).contiguous();
     TORCH_CHECK(counts.numel() == rows, "one length per row");
     const int64_t* c = counts.data_ptr<int64_t>();
     for (int64_t b = 0; b < rows; ++b) {
       TORCH_CHECK(c[b] >= 1 && c[b] <= keys, "a row's length must be in 1..", keys, ", got ", c[b]);
-      ends[b] = c[b];
+      per_row[b] = c[b];
     }
   }
+  Lanes lanes{{}, {}, {}, key.stride(2), value.stride(2)};
+  for (int64_t b = 0; b < rows; ++b)
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      lanes.key_at.push_back(b * key.stride(0) + g * key.stride(1));
+      lanes.value_at.push_back(b * value.stride(0) + g * value.stride(1));
+      lanes.ends.push_back(per_row[b]);
+    }
+  return lanes;
+}
+
+// The lanes of a segmented cache: key, value (total, d), KV head g of row b holding the lengths[b, g] entries from
+// entry starts[b, g] on (starts, lengths (b, g) int64).
+Lanes segment_lanes(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& starts,
+                    const at::Tensor& lengths) {
+  TORCH_CHECK(key.dim() == 2 && key.sizes() == value.sizes(), "segmented keys and values (total, d)");
+  TORCH_CHECK(starts.dim() == 2 && starts.sizes() == lengths.sizes() && starts.size(0) == query.size(0) &&
+                  query.size(1) % starts.size(1) == 0,
+              "starts and lengths (b, g) with the query's h a multiple of g");
+  const at::Tensor first = starts.to(at::kLong).contiguous(), counts = lengths.to(at::kLong).contiguous();
+  const int64_t* f = first.data_ptr<int64_t>();
+  const int64_t* c = counts.data_ptr<int64_t>();
+  Lanes lanes{{}, {}, {}, key.stride(0), value.stride(0)};
+  for (int64_t lane = 0; lane < first.numel(); ++lane) {
+    TORCH_CHECK(c[lane] >= 1 && f[lane] >= 0 && f[lane] + c[lane] <= key.size(0), "segment ", lane, " (", f[lane],
+                ", ", c[lane], " entries) is not within the ", key.size(0), " entries");
+    lanes.key_at.push_back(f[lane] * key.stride(0));
+    lanes.value_at.push_back(f[lane] * value.stride(0));
+    lanes.ends.push_back(c[lane]);
+  }
+  return lanes;
+}
+
+// query (b, h, 1, d) over the keys and values each lane (row b, KV head g) reads (`lanes`); (b, h, 1, d): query head
+// i reads KV head i / (h/g). Where `probs` is given ((b, h, width) float32, contiguous, width at least every lane's
+// length) it receives each query head's attention over the keys (the softmax, 0 past the lane's length): the chunks'
+// exponentials, rescaled once the chunks are merged, so the keys are read once for both (H2O's and A2SF's per-step
+// scores).
+at::Tensor attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const Lanes& lanes,
+                  double scale, float* probs, int64_t width) {
+  const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(3);
+  const int64_t kv_heads = static_cast<int64_t>(lanes.ends.size()) / rows, group = heads / kv_heads;
+  const auto& ends = lanes.ends;
   const int64_t longest = *std::max_element(ends.begin(), ends.end());
   const int64_t size = chunk_size(rows * kv_heads, longest, at::get_num_threads());
   const int64_t chunks = (longest + size - 1) / size;
@@ -247,24 +297,23 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key, const at::Tens
     at::parallel_for(0, rows * kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> logits(group * size);
       for (int64_t unit = begin; unit < end; ++unit) {
-        const int64_t b = unit / (kv_heads * chunks), g = unit / chunks % kv_heads, c = unit % chunks;
-        const int64_t first = c * size, last = std::min(ends[b], first + size);
-        if (first >= last) {  // past this row's keys
+        const int64_t lane = unit / chunks, b = lane / kv_heads, g = lane % kv_heads, c = unit % chunks;
+        const int64_t first = c * size, last = std::min(ends[lane], first + size);
+        if (first >= last) {  // past this lane's keys
           std::fill(pm + unit * group, pm + (unit + 1) * group, NEG_INF);
           continue;
         }
-        run(qp + (b * heads + g * group) * dim, kp + b * key.stride(0) + g * key.stride(1) + first * key.stride(2),
-            key.stride(2), vp + b * value.stride(0) + g * value.stride(1) + first * value.stride(2),
-            value.stride(2), last - first, group, sc, logits.data(), size, pm + unit * group, ps + unit * group,
-            po + unit * group * dim);
+        run(qp + (b * heads + g * group) * dim, kp + lanes.key_at[lane] + first * lanes.key_step, lanes.key_step,
+            vp + lanes.value_at[lane] + first * lanes.value_step, lanes.value_step, last - first, group, sc,
+            logits.data(), size, pm + unit * group, ps + unit * group, po + unit * group * dim);
         if (probs != nullptr)  // the chunk's exponentials, relative to its own maximum until the merge
           for (int64_t h = 0; h < group; ++h)
             std::copy(logits.data() + h * size, logits.data() + h * size + (last - first),
-                      probs + ((b * heads + g * group + h) * keys) + first);
+                      probs + ((b * heads + g * group + h) * width) + first);
       }
     });
   };
-  if (kind == at::kBFloat16)
+  if (key.scalar_type() == at::kBFloat16)
     partials(uint16_t{});
   else
     partials(float{});
@@ -287,33 +336,46 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key, const at::Tens
         }
         for (int64_t i = 0; i < dim; ++i) row[i] /= total;
         if (probs == nullptr) continue;
-        const int64_t b = bg / kv_heads;
-        float* p = probs + (bg * group + h) * keys;
+        float* p = probs + (bg * group + h) * width;
         for (int64_t c = 0; c < chunks; ++c) {  // each chunk's exponentials times exp(m_chunk - m_row) / sum
-          const int64_t at = (bg * chunks + c) * group + h, first = c * size, last = std::min(ends[b], first + size);
+          const int64_t at = (bg * chunks + c) * group + h, first = c * size, last = std::min(ends[bg], first + size);
           if (pm[at] == NEG_INF) continue;
           const float factor = std::exp(pm[at] - top) / total;
           for (int64_t i = first; i < last; ++i) p[i] *= factor;
         }
-        std::fill(p + ends[b], p + keys, 0.f);
+        std::fill(p + ends[bg], p + width, 0.f);
       }
     }
   });
   return out.to(query.scalar_type());
 }
 
+// query (b, h, 1, d); key, value (b, g, n, d) with h a multiple of g and d contiguous; lengths (b,) int64: row b
+// attends to its first lengths[b] keys (all n without). Returns (b, h, 1, d).
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                             const std::optional<at::Tensor>& lengths, double scale) {
-  return attend(query, key, value, lengths, scale, nullptr);
+  check_tensors(query, key, value);
+  return attend(query, key, value, padded_lanes(query, key, value, lengths), scale, nullptr, 0);
 }
 
 // The attention and, besides it, its probabilities (b, h, n) (`attend`).
 std::tuple<at::Tensor, at::Tensor> decode_attention_probs(const at::Tensor& query, const at::Tensor& key,
                                                           const at::Tensor& value,
                                                           const std::optional<at::Tensor>& lengths, double scale) {
+  check_tensors(query, key, value);
+  const Lanes lanes = padded_lanes(query, key, value, lengths);
   at::Tensor probs = at::empty({query.size(0), query.size(1), key.size(2)}, query.options().dtype(at::kFloat));
-  at::Tensor out = attend(query, key, value, lengths, scale, probs.data_ptr<float>());
+  at::Tensor out = attend(query, key, value, lanes, scale, probs.data_ptr<float>(), key.size(2));
   return {out, probs};
+}
+
+// query (b, h, 1, d) over a segmented cache: key, value (total, d), KV head g of row b holding the lengths[b, g]
+// entries from entry starts[b, g] on (per-head budgets: each head keeps its own count, `kvsieve.kv.heads`).
+// Returns (b, h, 1, d).
+at::Tensor segment_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                             const at::Tensor& starts, const at::Tensor& lengths, double scale) {
+  check_tensors(query, key, value);
+  return attend(query, key, value, segment_lanes(query, key, value, starts, lengths), scale, nullptr, 0);
 }
 
 }  // namespace
@@ -323,9 +385,12 @@ TORCH_LIBRARY(kvsieve, m) {
   m.def(
       "decode_attention_probs(Tensor query, Tensor key, Tensor value, Tensor? lengths, float scale) -> (Tensor, "
       "Tensor)");
+  m.def("segment_attention(Tensor query, Tensor key, Tensor value, Tensor starts, Tensor lengths, float scale) -> "
+        "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvsieve, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("decode_attention_probs", &decode_attention_probs);
+  m.impl("segment_attention", &segment_attention);
 }

@@ -67,6 +67,12 @@ def kernel_attention(
     return torch.ops.kvsieve.decode_attention(query, key, value, lengths, scale)
 
 
+def segment_supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the kernel serves a segmented cache's step (`segment_attention`): as `supports`, with the keys and
+    values (total, d)."""
+    return supports(query, key[None, None], value[None, None])
+
+
 def kernel_attention_probs(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -136,6 +142,33 @@ def decode_attention_probs(
     return attend_values(probs, value), probs[:, :, 0]
 
 
+def segment_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    scaling: float | None,
+    longest: int,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention over a segmented cache (per-head budgets, `kvsieve.kv.heads`): key/value (total, d), KV head g of row
+    b holding the `lengths[b, g]` entries from entry `starts[b, g]` on (`longest` of them at most, given by the
+    caller, which knows it without reading the device); query (b, h, q, d), its queries the last q of every head's
+    entries (bottom-right causal); `softcap`: Gemma 2's tanh cap on the logits; (b, h, q, d).
+
+    A decoding step on a CPU is the kernel's `segment_attention`, one call per layer that reads each head's entries
+    where they lie. Elsewhere (several queries, a soft-cap, CUDA, another dtype) each head's entries are gathered
+    into a padded (b, g, longest, d) copy for this layer alone and attended with per-head lengths
+    (`grouped_attention`): the copy lives while the layer computes, the cache holds only the segments."""
+    if query.shape[2] == 1 and softcap is None and segment_supports(query, key, value) and native.load():
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        return torch.ops.kvsieve.segment_attention(query, key, value, starts, lengths, scale)
+    columns = torch.arange(longest, device=key.device)
+    index = (starts[..., None] + columns).clamp(max=key.shape[0] - 1)  # (b, g, longest): past a head's end, masked
+    return grouped_attention(query, key[index], value[index], scaling, lengths, None, softcap)
+
+
 def grouped_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -150,7 +183,8 @@ def grouped_attention(
     (b, h, q, d).
 
     `lengths` (b,) marks right padding (the engine's batch of ragged caches): row b holds lengths[b] keys and
-    its query i sits at key column lengths[b] - q + i; None: every row holds all k keys. `window`: a query sees
+    its query i sits at key column lengths[b] - q + i; None: every row holds all k keys. Lengths (b, kv_heads) give
+    each KV head of a row its own count (per-head budgets, `segment_attention`). `window`: a query sees
     only the `window` columns ending at its own; `softcap`: Gemma 2's tanh cap on the logits.
     """
     return attend_values(grouped_probs(query, key, scaling, lengths, window, softcap), value)
@@ -177,12 +211,13 @@ def grouped_probs(
         logits = torch.tanh(logits / softcap) * softcap
     if lengths is not None or q_len > 1 or (window is not None and k_len > window):
         ends = lengths.to(key.device) if lengths is not None else torch.full((batch,), k_len, device=key.device)
-        last = ends[:, None] - q_len + torch.arange(q_len, device=key.device)  # (b, q)
-        columns = torch.arange(k_len, device=key.device)[None, None, :]
-        allowed = columns <= last[:, :, None]  # (b, q, k)
+        ends = ends.view(batch, -1)  # (b, 1), or (b, kv_heads): one count per head
+        last = ends[..., None] - q_len + torch.arange(q_len, device=key.device)  # (b, 1 or g, q)
+        columns = torch.arange(k_len, device=key.device)
+        allowed = columns <= last[..., None]  # (b, 1 or g, q, k)
         if window is not None:
-            allowed &= columns > last[:, :, None] - window
-        allowed = allowed.repeat(1, heads // kv_heads, 1)[:, None]  # (b, 1, n_rep * q, k)
+            allowed &= columns > last[..., None] - window
+        allowed = allowed.repeat(1, 1, heads // kv_heads, 1)  # (b, 1 or g, n_rep * q, k)
         logits = logits.masked_fill(~allowed, float("-inf"))
     return logits.softmax(-1).view(batch, heads, q_len, k_len)
 

@@ -3,7 +3,7 @@
 Three kinds of operators, each in a C++ file of its own beside this one, each called by the dispatch of the same
 name (`kvsieve.kernels`):
 - `torch.ops.kvsieve.decode_attention` (`attention.cpp`): a decoding step's attention in one pass over the cache
-  (`kvsieve.kernels.attention`);
+  (`kvsieve.kernels.attention`), and `segment_attention`, the same over a cache whose KV heads hold their own counts;
 - `torch.ops.kvsieve.decode_product` (`products.cpp`): a step's few rows times a float32, bfloat16 or int8 weight,
   each weight read once (`kvsieve.kernels.products`);
 - `torch.ops.kvsieve.evict_lowest` (`eviction.cpp`): a steady evicting row's eviction of one entry per KV head
@@ -134,6 +134,10 @@ def _fake_attention_probs(query, key, value, lengths, scale):  # the probabiliti
     return query.new_empty(query.shape), probs
 
 
+def _fake_segment_attention(query, key, value, starts, lengths, scale):
+    return query.new_empty(query.shape)
+
+
 def _fake_product(x, weight, scale):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
@@ -154,6 +158,7 @@ def load() -> bool:
                 torch.ops.load_library(str(build()))
                 torch.library.register_fake("kvsieve::decode_attention")(_fake_attention)
                 torch.library.register_fake("kvsieve::decode_attention_probs")(_fake_attention_probs)
+                torch.library.register_fake("kvsieve::segment_attention")(_fake_segment_attention)
                 torch.library.register_fake("kvsieve::decode_product")(_fake_product)
                 torch.library.register_fake("kvsieve::evict_lowest")(_fake_eviction)
                 _loaded = True

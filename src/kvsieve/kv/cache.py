@@ -12,6 +12,7 @@ from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
 from kvsieve.errors import KvsieveError
 from kvsieve.kernels.eviction import evictable_scores, lowest_oldest, steady_eviction
+from kvsieve.kv.heads import is_segmented
 
 # rotary(x, position_ids) -> (cos, sin), with an `attention_scaling` attribute: a model's module or `models.Rotary`
 RotaryEmbedding = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -59,7 +60,26 @@ def kv_entries(cache: Cache) -> int:
     hybrid model may be windowed and count every token it has seen instead."""
     layers = [layer for layer in cache.layers if layer.is_initialized]
     budgeted = [layer for layer in layers if not is_windowed(layer)] or layers
-    return max((layer.keys.shape[2] for layer in budgeted), default=0)
+    return max((_entries_per_head(layer) for layer in budgeted), default=0)
+
+
+def _entries_per_head(layer: CacheLayerMixin) -> int:
+    """A layer's entries per KV head; per-head budgets (`SegmentedLayer`): their mean, rounded up."""
+    if is_segmented(layer):
+        return -(-layer.entries // layer.kv_heads)
+    return layer.keys.shape[2]
+
+
+def cache_nbytes(cache: Cache) -> int:
+    """Bytes a cache's layers hold in keys and values (a segmented layer's buffers, room included)."""
+    total = 0
+    for layer in cache.layers:
+        if is_segmented(layer):
+            total += layer.nbytes
+        elif layer.is_initialized:
+            keys, values = filled(layer)
+            total += keys.numel() * keys.element_size() + values.numel() * values.element_size()
+    return total
 
 
 def prune_layer(cache: Cache, layer: int, indices: torch.Tensor) -> None:

@@ -7,6 +7,8 @@ replaces the oldest once the window is full), so the global tables, their paddin
 global layers alone. Each row's own cache object keeps its layers as buffers over its slices (`DecodeBuffer`,
 `WindowBuffer`), so a step writes every row's new entry in place and a row's eviction moves its entries there.
 `DecodeBatch` (`engine.batch`) decides when the tables are rebuilt; this module only builds and addresses them.
+A row whose KV heads hold their own counts (per-head budgets, `kv.heads.SegmentedLayer`) is not put in the tables,
+whose columns are one count per row and layer: it decodes alone, in its own cache (`alone`).
 A static step (`engine.static_step`) writes through `ScatterLayer`s instead, at columns held in tensors.
 """
 
@@ -18,7 +20,9 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from kvsieve.kv.cache import DecodeBuffer, WindowBuffer
+from kvsieve.errors import KvsieveError
+from kvsieve.kv.cache import DecodeBuffer, WindowBuffer, cache_nbytes
+from kvsieve.kv.heads import is_segmented
 from kvsieve.models import architecture
 
 
@@ -50,12 +54,15 @@ class BatchTables:
         self.keys: torch.Tensor | None = None  # (global layers, rows, kv_heads, capacity, d) once a row joins
         self.values: torch.Tensor | None = None
         self.rings: tuple[torch.Tensor, torch.Tensor] | None = None  # (sliding layers, rows, kv_heads, window, d)
-        self.cache: DynamicCache | None = None
+        self.cache: Cache | None = None
+        self.alone = False  # the one row decodes in its own cache (per-head budgets), `self.cache`
 
     @property
     def nbytes(self) -> int:
         """Bytes of the shared key and value tables (global layers) and the sliding layers' rings, as allocated:
-        their capacity, not only the entries in use."""
+        their capacity, not only the entries in use; a row `alone`, its own cache's."""
+        if self.alone:
+            return cache_nbytes(self.caches[0])
         tensors = [t for t in (self.keys, self.values, *(self.rings or ())) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -76,8 +83,12 @@ class BatchTables:
     def rebuild(self, caches: list[Cache], spare: int) -> None:
         """New tables holding `caches` (rows in that order) with room for `spare` more steps; each cache's layers
         become buffers over its slices, their entries copied in."""
-        if not caches:
-            self.caches, self.keys, self.values, self.rings, self.cache = [], None, None, None, None
+        self.alone = any(is_segmented(layer) for cache in caches for layer in cache.layers)
+        if not caches or self.alone:
+            if len(caches) > 1:
+                raise KvsieveError("A row with per-head budgets decodes alone; the tables hold one count per row.")
+            self.caches, self.keys, self.values, self.rings = caches, None, None, None
+            self.cache = caches[0] if caches else None
             return
         first = caches[0].layers[0]
         globals_ = [j for j in self.order if self.windows[j] is None]
