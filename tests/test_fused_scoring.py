@@ -23,7 +23,7 @@ from kvsieve.attention.accumulate import accumulating_attention
 from kvsieve.attention.dense import dense_attention
 from kvsieve.compress.policies.a2sf import A2SF
 from kvsieve.compress.policies.h2o import H2O
-from kvsieve.compress.scorers import accumulated_attention
+from kvsieve.compress.scorers import accumulated_attention, attention_probs
 from kvsieve.compress.stages import Compress, Evict
 from kvsieve.engine.pipeline import prefill
 from kvsieve.spec import MethodSpec
@@ -43,7 +43,7 @@ def test_output_and_scores_equal_sdpa_and_the_reference(monkeypatch, rows, q_len
     monkeypatch.setattr(accumulate, "MAX_ROWS", rows)  # blocks of 1, 3 or all rows
     query, key, value = _qkv(q_len, n)
     alphas = [1.0, 0.5, 0.2, 0.0]
-    out, scores = accumulating_attention(query, key, value, 0.3, alphas)
+    out, scores, _ = accumulating_attention(query, key, value, 0.3, alphas)
     torch.testing.assert_close(out, dense_attention(query, key, value, 0.3), atol=1e-5, rtol=1e-5)
     for alpha, got in zip(alphas, scores, strict=True):
         expected = accumulated_attention(query[0], key[0], 0.3, alpha)
@@ -51,12 +51,27 @@ def test_output_and_scores_equal_sdpa_and_the_reference(monkeypatch, rows, q_len
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 256])
+@pytest.mark.parametrize(("q_len", "n"), [(40, 40), (17, 50), (1, 30)])
+def test_maxima_equal_the_largest_probability_of_the_reference_softmax(monkeypatch, rows, q_len, n):
+    """KVzip's score from the attention's own rows: each key's largest probability over the queries and the KV
+    head's query heads, beside the sums, every row read (the maxima need the rows no alpha weighs)."""
+    monkeypatch.setattr(accumulate, "MAX_ROWS", rows)
+    query, key, value = _qkv(q_len, n)
+    out, (sums,), maxima = accumulating_attention(query, key, value, 0.3, [0.01], maxima=True)
+    probs = attention_probs(query[0], key[0], 0.3)  # (h, q, n), the reference softmax
+    torch.testing.assert_close(maxima, probs.view(2, 3 * q_len, n).amax(1), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out, dense_attention(query, key, value, 0.3), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sums, accumulated_attention(query[0], key[0], 0.3, 0.01), atol=1e-5, rtol=1e-5)
+    assert accumulating_attention(query, key, value, 0.3, [1.0])[2] is None
+
+
 def test_rows_whose_weights_underflow_go_through_sdpa_and_still_match(monkeypatch):
     """alpha = 0.01: only the last ~20 rows carry weight; the 480 before them are plain SDPA."""
     calls = []
     monkeypatch.setattr(accumulate, "dense_attention", lambda q, *a: calls.append(q.shape[2]) or dense_attention(q, *a))
     query, key, value = _qkv(500, 500)
-    out, (scores,) = accumulating_attention(query, key, value, None, [0.01])
+    out, (scores,), _ = accumulating_attention(query, key, value, None, [0.01])
     assert len(calls) == 1 and 450 < calls[0] < 500
     torch.testing.assert_close(out, dense_attention(query, key, value, None), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(scores, accumulated_attention(query[0], key[0], 8**-0.5, 0.01), atol=1e-6, rtol=1e-5)
@@ -65,7 +80,7 @@ def test_rows_whose_weights_underflow_go_through_sdpa_and_still_match(monkeypatc
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-10), (torch.bfloat16, 2e-2)])
 def test_other_dtypes(dtype, tol):
     query, key, value = _qkv(24, 30, dtype)
-    out, (scores,) = accumulating_attention(query, key, value, None, [1.0])
+    out, (scores,), _ = accumulating_attention(query, key, value, None, [1.0])
     assert out.dtype == dtype
     reference = F.scaled_dot_product_attention(
         query.double(),

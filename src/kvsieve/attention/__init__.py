@@ -8,7 +8,8 @@ plain causal SDPA. Inside, two things can change:
   attention-based KV scorers; a `PassReader` its values too); an observer may raise `StopForward` to end the forward
   pass early.
   An `AccumulatedScores` observer (H2O, A2SF, Collie) gets its scores out of the dense attention itself
-  (a prefill, or a decoding step's row) instead of computing them in a second pass, and an `AttentionRows`
+  (a prefill, or a decoding step's row) instead of computing them in a second pass, an `AttentionMaxima` observer
+  (KVzip) each key's largest attention likewise, and an `AttentionRows`
   observer gets a decoding step's probabilities (a padded batch's too) from the attention's own pass;
 - last-pass observers and finishers serve stages that only use a feed's last forward pass: a
   chunked feed marks its earlier passes `intermediate`, and they are skipped there. A finisher
@@ -41,7 +42,13 @@ from typing import Protocol, cast
 import torch
 from transformers import AttentionInterface
 
-from kvsieve.attention.accumulate import AccumulatedScores, AttentionRows, PassReader, accumulating_attention
+from kvsieve.attention.accumulate import (
+    AccumulatedScores,
+    AttentionMaxima,
+    AttentionRows,
+    PassReader,
+    accumulating_attention,
+)
 from kvsieve.attention.dense import bottom_right_causal_mask, dense_attention, local_attention, repeat_kv
 from kvsieve.errors import KvsieveError
 from kvsieve.kernels.attention import decode_attention, decode_attention_probs, grouped_attention, segment_attention
@@ -186,7 +193,7 @@ def _hooked(
     rows = [o for o in observers if isinstance(o, AttentionRows)]
     if rows and query.shape[2] != 1:
         raise ValueError(f"AttentionRows observe decoding steps (one query per row), got {query.shape[2]} queries")
-    fused = [o for o in observers if isinstance(o, AccumulatedScores)]
+    fused = [o for o in observers if isinstance(o, AccumulatedScores | AttentionMaxima)]
     if not fused or rows or prefill is not None or lengths is not None or query.shape[0] != 1:
         fused = []  # no dense prefill pass to take the scores from: they compute their own
     for observer in observers:
@@ -199,9 +206,15 @@ def _hooked(
     elif lengths is not None:  # a padded batch's decoding step
         out = decode_attention(query, key, value, scaling, lengths)
     elif fused:
-        out, scores = accumulating_attention(query, key, value, scaling, [f.alpha for f in fused])
-        for observer, layer_scores in zip(fused, scores, strict=True):
+        summed = [f for f in fused if isinstance(f, AccumulatedScores)]
+        highest = [f for f in fused if isinstance(f, AttentionMaxima)]
+        out, scores, maxima = accumulating_attention(
+            query, key, value, scaling, [f.alpha for f in summed], maxima=bool(highest)
+        )
+        for observer, layer_scores in zip(summed, scores, strict=True):
             observer.receive(layer, layer_scores, query.shape[2])
+        for observer in highest:
+            observer.receive(layer, cast(torch.Tensor, maxima))
     elif prefill is None:
         out = dense_attention(query, key, value, scaling)
     else:
@@ -286,6 +299,7 @@ AttentionInterface.register(ATTENTION_NAME, kvsieve_attention)
 __all__ = [
     "ATTENTION_NAME",
     "AccumulatedScores",
+    "AttentionMaxima",
     "AttentionRows",
     "Finisher",
     "Hooks",

@@ -1,4 +1,5 @@
-"""Accumulated attention (A2SF eq. 5; H2O's column sums at alpha = 1), computed inside the attention.
+"""Accumulated attention (A2SF eq. 5; H2O's column sums at alpha = 1) and each key's largest attention (KVzip's
+score), computed inside the attention.
 
 H2O and A2SF score each prompt key by the attention the prompt's queries pay it,
 A_k = sum_q alpha^(last - q) S_{q,k}. Computed after the prefill this is a second pass over the
@@ -77,6 +78,21 @@ class AccumulatedScores:
 
 
 @dataclass(frozen=True)
+class AttentionMaxima:
+    """An observer asking for every layer's largest attention per key: (kv_heads, n) float32, the most any of the
+    pass's queries (and the KV head's query heads) pays each key (KVzip's score). Where kvsieve's attention computes a
+    dense pass it delivers them from that pass's own softmax rows (`accumulating_attention`), so the keys' attention is
+    computed once; anywhere else it is called like any observer and computes them with `reference(query, key,
+    scaling)` (query (h, q, d), key (kv_heads, n, d))."""
+
+    receive: Callable[[int, torch.Tensor], None]
+    reference: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+    def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
+        self.receive(layer, self.reference(query[0], key[0], query.shape[-1] ** -0.5))
+
+
+@dataclass(frozen=True)
 class PassReader:
     """An observer that reads a layer's values besides its query and keys: `receive(layer, query, key, value)`, query
     (b, h, q, d) and key (b, kv_heads, n, d) post-RoPE, value (b, kv_heads, n, d). Passed among the observers of
@@ -105,8 +121,10 @@ def accumulating_attention(
     value: torch.Tensor,
     scaling: float | None,
     alphas: Sequence[float],
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Causal attention (1, h, q, d) of the last q of n positions, and A2SF eq. 5's scores per alpha.
+    maxima: bool = False,
+) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
+    """Causal attention (1, h, q, d) of the last q of n positions, A2SF eq. 5's scores per alpha and, with `maxima`,
+    each key's largest attention over every query and the KV head's query heads (`AttentionMaxima`; else None).
 
     query (1, h, q, d), key/value (1, kv_heads, n, d), bottom-right causal. Scores are float32
     (kv_heads, n), summed over each KV head's query heads (h // n_rep). Softmax in float32 or
@@ -123,10 +141,12 @@ def accumulating_attention(
         probs = torch.bmm(grouped_row, key[0].transpose(1, 2).to(compute)).softmax(-1)  # (g, n_rep, n)
         out = torch.bmm(probs, value[0].to(compute)).view(1, heads, 1, dim).to(query.dtype)
         row = probs.sum(1).float()
-        return out, [row] + [row.clone() for _ in alphas[1:]]
+        rows = [row.clone() for _ in alphas]
+        return out, rows, probs.amax(1).float() if maxima else None
     plans = [accumulation_weights(alpha, q_len, device) for alpha in alphas]
-    first = min(start for _, start in plans)
+    first = 0 if maxima else min(start for _, start in plans)  # the maxima read every row
     totals = [torch.zeros(kv_heads, n, dtype=compute, device=device) for _ in alphas]
+    best = torch.zeros(kv_heads, n, dtype=compute, device=device) if maxima else None
     out = torch.empty_like(query)
     if first > 0:  # rows that no score needs: plain SDPA over the keys they see
         seen = n - q_len + first
@@ -151,4 +171,6 @@ def accumulating_attention(
         for total, w in zip(totals, weights, strict=True):
             row_weights = w[start:stop].repeat(n_rep).expand(kv_heads, 1, n_rep * block)
             total[:, :visible] += torch.bmm(row_weights, probs)[:, 0]
-    return out, [total.float() for total in totals]
+        if best is not None:
+            torch.maximum(best[:, :visible], probs.amax(1), out=best[:, :visible])
+    return out, [total.float() for total in totals], best.float() if best is not None else None

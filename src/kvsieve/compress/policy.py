@@ -34,7 +34,7 @@ from kvsieve.compress.scorers import accumulated_attention, attention_probs, per
 from kvsieve.errors import KvsieveError
 from kvsieve.models import Rotary
 
-Reading = Literal["queries", "keys", "values", "rotary", "second_pass"]
+Reading = Literal["queries", "keys", "values", "rotary", "second_pass", "attention_max"]
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from transformers import Cache
 
-from kvsieve.attention import AccumulatedScores, AttentionRows, Finisher, Observer, PassReader
+from kvsieve.attention import AccumulatedScores, AttentionMaxima, AttentionRows, Finisher, Observer, PassReader
 from kvsieve.compress.policies.a2sf import A2SF
 from kvsieve.compress.policies.snapkv import SnapKV
 from kvsieve.compress.policy import LayerPass, Policy, observed_scores
@@ -164,6 +164,19 @@ def score_observers(
             into[layer] = policy.from_sums(*_continued(prior, alpha, layer, sums, queries))
 
         return [AccumulatedScores(alpha, receive, policy.accumulated_scores)]
+
+    if "attention_max" in policy.reads:  # from the attention's own softmax rows where it computes them
+
+        def highest(layer: int, maxima: torch.Tensor) -> None:
+            into[layer] = torch.zeros_like(maxima) if blind else maxima
+
+        def reference(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+            scores = policy.prompt_scores(LayerPass(query, key, scale=scaling))
+            if scores is None:
+                raise KvsieveError(f"{policy.name} reads attention maxima but computes none from a pass.")
+            return scores
+
+        return [AttentionMaxima(highest, reference)]
 
     if "rotary" in policy.reads and arch is None:
         raise KvsieveError(

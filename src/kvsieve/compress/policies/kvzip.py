@@ -7,9 +7,12 @@ entry's score is the largest attention any repeating query pays it (over the chu
 heads, the softmax over every key the query sees). A chunk after the first starts its prompt with the previous
 chunk's last `overlap` tokens (the paper's "starting with ..."). The first `sinks` positions are kept.
 
-The passes are the policy's second pass (`reads` "second_pass"): `kvsieve.feed.reconstruction` runs them and hands
-each layer's pass to `prompt_scores` like any other (the one supplier, `score_observers`); the prompt's own pass scores
-nothing. Their cost against a full prefill is measured by `kvsieve bench` (docs/PERFORMANCE.md).
+The passes are the policy's second pass (`reads` "second_pass"): `kvsieve.feed.reconstruction` runs them, and the
+scores are each key's largest attention (`reads` "attention_max"), which kvsieve's attention takes from its own
+softmax rows while it computes the pass (`kvsieve.attention.AttentionMaxima`, supplied by `score_observers`), so the
+attention is computed once; `prompt_scores` computes the same from a pass's queries and keys where no dense pass runs
+(a soft-capped layer). The prompt's own pass scores nothing. Their cost against a full prefill is measured by `kvsieve
+bench` (docs/PERFORMANCE.md).
 
 Selection is per layer and KV head at the stage's budget by default, as for every kvsieve scorer. The paper selects
 globally across heads and layers; `across_layers` ranks the layers' entries together and gives each layer its share
@@ -38,7 +41,7 @@ ROWS = 256  # repeating queries scored at a time (their attention is rows x keys
 class KVzip(PromptScorer):
     """The largest attention an entry receives while the model repeats the context (its second pass)."""
 
-    reads: ClassVar[frozenset[Reading]] = frozenset({"queries", "keys", "second_pass"})
+    reads: ClassVar[frozenset[Reading]] = frozenset({"attention_max", "second_pass"})
 
     chunk: int = option(2048, "context tokens repeated by one reconstruction pass (paper: 2048)")
     overlap: int = option(8, "the previous chunk's last tokens that open the next chunk's prompt (paper: 8)")
