@@ -21,7 +21,7 @@ import torch
 
 from kvsieve import load_model, method
 from kvsieve.data import prompt_case
-from kvsieve.engine.pipeline import prefill
+from kvsieve.engine import prefill
 from kvsieve.kv.cache import cache_nbytes
 from kvsieve.kv.heads import is_segmented
 

@@ -253,7 +253,7 @@ def test_evaluation_bad_input(capsys, tmp_path, argv, message):
 def test_methods_lists_the_registry_with_every_field(capsys):
     code, out, _ = run_cli(capsys, "methods", "--json")
     specs = json.loads(out)
-    assert code == 0 and len(specs) == 25
+    assert code == 0 and len(specs) == 27
     assert {"tova", "knorm", "imdc", "imdc-paper", "critiprefill", "a2sf-paper", "snapkv-paper"} <= set(specs)
     assert specs["critiprefill"]["attention"] == {
         "type": "critiprefill",

@@ -188,7 +188,7 @@ def test_chunked_feeds_run_beyond_the_context(model, chat_tokenizer, tmp_path):
 def test_every_method_name_runs_in_a_grid(model, chat_tokenizer, tmp_path):
     document = grid(model, chat_tokenizer, tmp_path / "n.json", methods=list(REGISTRY), lengths=(160,), depths=(0.5,))
     rows = {r["method"]: r for r in document["rows"]}
-    assert list(rows) == list(REGISTRY) and len(rows) == 25
+    assert list(rows) == list(REGISTRY) and len(rows) == 27
     assert rows["full"]["kv_length"] == rows["critiprefill"]["kv_length"] == 160
     kv = ("gemfilter", "gemfilter-paper", "snapkv", "snapkv-paper", "h2o", "a2sf", "a2sf-paper", "streaming", "local")
     kv += ("tova", "knorm", "expected-attention", "kvzip")

@@ -19,7 +19,7 @@ from kvsieve.engine.scheduler import Scheduler
 from kvsieve.errors import KvsieveError
 from kvsieve.kernels.attention import segment_attention
 from kvsieve.kv.cache import cache_nbytes
-from kvsieve.kv.heads import SegmentedLayer, head_counts, is_segmented
+from kvsieve.kv.heads import ROOM, SegmentedLayer, head_counts, is_segmented
 from kvsieve.models import architecture, with_cache
 from kvsieve.registry import method
 from kvsieve.spec import MethodSpec
@@ -160,22 +160,39 @@ def _bottom_right(q: int, k: int) -> torch.Tensor:
     return torch.arange(k) <= (k - q + torch.arange(q))[:, None]
 
 
-def test_runs_with_head_budgets_answer_like_the_masked_reference_and_decode_alone(make_model):
-    model = make_model("llama", num_layers=2)
+def test_per_head_rows_decode_in_one_segmented_batch_with_others_each_as_alone(make_model):
+    """Two per-head requests and one of one count per head decode together (segmented tables: each row's heads hold
+    their own entries); an evicting request waits until the batch is padded again. Every answer is its answer
+    alone."""
+    model = make_model("gemma3", num_layers=6)  # sliding layers' rings beside the segmented global layers
     tokenizer = FakeTokenizer()
-    prompt = make_prompt(150, tail_len=8)
-    spec = method("snapkv", {"compress.head_budgets": True, "compress.budget": 0.25})
-    alone = run(model, tokenizer, prompt, method=spec, sampling=Sampling(max_new_tokens=6))
-    assert len(alone.tokens) == 6 and alone.prefill_kv_length == round(0.25 * 150)
-    # two requests, one with per-head budgets, one without: each answers as it does alone (the first decodes alone)
-    plain = run(model, tokenizer, prompt, method=method("snapkv"), sampling=Sampling(max_new_tokens=6))
+    prompts = [make_prompt(100, tail_len=8, seed=s) for s in (1, 2)]
+    heads = method("snapkv", {"compress.head_budgets": True, "compress.budget": 0.5, "compress.policy.window": 8})
+    specs = [(prompts[0], heads), (prompts[1], heads), (prompts[0], method("snapkv")), (prompts[1], method("h2o"))]
+    sampling = Sampling(max_new_tokens=140)  # past the segments' first room: the batch reallocates them
+    alone = [run(model, tokenizer, prompt, method=spec, sampling=sampling).tokens for prompt, spec in specs]
     scheduler = Scheduler(model, tokenizer)
-    requests = [
-        Request(prompt, spec, Sampling(max_new_tokens=6)),
-        Request(prompt, method("snapkv"), Sampling(max_new_tokens=6)),
-    ]
+    requests = [Request(prompt, spec, sampling) for prompt, spec in specs]
+    widths = []
+    original = scheduler.batch.step
+
+    def step():
+        widths.append((len(scheduler.batch), scheduler.batch.tables.segmented))
+        return original()
+
+    scheduler.batch.step = step
     scheduler.run_to_end(requests)
-    assert [r.result.tokens for r in requests] == [alone.tokens, plain.tokens]
+    assert [r.result.tokens for r in requests] == alone
+    assert (3, True) in widths  # the per-head rows and the plain one together
+    assert all(not (size == 4) for size, _ in widths)  # the evicting one never with the per-head ones
+    assert widths[-1] == (1, False)  # it decodes in padded tables once they left
+
+
+def test_a_segmented_layer_holds_each_heads_entries_then_room_after_each():
+    layer = SegmentedLayer([torch.randn(n, 4) for n in (5, 9)], [torch.randn(n, 4) for n in (5, 9)], room=0)
+    assert layer.nbytes == 14 * 2 * 4 * 4 and not layer.equal
+    layer.update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))  # no room: reallocated with ROOM after each head
+    assert layer.counts == [8, 12] and layer.has_room(ROOM - 3) and not layer.has_room(ROOM - 2)
 
 
 def test_head_budgets_refuse_what_holds_one_count_per_head(make_model):

@@ -14,7 +14,7 @@ from kvsieve.spec import component, components, parse_settings
 
 EXPECTED = ["full", "gemfilter", "gemfilter-paper", "critiprefill", "critiprefill-code", "fm", "fm-paper", "im"]
 EXPECTED += ["im-paper", "imdc", "imdc-paper", "snapkv"]
-EXPECTED += ["snapkv-paper", "pyramidkv", "expected-attention", "kvzip"]
+EXPECTED += ["snapkv-paper", "pyramidkv", "expected-attention", "kvzip", "adakv", "adakv-expected-attention"]
 EXPECTED += ["h2o", "a2sf", "a2sf-paper", "streaming", "local", "tova", "knorm"]
 EXPECTED += ["gemfilter-critiprefill", "gemfilter-snapkv"]
 
@@ -35,6 +35,11 @@ def test_registry_holds_the_presets_with_their_stages_and_provenance():
         assert paper.pruner == Collie() and not paper.question_guided
         assert replace(tuned, pruner=Collie(), question_guided=False) == paper
     assert method("snapkv").compress.policy == SnapKV(pool_size=63) and method("snapkv").evict is None
+    assert method("adakv").compress == replace(method("snapkv").compress, head_budgets=True)  # AdaKV on the tuned votes
+    assert method("adakv-expected-attention").compress == replace(
+        method("expected-attention").compress, head_budgets=True
+    )
+    assert not method("snapkv").compress.head_budgets and method("adakv").compress.head_floor == 0.2
     assert method("a2sf").evict.policy == A2SF(alpha=0.9, pool_size=63)  # the study's best at the preset budget
     assert method("a2sf-paper").evict.policy == A2SF() and method("snapkv-paper").compress.policy == SnapKV()
     assert method("gemfilter-paper").select == GemFilter()

@@ -17,9 +17,11 @@ tables, their padding and their evictions hold the global layers alone. A step
 3. lets each row's eviction compact that row in place (`EvictRun.after_step` on the row's buffers:
    at most the evicted count of entries moves per layer and KV head).
 
-One request alone is the same step with one row and no padding: the fastest batch-1 path. A request whose cache
-holds per-head budgets (`kv.heads`) decodes alone in its own cache (the tables hold one count per row and layer);
-the scheduler runs it when no other row decodes, and the others after it. In both, an
+One request alone is the same step with one row and no padding: the fastest batch-1 path. While a row's KV heads
+hold their own counts (per-head budgets, `kv.heads`), the global layers' tables are segmented (`kv.tables`): each
+row's heads hold exactly their entries plus room, the step writes after each head's own and the attention reads the
+segments; such a batch takes no evicting row (the scheduler holds those until it is padded again) and no static
+step. In both, an
 eviction whose step rule reads only the new query's attention (H2O, A2SF, TOVA) takes it from the step's own
 attention (`AttentionRows`: the CPU kernel's one pass over the keys). A row keeps its columns
 while others join and leave, so its eviction's record of entry ages stays valid; the tables are
@@ -49,6 +51,7 @@ from kvsieve.engine.static_step import StaticStep, steady
 from kvsieve.errors import KvsieveError
 from kvsieve.kernels.native import build_kernels
 from kvsieve.kv.cache import kv_entries
+from kvsieve.kv.heads import is_segmented
 from kvsieve.kv.tables import BatchTables
 from kvsieve.models import with_cache
 
@@ -138,7 +141,7 @@ class DecodeBatch:
     def entries(self, index: int) -> int:
         """KV entries per layer and KV head that row `index` holds (its first global layer's; a model without one:
         its first ring's)."""
-        if self.tables.alone:  # per-head budgets: their mean count
+        if self.tables.segmented:  # per-head budgets: their mean count
             return kv_entries(self.caches[index])
         layer = self.tables.order[0]
         window = self.tables.windows[layer]
@@ -155,6 +158,15 @@ class DecodeBatch:
         become views of them."""
         for row, cache in joining:
             self.check(row, cache)
+        evicting = any(row.evict is not None for row in [*self.rows, *(row for row, _ in joining)])
+        heads = self.tables.segmented or any(
+            is_segmented(layer) and not layer.equal for _, cache in joining for layer in cache.layers
+        )
+        if evicting and heads:
+            raise KvsieveError(
+                "An evicting row and a row whose KV heads hold their own counts (per-head budgets) cannot decode in "
+                "one batch: the first moves entries in padded tables, the second needs segmented ones."
+            )
         self._settle()
         self._rebuild(list(range(len(self.rows))), joining=[cache for _, cache in joining])
         for row, cache in joining:
@@ -169,6 +181,8 @@ class DecodeBatch:
         if any(not layer.is_initialized for layer in layers) or any(layer.keys.shape[0] != 1 for layer in layers):
             raise KvsieveError("A decoding row starts from a prefilled cache of one sequence (batch 1) in every layer.")
         budgeted = [layers[j] for j in self.tables.order if self.tables.windows[j] is None]
+        if row.evict is not None and any(is_segmented(layer) for layer in budgeted):
+            raise KvsieveError("An evicting row holds one count per KV head; this cache's heads hold their own.")
         if row.evict is not None and len({layer.keys.shape[2] for layer in budgeted}) > 1:
             lengths = sorted({layer.keys.shape[2] for layer in budgeted})
             raise KvsieveError(
@@ -188,10 +202,7 @@ class DecodeBatch:
         self._settle()
         for i in set(range(len(self.rows))) - set(keep):
             cache = self.caches[i]
-            if id(self.rows[i]) in emptied:
-                cache.layers = []
-            elif not self.tables.alone:  # a row alone decoded in its own cache: it keeps it as it is
-                cache.layers = [layer.detached() for layer in cache.layers]
+            cache.layers = [] if id(self.rows[i]) in emptied else [layer.detached() for layer in cache.layers]
             if self.rows[i].evict is not None:
                 self.rows[i].evict.retable(None)
         self._rebuild(keep)
@@ -201,7 +212,10 @@ class DecodeBatch:
         """One forward pass for every row; returns (rows, vocab) logits of the next tokens."""
         device = self.model.device
         windows = self.tables.windows
-        if not self.tables.alone:
+        if self.tables.segmented:
+            if not self.tables.has_room():
+                self._rebuild(list(range(len(self))))  # room for SPARE more steps after every head
+        else:
             longest = max(
                 (cache.layers[j].length + self._pending(i) for i, cache in enumerate(self.caches)
                  for j in range(len(windows)) if windows[j] is None),
@@ -210,7 +224,7 @@ class DecodeBatch:
             if longest + 1 > self.tables.keys.shape[3]:
                 self._settle()
                 self._rebuild(list(range(len(self))))  # room for SPARE more steps
-        if self.static and not self.tables.alone and (self.static_step is not None or self._steady()):
+        if self.static and not self.tables.segmented and (self.static_step is not None or self._steady()):
             return self._static()
         self._settle()
         self.static_step = None  # its tensors no longer say where the rows stand

@@ -191,18 +191,20 @@ class Scheduler:
 
     def _joinable(self, ready: list[Request]) -> list[Request]:
         """Of the prefilled answers `ready` (oldest first), those that join the batch now; the rest wait in
-        `parked`. An answer whose cache holds per-head budgets decodes alone (`kv.tables`): it joins an empty batch
-        by itself, and the others join once it has left."""
-        alone = self.batch.tables.alone
+        `parked`. An answer whose cache holds per-head budgets makes the batch's tables segmented (`kv.tables`),
+        which an evicting answer cannot decode in: neither joins while the other kind decodes."""
+        segmented = self.batch.tables.segmented
+        evicting = any(answer.row.evict is not None for answer in self.running)
         joining: list[Request] = []
         self.parked = []
         for answer in ready:
-            segmented = any(is_segmented(layer) for layer in answer.decode_cache.layers)
-            if alone or (segmented and (self.running or joining)):
+            heads = any(is_segmented(layer) for layer in answer.decode_cache.layers)
+            evicts = answer.row.evict is not None
+            if (heads and evicting) or (evicts and segmented):
                 self.parked.append(answer)
                 continue
             joining.append(answer)
-            alone = segmented
+            segmented, evicting = segmented or heads, evicting or evicts
         return joining
 
     def _fail(self, request: Request, error: Exception) -> None:

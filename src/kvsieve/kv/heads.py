@@ -71,6 +71,32 @@ class SegmentedLayer(DynamicLayer):
             room,
         )
 
+    @classmethod
+    def over(
+        cls, key_buffer: torch.Tensor, value_buffer: torch.Tensor, first: list[int], counts: list[int], room: int
+    ) -> SegmentedLayer:
+        """A layer over segments of buffers it shares (the decoding batch's, `kvsieve.kv.tables`): head g's
+        `counts[g]` entries from `first[g]` on, `room` free entries after them."""
+        layer = cls.__new__(cls)
+        DynamicLayer.__init__(layer)
+        layer.key_buffer, layer.value_buffer = key_buffer, value_buffer
+        layer.counts, layer.first = list(counts), list(first)
+        layer.ends = [a + n + room for a, n in zip(first, counts, strict=True)]
+        layer.starts = torch.tensor(first, device=key_buffer.device)
+        layer.lengths = torch.tensor(counts, device=key_buffer.device)
+        layer.keys, layer.values = key_buffer[None, None], value_buffer[None, None]
+        layer.dtype, layer.device, layer.is_initialized = key_buffer.dtype, key_buffer.device, True
+        return layer
+
+    def has_room(self, steps: int = 1) -> bool:
+        """Whether every head can take `steps` more entries without a new allocation."""
+        return all(a + n + steps <= end for a, n, end in zip(self.first, self.counts, self.ends, strict=True))
+
+    def advance(self, steps: int = 1) -> None:
+        """Make the entries that `steps` steps wrote after each head's own (the batch writes them) live."""
+        self.counts = [n + steps for n in self.counts]
+        self.lengths = self.lengths + steps
+
     def _allocate(self, keys: torch.Tensor, values: torch.Tensor, counts: list[int], room: int) -> None:
         """New buffers holding the heads' live entries, `keys` / `values` ((sum of `counts`, d), head after head),
         each head's followed by `room` free entries."""
@@ -99,8 +125,10 @@ class SegmentedLayer(DynamicLayer):
 
     @property
     def nbytes(self) -> int:
-        """Bytes the layer holds: its buffers, room included."""
-        return sum(t.numel() * t.element_size() for t in (self.key_buffer, self.value_buffer))
+        """Bytes of the layer's segments, room included (all of its buffers where it owns them; its share of the
+        decoding batch's where it lies in them)."""
+        per_entry = sum(t.shape[-1] * t.element_size() for t in (self.key_buffer, self.value_buffer))
+        return sum(end - a for a, end in zip(self.first, self.ends, strict=True)) * per_entry
 
     def segments(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(starts, lengths), each (1, kv_heads): where each head's live entries lie (the attention's view)."""
@@ -121,16 +149,20 @@ class SegmentedLayer(DynamicLayer):
             raise KvsieveError(
                 f"A segmented layer holds one sequence of {self.kv_heads} KV heads; got {batch} x {kv_heads} entries."
             )
-        if any(a + n + q > end for a, n, end in zip(self.first, self.counts, self.ends, strict=True)):
-            self._allocate(*self._live(), self.counts, max(ROOM, q))
+        if not self.has_room(q):
+            self._allocate(*self.live(), self.counts, max(ROOM, q))
         index = (self.starts + self.lengths)[:, None] + torch.arange(q, device=self.device)  # (kv_heads, q)
         self.key_buffer[index] = key_states[0]
         self.value_buffer[index] = value_states[0]
-        self.counts = [n + q for n in self.counts]
-        self.lengths = self.lengths + q
+        self.advance(q)
         return self.key_buffer[None, None], self.value_buffer[None, None]
 
-    def _live(self) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def equal(self) -> bool:
+        """Whether every head holds as many entries (then a (1, kv_heads, n, d) layer holds it as well)."""
+        return len(set(self.counts)) == 1
+
+    def live(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every head's live entries, head after head: (entries, d) keys and values."""
         heads = [self.head(g) for g in range(self.kv_heads)]
         return torch.cat([k for k, _ in heads]), torch.cat([v for _, v in heads])
@@ -139,7 +171,7 @@ class SegmentedLayer(DynamicLayer):
         """A copy of the live entries without room (a cache kept after its answer)."""
         copy = SegmentedLayer.__new__(SegmentedLayer)
         DynamicLayer.__init__(copy)
-        copy._allocate(*self._live(), self.counts, 0)
+        copy._allocate(*self.live(), self.counts, 0)
         return copy
 
     def shared(self) -> SegmentedLayer:

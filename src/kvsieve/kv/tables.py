@@ -7,8 +7,12 @@ replaces the oldest once the window is full), so the global tables, their paddin
 global layers alone. Each row's own cache object keeps its layers as buffers over its slices (`DecodeBuffer`,
 `WindowBuffer`), so a step writes every row's new entry in place and a row's eviction moves its entries there.
 `DecodeBatch` (`engine.batch`) decides when the tables are rebuilt; this module only builds and addresses them.
-A row whose KV heads hold their own counts (per-head budgets, `kv.heads.SegmentedLayer`) is not put in the tables,
-whose columns are one count per row and layer: it decodes alone, in its own cache (`alone`).
+Where a row's KV heads hold their own counts (per-head budgets, `kv.heads.SegmentedLayer`), the global layers' tables
+are segmented instead (`segmented`): per layer one flat key and one value buffer, each row's heads a segment of it
+with room after their entries, every row's layers `SegmentedLayer`s over their segments, and a step writes each
+row's new entries after each of its heads' own; the attention reads the segments (`SegmentedBatchLayer`). Rows of one
+count per head are held so too while such a row runs; evicting rows, which move entries in the padded tables, join
+only a batch that is not segmented (the scheduler holds them).
 A static step (`engine.static_step`) writes through `ScatterLayer`s instead, at columns held in tensors.
 """
 
@@ -20,9 +24,8 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from kvsieve.errors import KvsieveError
-from kvsieve.kv.cache import DecodeBuffer, WindowBuffer, cache_nbytes
-from kvsieve.kv.heads import is_segmented
+from kvsieve.kv.cache import DecodeBuffer, WindowBuffer
+from kvsieve.kv.heads import SegmentedLayer, is_segmented
 from kvsieve.models import architecture
 
 
@@ -32,11 +35,42 @@ class BatchLayer(DynamicLayer):
     def __init__(self, tables: BatchTables, layer: int):
         super().__init__()
         self.tables, self.layer = tables, layer
-        self.lazy_initialization(tables.keys, tables.values)
+        self.lazy_initialization(*tables.of_layer(layer))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         self.keys, self.values = self.tables.append(self.layer, key_states, value_states)
         return self.keys, self.values
+
+
+class SegmentedBatchLayer(DynamicLayer):
+    """A global layer of a segmented batch: writes each row's new entry after each of its heads' own, in place, and
+    tells the attention where every row's heads lie (`segments`, read after the step's write)."""
+
+    def __init__(self, tables: BatchTables, layer: int):
+        super().__init__()
+        self.tables, self.layer = tables, layer
+        self.flat = tables.flat[tables.slot[layer]]  # the layer's (capacity, d) keys and values
+        self.lazy_initialization(self.flat[0], self.flat[1])
+
+    def _rows(self) -> list[SegmentedLayer]:
+        return [cast(SegmentedLayer, cache.layers[self.layer]) for cache in self.tables.caches]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        rows = self._rows()
+        index = torch.stack([row.starts + row.lengths for row in rows])  # (rows, kv_heads): each head's next entry
+        keys, values = self.flat
+        keys[index], values[index] = key_states[:, :, 0], value_states[:, :, 0]
+        for row in rows:
+            row.advance()
+        return keys[None, None], values[None, None]
+
+    @property
+    def longest(self) -> int:
+        return max(row.longest for row in self._rows())
+
+    def segments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self._rows()
+        return torch.stack([row.starts for row in rows]), torch.stack([row.lengths for row in rows])
 
 
 class BatchTables:
@@ -54,17 +88,27 @@ class BatchTables:
         self.keys: torch.Tensor | None = None  # (global layers, rows, kv_heads, capacity, d) once a row joins
         self.values: torch.Tensor | None = None
         self.rings: tuple[torch.Tensor, torch.Tensor] | None = None  # (sliding layers, rows, kv_heads, window, d)
-        self.cache: Cache | None = None
-        self.alone = False  # the one row decodes in its own cache (per-head budgets), `self.cache`
+        self.cache: DynamicCache | None = None
+        self.segmented = False  # the global layers in per-layer flat buffers of segments (`flat`), not in `keys`
+        self.flat: list[tuple[torch.Tensor, torch.Tensor]] = []  # per global layer (slot), its keys and values
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the shared key and value tables (global layers) and the sliding layers' rings, as allocated:
-        their capacity, not only the entries in use; a row `alone`, its own cache's."""
-        if self.alone:
-            return cache_nbytes(self.caches[0])
-        tensors = [t for t in (self.keys, self.values, *(self.rings or ())) if t is not None]
+        """Bytes of the shared key and value tables (global layers; segmented, their flat buffers) and the sliding
+        layers' rings, as allocated: their capacity, not only the entries in use."""
+        flat = [t for pair in self.flat for t in pair]
+        tensors = [t for t in (self.keys, self.values, *(self.rings or ()), *flat) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def has_room(self) -> bool:
+        """Whether a segmented batch's every row and head can take one more entry (a padded batch: `DecodeBatch`
+        checks its capacity)."""
+        return all(
+            cast(SegmentedLayer, cache.layers[j]).has_room()
+            for cache in self.caches
+            for j, window in enumerate(self.windows)
+            if window is None
+        )
 
     def of_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s (rows, kv_heads, capacity, d) key and value tables: the global tables' or the rings'."""
@@ -83,40 +127,66 @@ class BatchTables:
     def rebuild(self, caches: list[Cache], spare: int) -> None:
         """New tables holding `caches` (rows in that order) with room for `spare` more steps; each cache's layers
         become buffers over its slices, their entries copied in."""
-        self.alone = any(is_segmented(layer) for cache in caches for layer in cache.layers)
-        if not caches or self.alone:
-            if len(caches) > 1:
-                raise KvsieveError("A row with per-head budgets decodes alone; the tables hold one count per row.")
-            self.caches, self.keys, self.values, self.rings = caches, None, None, None
-            self.cache = caches[0] if caches else None
+        self.caches, self.flat, self.keys, self.values = caches, [], None, None
+        if not caches:
+            self.rings, self.cache, self.segmented = None, None, False
             return
-        first = caches[0].layers[0]
+        # Segmented while some row's heads hold different counts; rows whose heads hold one count go back to the
+        # padded tables (where evicting rows can join again).
+        self.segmented = any(is_segmented(layer) and not layer.equal for cache in caches for layer in cache.layers)
         globals_ = [j for j in self.order if self.windows[j] is None]
-        capacity = max((cache.layers[j].keys.shape[2] for cache in caches for j in globals_), default=0) + spare
-        ring = max((w for w in self.windows if w is not None), default=0)
-        heads, key_dim, value_dim = first.keys.shape[1], first.keys.shape[-1], first.values.shape[-1]
+        sliding = [j for j in self.order if self.windows[j] is not None]
+        first = caches[0].layers[(globals_ or sliding)[0]]
+        heads = first.kv_heads if is_segmented(first) else first.keys.shape[1]
+        key_dim, value_dim = first.keys.shape[-1], first.values.shape[-1]
         # Zeros, not empty memory: padding is masked out of the attention weights, but a 0 weight times a NaN
         # left in uninitialised memory would still be NaN.
-        self.keys = first.keys.new_zeros(len(globals_), len(caches), heads, capacity, key_dim)
-        self.values = first.values.new_zeros(len(globals_), len(caches), heads, capacity, value_dim)
-        sliding = len(self.order) - len(globals_)
-        ring_keys = first.keys.new_zeros(sliding, len(caches), heads, ring, key_dim)
-        self.rings = (ring_keys, first.values.new_zeros(sliding, len(caches), heads, ring, value_dim))
-        self.caches = caches
+        if self.segmented:
+            self.flat = [self._segments(j, caches, spare) for j in globals_]
+        else:
+            capacity = max((_count(cache.layers[j]) for cache in caches for j in globals_), default=0) + spare
+            self.keys = first.keys.new_zeros(len(globals_), len(caches), heads, capacity, key_dim)
+            self.values = first.values.new_zeros(len(globals_), len(caches), heads, capacity, value_dim)
+        ring = max((w for w in self.windows if w is not None), default=0)
+        ring_keys = first.keys.new_zeros(len(sliding), len(caches), heads, ring, key_dim)
+        self.rings = (ring_keys, first.values.new_zeros(len(sliding), len(caches), heads, ring, value_dim))
         for b, cache in enumerate(caches):  # each buffer copies its entries into its slices of the new tables
             cache.layers = [
-                self._buffer(j, layer, tuple(table[b : b + 1] for table in self.of_layer(j)))
+                layer if self.segmented and self.windows[j] is None  # `_segments` made it
+                else self._buffer(j, layer, tuple(table[b : b + 1] for table in self.of_layer(j)))
                 for j, layer in enumerate(cache.layers)
-            ]
+            ]  # fmt: skip
         self.cache = DynamicCache(config=self.config)
-        self.cache.layers = [BatchLayer(self, j) for j in range(len(self.windows))]
+        self.cache.layers = [
+            SegmentedBatchLayer(self, j) if self.segmented and window is None else BatchLayer(self, j)
+            for j, window in enumerate(self.windows)
+        ]
+
+    def _segments(self, j: int, caches: list[Cache], spare: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global layer `j` of every row in one flat key and one value buffer, each row's heads a segment with
+        `spare` free entries after its own; each row's layer becomes a `SegmentedLayer` over its segments."""
+        held = [_heads(cache.layers[j]) for cache in caches]  # per row: its heads' entries, head after head
+        counts = [count for _, _, row in held for count in row]
+        first = [sum(counts[:i]) + i * spare for i in range(len(counts))]
+        keys = held[0][0].new_zeros(sum(counts) + spare * len(counts), held[0][0].shape[-1])
+        values = held[0][1].new_zeros(keys.shape[0], held[0][1].shape[-1])
+        index = torch.cat([torch.arange(a, a + n, device=keys.device) for a, n in zip(first, counts, strict=True)])
+        keys[index] = torch.cat([k for k, _, _ in held])
+        values[index] = torch.cat([v for _, v, _ in held])
+        heads = len(held[0][2])
+        for b, cache in enumerate(caches):
+            span = slice(b * heads, (b + 1) * heads)
+            cache.layers[j] = SegmentedLayer.over(keys, values, first[span], counts[span], spare)
+        return keys, values
 
     def _buffer(self, j: int, layer: DynamicLayer, storage: tuple[torch.Tensor, torch.Tensor]) -> DecodeBuffer:
         """Layer `j`'s entries copied into `storage` (its slices of the tables): a `WindowBuffer` for a sliding
-        layer (a ring keeps its order), a `DecodeBuffer` for a global one."""
+        layer (a ring keeps its order), a `DecodeBuffer` for a global one (a segmented layer's heads holding one
+        count each)."""
         window, capacity = self.windows[j], storage[0].shape[2]
         if window is None:
-            return DecodeBuffer(layer.keys, layer.values, capacity, storage=storage)
+            keys, values = layer.padded() if is_segmented(layer) else (layer.keys, layer.values)
+            return DecodeBuffer(keys, values, capacity, storage=storage)
         buffer = WindowBuffer(layer.keys, layer.values, window, capacity, storage)
         buffer.oldest = getattr(layer, "oldest", 0)
         return buffer
@@ -150,9 +220,25 @@ class BatchTables:
         return [torch.tensor(lengths, device=device) for lengths in per_layer]
 
 
-def _after_step(layer: DecodeBuffer) -> int:
-    """The keys a decoding step's query sees in `layer` once its entry is in: one more, or a full ring's window."""
+def _after_step(layer: DecodeBuffer | SegmentedLayer) -> int:
+    """The keys a decoding step's query sees in `layer` once its entry is in: one more, or a full ring's window (a
+    segmented layer's attention reads its segments instead: its longest head's)."""
+    if isinstance(layer, SegmentedLayer):
+        return layer.longest + 1
     return min(layer.length + 1, layer.window) if isinstance(layer, WindowBuffer) else layer.length + 1
+
+
+def _count(layer: DynamicLayer) -> int:
+    """Entries per KV head of a layer whose heads hold one count each."""
+    return layer.longest if is_segmented(layer) else layer.keys.shape[2]
+
+
+def _heads(layer: DynamicLayer) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """A global layer's live entries head after head ((entries, d) keys and values) and each head's count."""
+    if is_segmented(layer):
+        return *layer.live(), list(layer.counts)
+    _, heads, n, _ = layer.keys.shape
+    return layer.keys[0].reshape(heads * n, -1), layer.values[0].reshape(heads * n, -1), [n] * heads
 
 
 class ScatterLayer(DynamicLayer):
