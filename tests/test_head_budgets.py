@@ -188,6 +188,30 @@ def test_per_head_rows_decode_in_one_segmented_batch_with_others_each_as_alone(m
     assert widths[-1] == (1, False)  # it decodes in padded tables once they left
 
 
+def test_a_waiting_evicting_request_goes_before_a_later_per_head_one(make_model):
+    """Per-head, evicting, per-head: the evicting one waits for the first to leave, and the last waits for it (no
+    kind waits for ever behind the other); each answers as alone."""
+    model = make_model("llama", num_layers=2)
+    tokenizer, prompt = FakeTokenizer(), make_prompt(100, tail_len=8)
+    heads = method("snapkv", {"compress.head_budgets": True, "compress.budget": 0.5, "compress.policy.window": 8})
+    specs = [heads, method("h2o", {"evict.budget": 40}), heads]
+    sampling = Sampling(max_new_tokens=5)
+    alone = [run(model, tokenizer, prompt, method=spec, sampling=sampling).tokens for spec in specs]
+    scheduler = Scheduler(model, tokenizer)
+    requests = [Request(prompt, spec, sampling) for spec in specs]
+    kinds = []
+    original = scheduler.batch.step
+
+    def step():
+        kinds.append(tuple(r.spec.name for r in scheduler.running))
+        return original()
+
+    scheduler.batch.step = step
+    scheduler.run_to_end(requests)
+    assert [r.result.tokens for r in requests] == alone
+    assert [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]] == [("snapkv",), ("h2o",), ("snapkv",)]
+
+
 def test_a_segmented_layer_holds_each_heads_entries_then_room_after_each():
     layer = SegmentedLayer([torch.randn(n, 4) for n in (5, 9)], [torch.randn(n, 4) for n in (5, 9)], room=0)
     assert layer.nbytes == 14 * 2 * 4 * 4 and not layer.equal

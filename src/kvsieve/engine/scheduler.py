@@ -192,16 +192,19 @@ class Scheduler:
     def _joinable(self, ready: list[Request]) -> list[Request]:
         """Of the prefilled answers `ready` (oldest first), those that join the batch now; the rest wait in
         `parked`. An answer whose cache holds per-head budgets makes the batch's tables segmented (`kv.tables`),
-        which an evicting answer cannot decode in: neither joins while the other kind decodes."""
+        which an evicting answer cannot decode in: neither joins while the other kind decodes, nor while an older
+        answer of the other kind waits (so neither kind waits for ever)."""
         segmented = self.batch.tables.segmented
         evicting = any(answer.row.evict is not None for answer in self.running)
+        heads_wait = evict_waits = False
         joining: list[Request] = []
         self.parked = []
         for answer in ready:
             heads = any(is_segmented(layer) for layer in answer.decode_cache.layers)
             evicts = answer.row.evict is not None
-            if (heads and evicting) or (evicts and segmented):
+            if (heads and (evicting or evict_waits)) or (evicts and (segmented or heads_wait)):
                 self.parked.append(answer)
+                heads_wait, evict_waits = heads_wait or heads, evict_waits or evicts
                 continue
             joining.append(answer)
             segmented, evicting = segmented or heads, evicting or evicts
