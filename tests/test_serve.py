@@ -509,6 +509,14 @@ def test_a_reuse_budget_stores_the_context_compressed_and_every_request_continue
             infos = [a.model_extra["kvsieve"] for a in asked]
             assert [i["cache"] for i in infos] == ["miss", "hit"], name
             assert all(i["context_entries"] == 30 and i["query_aware"] is False for i in infos), name
+        # Per-head budgets keep the document with its heads' own counts (30 on average); the stored state is shared
+        # copy-on-write by the requests that continue it, so asking again gives the same answer.
+        heads = {"compress.budget": 24, "compress.policy.window": 4}
+        asked = [ask(server, "per head " + DOC, "what is it", "adakv", heads) for _ in range(3)]
+        infos = [a.model_extra["kvsieve"] for a in asked]
+        assert [i["cache"] for i in infos] == ["miss", "hit", "hit"]
+        assert all(i["context_entries"] == 30 and i["query_aware"] is False for i in infos)
+        assert len({a.choices[0].message.content for a in asked}) == 1
         exact = ask(server, DOC, "what is the pass key", "full", {})  # full attention has no scorer: kept whole
         assert exact.model_extra["kvsieve"]["query_aware"] is True
         assert exact.model_extra["kvsieve"]["reuse_budget"] == "whole"  # no scorer: full attention's state is whole
