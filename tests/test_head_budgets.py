@@ -133,16 +133,20 @@ def test_head_counts_pool_the_heads_with_a_floor():
     assert head_counts(scores, 3, 0.0, protected).tolist() == [5, 1]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_segment_attention_reads_each_heads_segment(dtype):
+def test_segment_attention_reads_each_heads_segment(dtype, device):
+    """On a CPU a decoding step is the kernel's; several queries, and every step on CUDA, the gathered path."""
+    if device == "cuda":
+        assert torch.cuda.is_available(), "the gpu tests need CUDA (run them with `make test-gpu` on a GPU machine)"
     generator = torch.Generator().manual_seed(0)
-    lengths = torch.tensor([[5, 40, 17], [33, 3, 60]])
+    lengths = torch.tensor([[5, 40, 17], [33, 3, 60]], device=device)
     sizes = (lengths + 7).flatten()  # 7 free entries after each segment
     starts = (torch.cumsum(sizes, 0) - sizes).view(2, 3)
-    key = torch.randn(int(sizes.sum()), 64, generator=generator).to(dtype)
-    value = torch.randn(int(sizes.sum()), 64, generator=generator).to(dtype)
-    for q in (1, 3):  # a decoding step (the CPU's kernel) and several queries (the gathered path)
-        query = torch.randn(2, 9, q, 64, generator=generator).to(dtype)
+    key = torch.randn(int(sizes.sum()), 64, generator=generator).to(device, dtype)
+    value = torch.randn(int(sizes.sum()), 64, generator=generator).to(device, dtype)
+    for q in (1, 3):
+        query = torch.randn(2, 9, q, 64, generator=generator).to(device, dtype)
         out = segment_attention(query, key, value, starts, lengths, None, 60)
         for b in range(2):
             for g in range(3):
@@ -150,8 +154,9 @@ def test_segment_attention_reads_each_heads_segment(dtype):
                 v = value[starts[b, g] : starts[b, g] + lengths[b, g]]
                 heads = query[b : b + 1, 3 * g : 3 * g + 3]
                 expected = torch.nn.functional.scaled_dot_product_attention(
-                    heads.float(), k[None, None].float(), v[None, None].float(), attn_mask=_bottom_right(q, len(k))
-                )
+                    heads.float(), k[None, None].float(), v[None, None].float(),
+                    attn_mask=_bottom_right(q, len(k)).to(device),
+                )  # fmt: skip
                 tol = 1e-5 if dtype == torch.float32 else 2e-2
                 torch.testing.assert_close(out[b, 3 * g : 3 * g + 3].float(), expected[0], rtol=tol, atol=tol)
 
