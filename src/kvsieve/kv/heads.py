@@ -2,7 +2,7 @@
 
 AdaKV's allocation (`head_counts`) gives the heads of a layer different counts. A padded (1, kv_heads, n, d) layer
 would hold every head at the longest one's count (on SmolLM2 at a quarter of a 4K passkey prompt, SnapKV's scores
-give the longest head 1.2 to 2.5 times the layer's mean), so the memory would not follow the budget. A
+give the longest head 1.2 to 2.4 times the layer's mean), so the memory would not follow the budget. A
 `SegmentedLayer` holds each head's entries in a segment of one flat buffer instead: the layer holds the sum of the
 heads' counts (plus the room for the tokens that follow), and attention reads each segment where it lies
 (`kvsieve.kernels.attention.segment_attention`: the CPU's kernel for a decoding step, one call per layer).
