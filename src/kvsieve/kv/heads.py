@@ -10,6 +10,7 @@ heads' counts (plus the room for the tokens that follow), and attention reads ea
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Any, TypeVar
 
 import torch
@@ -63,7 +64,9 @@ class SegmentedLayer(DynamicLayer):
         self._allocate(torch.cat(keys), torch.cat(values), [k.shape[0] for k in keys], room)
 
     @classmethod
-    def kept(cls, keys: torch.Tensor, values: torch.Tensor, kept: list[torch.Tensor], room: int = ROOM):
+    def kept(
+        cls, keys: torch.Tensor, values: torch.Tensor, kept: list[torch.Tensor], room: int = ROOM
+    ) -> SegmentedLayer:
         """The entries `kept[g]` (ascending positions) of KV head g of a (1, kv_heads, n, d) layer."""
         return cls(
             [keys[0, g, index] for g, index in enumerate(kept)],
@@ -102,7 +105,7 @@ class SegmentedLayer(DynamicLayer):
         each head's followed by `room` free entries."""
         device = keys.device
         self.counts = list(counts)
-        self.first = [sum(counts[:g]) + g * room for g in range(len(counts))]  # each segment's start
+        self.first = [start + g * room for g, start in enumerate(accumulate(counts, initial=0))][:-1]
         self.ends = [start + count + room for start, count in zip(self.first, counts, strict=True)]
         self.key_buffer = keys.new_zeros(self.ends[-1], keys.shape[-1])
         self.value_buffer = values.new_zeros(self.ends[-1], values.shape[-1])

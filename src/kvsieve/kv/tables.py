@@ -18,6 +18,7 @@ A static step (`engine.static_step`) writes through `ScatterLayer`s instead, at 
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import cast
 
 import torch
@@ -167,7 +168,7 @@ class BatchTables:
         `spare` free entries after its own; each row's layer becomes a `SegmentedLayer` over its segments."""
         held = [_heads(cache.layers[j]) for cache in caches]  # per row: its heads' entries, head after head
         counts = [count for _, _, row in held for count in row]
-        first = [sum(counts[:i]) + i * spare for i in range(len(counts))]
+        first = [start + i * spare for i, start in enumerate(accumulate(counts, initial=0))][:-1]
         keys = held[0][0].new_zeros(sum(counts) + spare * len(counts), held[0][0].shape[-1])
         values = held[0][1].new_zeros(keys.shape[0], held[0][1].shape[-1])
         index = torch.cat([torch.arange(a, a + n, device=keys.device) for a, n in zip(first, counts, strict=True)])
