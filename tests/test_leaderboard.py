@@ -155,6 +155,32 @@ def test_a_later_sweeps_full_attention_is_the_boards_control_row(tmp_path):
     assert "**full-again**" not in text
 
 
+def test_a_later_sweeps_repeat_of_a_method_is_what_its_new_methods_are_compared_with(tmp_path):
+    """A later sweep that answers snapkv again beside a new method (adakv) keeps its snapkv as `snapkv-again` (not
+    dropped as a repeat): adakv is compared with the answers of its own sweep, and snapkv-again with snapkv's first
+    answers; the repeat gets no verdict sentence of its own."""
+    from kvsieve.eval import records
+    from kvsieve.eval.report import write_report
+
+    def document(rows, methods):
+        return ruler_document(rows, methods, [0.25], 16)
+
+    scores = {"niah_single_1": [100] * 16, "qa_1": [100, 0] * 8}
+    moved = {"niah_single_1": [100] * 16, "qa_1": [0, 0] + [100, 0] * 7}  # one answer moved
+    first = rows_of("full", None, "question", scores) + rows_of("snapkv", 0.25, "question", scores, kept=25)
+    second = rows_of("snapkv", 0.25, "question", moved, kept=25) + rows_of("adakv", 0.25, "question", scores, kept=25)
+    records.save(tmp_path / "sweep.json", document(first, "full,snapkv"))
+    records.save(tmp_path / "new.json", document(second, "snapkv,adakv"))
+    text = write_report(tmp_path / "docs" / "R.md", ruler_files=[tmp_path / "sweep.json", tmp_path / "new.json"])
+    text = text.read_text()
+    assert "| snapkv | 0.25 | question | 75.0 | +0.0 [" in text  # the first sweep's snapkv
+    assert "| snapkv-again | 0.25 | question | 71.9 | -3.1 [" in text  # (100 + 43.75) / 2
+    assert "- `snapkv-again 0.25 question` against `snapkv 0.25 question`: -3.1 [" in text
+    assert "- `adakv 0.25 question` against `snapkv-again 0.25 question`: +3.1 [" in text  # qa_1: +100 / 16, halved
+    assert "`snapkv 0.25 question` against" not in text  # the first sweep's rows are not compared with the repeat
+    assert "**snapkv-again**" not in text and "**adakv**" in text
+
+
 def test_a_rows_ttft_speedup_is_its_own_budgets_or_none(tmp_path):
     """The TTFT column reads the bench only where the bench ran the row's budget: the committed bench ran snapkv at
     1024 of 4096 tokens, so the 0.25 row gets its speedup and the 0.5 row a dash."""

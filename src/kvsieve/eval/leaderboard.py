@@ -22,9 +22,11 @@ from typing import Any
 
 KEEP_AT = 20.0  # full attention's task score (0-100) below which a task is left out of the leaderboard
 FULL = ("full", None, "question")  # the reference configuration: full attention, the question in the prompt
-# Full attention answered again by a later sweep on the same cases (`report_results.merge`): a control, whose difference
-# from FULL is how far full attention moves from itself (bfloat16 answers change with what a batch holds).
-CONTROL = "full-again"
+# A method answered again by a later sweep on the same cases is kept under its name plus AGAIN (`report_results.merge`):
+# full attention's (CONTROL) difference from FULL is how far full attention moves from itself (bfloat16 answers change
+# with what a batch holds); another method's repeat is the row that sweep's new methods are compared with, pairwise.
+AGAIN = "-again"
+CONTROL = "full" + AGAIN
 RESAMPLES = 2000
 LEVEL = 0.90
 
@@ -39,6 +41,11 @@ FAMILIES = {
 }  # fmt: skip
 Case = tuple[str, int, int]  # (task, length, sample index)
 Key = tuple[str, float | None, str]  # (method, budget, mode)
+
+
+def repeat_of(method: str) -> str | None:
+    """The method a repeat row (`AGAIN`) answered again, or None for a method's own row."""
+    return method.removesuffix(AGAIN) if method.endswith(AGAIN) else None
 
 
 def case_of(row: Mapping[str, Any]) -> Case:
@@ -138,14 +145,29 @@ class Entry:
 
 
 @dataclass(frozen=True)
+class Beside:
+    """A configuration against a repeat row (`AGAIN`) rather than against full attention: a method a later sweep
+    added against that sweep's own answers of a method the board already had (the same batches, the same bfloat16
+    noise), or the repeat against the method's first answers (how far the method moves from itself)."""
+
+    key: Key
+    against: Key
+    difference: float  # paired, points, on the board's cases
+    low: float
+    high: float
+
+
+@dataclass(frozen=True)
 class Board:
-    """The leaderboard: its entries (full attention first), the common cases and the configurations left out
-    because they have not answered every one of them (a run still going), with the cases they have."""
+    """The leaderboard: its entries (full attention first), the common cases, the configurations left out
+    because they have not answered every one of them (a run still going), with the cases they have, and the
+    comparisons with repeat rows (`Beside`)."""
 
     entries: list[Entry]
     cases: list[Case]
     tasks: list[str]
     incomplete: dict[Key, int]
+    beside: list[Beside]
 
 
 def leaderboard(rows: Sequence[Mapping[str, Any]], tasks: Sequence[str] | None = None) -> Board:
@@ -186,4 +208,35 @@ def leaderboard(rows: Sequence[Mapping[str, Any]], tasks: Sequence[str] | None =
             )
         )
     entries.sort(key=lambda e: (e.key != FULL, e.method != CONTROL, e.mode != "question", e.method, e.budget or 1.0))
-    return Board(entries, reference, [t for t in chosen if any(c[0] == t for c in reference)], incomplete)
+    tasks = [t for t in chosen if any(c[0] == t for c in reference)]
+    return Board(entries, reference, tasks, incomplete, beside_repeats(table, complete, reference))
+
+
+def _sweep(rows: Mapping[Case, Mapping[str, Any]]) -> Any:
+    return next(iter(rows.values())).get("sweep")
+
+
+def beside_repeats(
+    table: Mapping[Key, Mapping[Case, Mapping[str, Any]]], complete: Sequence[Key], reference: Sequence[Case]
+) -> list[Beside]:
+    """Each repeat row of a method other than full attention (full's is the board's control row), against the
+    method's first answers, and each method of the repeat's own sweep (the rows' `sweep`, set by
+    `report_results.merge`) at the same budget and mode against the repeat: paired differences on `reference`."""
+    found = []
+    for again in complete:
+        method = repeat_of(again[0])
+        if method is None or again == FULL or again[0] == CONTROL:
+            continue
+        first = (method, *again[1:])
+        pairs = [(again, first)] if first in complete else []
+        sweep = _sweep(table[again])
+        pairs += [
+            (key, again)
+            for key in complete
+            if key[1:] == again[1:] and repeat_of(key[0]) is None and key != first
+            and sweep is not None and _sweep(table[key]) == sweep
+        ]  # fmt: skip
+        for key, against in pairs:
+            differences = {case: table[key][case]["score"] - table[against][case]["score"] for case in reference}
+            found.append(Beside(key, against, *paired_difference(differences)))
+    return found

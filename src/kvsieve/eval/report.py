@@ -20,7 +20,7 @@ from kvsieve.eval import niah, records
 from kvsieve.eval import report_leaderboard as board_sections
 from kvsieve.eval import report_sections as sections
 from kvsieve.eval.bench import plot_scaling
-from kvsieve.eval.leaderboard import CONTROL, KEEP_AT
+from kvsieve.eval.leaderboard import KEEP_AT, repeat_of
 from kvsieve.eval.report_results import GLANCE_BUDGET, Results
 from kvsieve.eval.report_sections import machine_line, measured_on, spread
 from kvsieve.eval.ruler import TASKS
@@ -55,7 +55,7 @@ def ruler_sections(report: Results, root: Path) -> list[str]:
             f"TTFT speedup: the median of ratios to full attention from the bench at {length} tokens, on rows whose "
             "budget the bench ran (`-` on the others: a budget's own speed, not another's)."
         )
-        methods = list(dict.fromkeys(e.method for e in board.entries if e.method not in ("full", CONTROL)))
+        methods = list(dict.fromkeys(e.method for e in board.entries if e.method != "full" and not repeat_of(e.method)))
         seeds_first = [m for m in board_sections.SEEDS if m in methods]
         seeds_first += [m for m in methods if m not in board_sections.SEEDS]
         lines += [

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvsieve import figures
-from kvsieve.eval.leaderboard import CONTROL, FULL, Board, Entry
+from kvsieve.eval.leaderboard import CONTROL, FULL, Board, Entry, Key, repeat_of
 
 SEEDS = ("gemfilter", "critiprefill", "imdc", "a2sf")  # the four papers' presets
 # Fewer cases a task than this and the bootstrap intervals do not hold (5 cases whose answers all agree give a
@@ -106,16 +106,40 @@ def few_cases_note(board: Board) -> list[str]:
 
 
 def control_note(board: Board) -> list[str]:
-    """What the control row (`CONTROL`) says, where the board has one (empty otherwise)."""
+    """What the repeat rows say, where the board has them (empty otherwise): the control row (`CONTROL`, full
+    attention answered again) and each other repeat with the comparisons made against it (`Board.beside`)."""
+    lines = []
     control = next((e for e in board.entries if e.method == CONTROL), None)
-    if control is None:
-        return []
-    return [
-        "",
-        f"`{CONTROL}` is a control: full attention answered again, by a later sweep, on the same cases. Its difference "
-        f"from `full` ({control.difference:+.1f} points) is how far full attention moves from itself: greedy bfloat16 "
-        "answers change with what a decoding batch holds. A row's difference no larger than that is not the method's.",
-    ]
+    if control is not None:
+        lines += [
+            "",
+            f"`{CONTROL}` is a control: full attention answered again, by a later sweep, on the same cases. Its "
+            f"difference from `full` ({control.difference:+.1f} points) is how far full attention moves from itself: "
+            "greedy bfloat16 answers change with what a decoding batch holds. A row's difference no larger than that "
+            "is not the method's.",
+        ]
+    if board.beside:
+        judged = fewest_cases(board) >= VERDICT_CASES
+        said = [
+            f"- `{_name(b.key)}` against `{_name(b.against)}`: "
+            + (f"{b.difference:+.1f} [{b.low:+.1f}, {b.high:+.1f}]" if judged else f"{b.difference:+.1f} (no interval)")
+            for b in board.beside
+        ]
+        lines += [
+            "",
+            "A row named `...-again` is a method a later sweep answered again on the same cases, so that the methods "
+            "that sweep added are compared with answers from the same batches: paired differences in points, 90% "
+            "interval as in the table (the repeat against the method's first answers is how far the method moves "
+            "from itself):",
+            "",
+            *said,
+        ]
+    return lines
+
+
+def _name(key: Key) -> str:
+    method, budget, mode = key
+    return f"{method} {_budget(budget)} {mode}"
 
 
 def verdict(entry: Entry) -> str:
@@ -131,7 +155,7 @@ def which_method_when(board: Board, methods: Sequence[str]) -> list[str]:
     if fewest_cases(board) < VERDICT_CASES:
         return ["", "### Which method when", "", f"Not on this board: fewer than {VERDICT_CASES} cases a task."]
     sentences = []
-    for method in methods:
+    for method in (m for m in methods if repeat_of(m) is None):
         parts = []
         for mode in MODE_TITLES:
             mine = sorted(

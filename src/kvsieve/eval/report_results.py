@@ -29,16 +29,18 @@ def _length(row: dict[str, Any]) -> int | None:
 def merge(documents: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     """One document from several result files of one kind: each method's rows at each length (and its spec) come
     from the first file that has the method at that length, so a later run can add methods, or lengths, next to an
-    earlier one. A later RULER file's full attention at a length already given becomes the control row
-    (`leaderboard.CONTROL`, the first such file's)."""
+    earlier one. A later RULER file's method at a length already given becomes that method's repeat row
+    (`leaderboard.AGAIN`, the first such file's; full attention's is the control, `leaderboard.CONTROL`), and every
+    RULER row says which file (`sweep`, its index) answered it, so a sweep's methods are compared with its own
+    repeats."""
     if not documents:
         return None
     first = documents[0]
     merged = {**first, "settings": {**first["settings"], "methods": {}}, "rows": []}
     seen: set[tuple[str, int | None]] = set()
-    for doc in documents:
-        if doc is not first and doc.get("kind") == "ruler":
-            doc = _as_control(doc, seen)
+    for sweep, doc in enumerate(documents):
+        if doc.get("kind") == "ruler":
+            doc = _as_repeats({**doc, "rows": [{**r, "sweep": sweep} for r in doc["rows"]]}, seen)
         new = {(r["method"], _length(r)) for r in doc["rows"]} - seen
         seen |= new
         for method in dict.fromkeys(m for m, _ in new):
@@ -47,16 +49,18 @@ def merge(documents: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     return merged
 
 
-def _as_control(doc: dict[str, Any], seen: set[tuple[str, int | None]]) -> dict[str, Any]:
-    """`doc` with its full attention rows at the lengths `seen` already holds renamed to the control
-    (`leaderboard.CONTROL`)."""
-    full = leaderboard.FULL[0]
-    again = {_length(r) for r in doc["rows"] if r["method"] == full and (full, _length(r)) in seen}
+def _as_repeats(doc: dict[str, Any], seen: set[tuple[str, int | None]]) -> dict[str, Any]:
+    """`doc` with its rows of a method at a length `seen` already holds renamed to the method's repeat
+    (`leaderboard.AGAIN`)."""
+    again = {(r["method"], _length(r)) for r in doc["rows"]} & seen
     if not again:
         return doc
-    control = leaderboard.CONTROL
-    rows = [{**r, "method": control} if r["method"] == full and _length(r) in again else r for r in doc["rows"]]
-    methods = {**doc["settings"]["methods"], control: doc["settings"]["methods"][full]}
+    rows = [
+        {**r, "method": r["method"] + leaderboard.AGAIN} if (r["method"], _length(r)) in again else r
+        for r in doc["rows"]
+    ]
+    methods = dict(doc["settings"]["methods"])
+    methods.update({m + leaderboard.AGAIN: methods[m] for m in dict.fromkeys(m for m, _ in again)})
     return {**doc, "rows": rows, "settings": {**doc["settings"], "methods": methods}}
 
 
