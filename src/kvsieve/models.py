@@ -95,6 +95,13 @@ class Architecture:
         return self.rotaries[layer]
 
 
+def logit_scale(dim: int, scaling: float | None = None) -> float:
+    """The attention logits' scale for heads of `dim`: the model's `scaling` where given, else dim ** -0.5, every
+    supported family's own but Gemma 2/3 checkpoints whose query_pre_attn_scalar differs from head_dim (scores taken
+    at dim ** -0.5 there run at a slightly other temperature than the model's attention)."""
+    return dim**-0.5 if scaling is None else scaling
+
+
 def architecture(model: PreTrainedModel) -> Architecture:
     """Return the adapter view of `model`, or refuse it with a message naming what is missing."""
     config = model.config

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kvsieve.attention.dense import dense_attention
+from kvsieve.models import logit_scale
 
 BLOCK_ELEMENTS = 1 << 23  # softmax entries per row block (32 MB in float32): bounds the scoring memory
 MAX_ROWS = 64  # query rows per block: 64 measured fastest on a 2-core CPU at 2K and 8K keys (32-256 tried)
@@ -74,7 +75,7 @@ class AccumulatedScores:
     reference: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
     def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
-        self.receive(layer, self.reference(query[0], key[0], query.shape[-1] ** -0.5), query.shape[2])
+        self.receive(layer, self.reference(query[0], key[0], logit_scale(query.shape[-1])), query.shape[2])
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class AttentionMaxima:
     reference: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
     def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
-        self.receive(layer, self.reference(query[0], key[0], query.shape[-1] ** -0.5))
+        self.receive(layer, self.reference(query[0], key[0], logit_scale(query.shape[-1])))
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ def accumulating_attention(
     _, heads, q_len, dim = query.shape
     kv_heads, n = key.shape[1], key.shape[2]
     n_rep = heads // kv_heads
-    scale = dim**-0.5 if scaling is None else scaling
+    scale = logit_scale(dim, scaling)
     device = query.device
     compute = torch.promote_types(query.dtype, torch.float32)
     if q_len == 1:  # one query: its attention row is every alpha's score (weight alpha^0 = 1)

@@ -32,7 +32,7 @@ import torch
 
 from kvsieve.compress.scorers import accumulated_attention, attention_probs, per_kv_head
 from kvsieve.errors import KvsieveError
-from kvsieve.models import Rotary
+from kvsieve.models import Rotary, logit_scale
 
 Reading = Literal["queries", "keys", "values", "rotary", "second_pass", "attention_max"]
 
@@ -57,7 +57,7 @@ class LayerPass:
     def scaling(self) -> float:
         """The logits' scale: `scale`, else head_dim ** -0.5 (`kvsieve.compress.stages`' note on Gemma's
         query_pre_attn_scalar)."""
-        return self.query.shape[-1] ** -0.5 if self.scale is None else self.scale
+        return logit_scale(self.query.shape[-1], self.scale)
 
 
 class Policy:

@@ -48,14 +48,10 @@ from kvsieve.kv.cache import (
 from kvsieve.kv.heads import SegmentedLayer, head_counts, is_segmented
 from kvsieve.kv.in_place import InPlaceEviction
 from kvsieve.kv.reencoding import Reencoding
-from kvsieve.models import Architecture
+from kvsieve.models import Architecture, logit_scale
 from kvsieve.spec import component, option
 
 BUDGET_HELP = "KV entries kept per layer and KV head: a count (1024) or a fraction of the prompt (0.25)"
-
-
-def _scaling(query: torch.Tensor) -> float:
-    return query.shape[-1] ** -0.5
 
 
 def _reencodes(policy: Policy) -> bool:
@@ -472,7 +468,7 @@ class EvictRun(InPlaceEviction):
 
     def observe(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
         """Decoding step: the policy's per-step rule updates the running scores."""
-        updated = self.config.policy.step_scores(self.scores.get(layer), query[0], key[0], _scaling(query))
+        updated = self.config.policy.step_scores(self.scores.get(layer), query[0], key[0], logit_scale(query.shape[-1]))
         if updated is not None:
             self.scores[layer] = updated
 
@@ -587,7 +583,7 @@ def observe_rows(runs: Sequence[EvictRun], layer: int, query: torch.Tensor, key:
             run.observe(layer, query[r : r + 1], key[r : r + 1])
         return
     previous = torch.stack([run.scores[layer] for run in runs])
-    scaling = _scaling(query)
+    scaling = logit_scale(query.shape[-1])
     updated = torch.func.vmap(lambda p, q, k: policy.step_scores(p, q, k, scaling))(previous, query, key)
     for run, scores in zip(runs, updated, strict=True):
         run.scores[layer] = scores

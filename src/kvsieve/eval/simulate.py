@@ -20,6 +20,7 @@ from kvsieve.attention import attention_hooks
 from kvsieve.attention.dense import bottom_right_causal_mask
 from kvsieve.compress.policy import Policy
 from kvsieve.errors import KvsieveError
+from kvsieve.models import logit_scale
 
 
 class SimulatedEviction:
@@ -49,7 +50,7 @@ class SimulatedEviction:
         kv_heads = key.shape[1]
         if key.shape[2] != n:
             raise KvsieveError("Simulated eviction needs the whole sequence in one pass (no cache, no chunks).")
-        scale = scaling if scaling is not None else dim**-0.5
+        scale = logit_scale(dim, scaling)
         n_rep = heads // kv_heads
         q = query[0].float().view(kv_heads, n_rep, n, dim)
         k, v = key[0].float(), value[0].float()

@@ -27,6 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvsieve import fast_paths
 from kvsieve.kernels import native
+from kvsieve.models import logit_scale
 
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)
 
@@ -63,7 +64,7 @@ def kernel_attention(
     these tensors (`supports`) or could not be built."""
     if not supports(query, key, value) or not native.load():
         return None
-    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scale = logit_scale(query.shape[-1], scaling)
     return torch.ops.kvsieve.decode_attention(query, key, value, lengths, scale)
 
 
@@ -84,7 +85,7 @@ def kernel_attention_probs(
     keys, 0 past a row's length), from one pass over the keys; None where `kernel_attention` would be."""
     if not supports(query, key, value) or not native.load():
         return None
-    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scale = logit_scale(query.shape[-1], scaling)
     return torch.ops.kvsieve.decode_attention_probs(query, key, value, lengths, scale)
 
 
@@ -162,7 +163,7 @@ def segment_attention(
     into a padded (b, g, longest, d) copy for this layer alone and attended with per-head lengths
     (`grouped_attention`): the copy lives while the layer computes, the cache holds only the segments."""
     if query.shape[2] == 1 and softcap is None and segment_supports(query, key, value) and native.load():
-        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        scale = logit_scale(query.shape[-1], scaling)
         return torch.ops.kvsieve.segment_attention(query, key, value, starts, lengths, scale)
     columns = torch.arange(longest, device=key.device)
     index = (starts[..., None] + columns).clamp(max=key.shape[0] - 1)  # (b, g, longest): past a head's end, masked
@@ -202,7 +203,7 @@ def grouped_probs(
     `window` and `softcap` as there)."""
     batch, heads, q_len, dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
-    scale = dim**-0.5 if scaling is None else scaling
+    scale = logit_scale(dim, scaling)
     grouped = query.reshape(batch, kv_heads, heads // kv_heads * q_len, dim)  # rows: (n_rep, q) per KV head
     # Logits in float32 from float32 operands (no copy in float32): a bfloat16 product rounds logits of 20-50 by
     # up to 0.1-0.2, which SDPA's kernels, accumulating in float32, never do.

@@ -19,7 +19,7 @@ from transformers import Cache, PreTrainedModel
 
 from kvsieve.attention import StopForward, attention_hooks
 from kvsieve.errors import KvsieveError
-from kvsieve.models import with_cache
+from kvsieve.models import logit_scale, with_cache
 
 
 def resolve_count(value: int | float, total: int, what: str) -> int:
@@ -86,7 +86,7 @@ def gemfilter_scores(
     logits = torch.bmm(grouped, keys.float().transpose(1, 2))  # (g, r * w, n)
     if softmax:
         visible = torch.arange(n, device=keys.device) <= torch.arange(n - w, n, device=keys.device)[:, None]
-        logits = (logits.view(kv_heads, -1, w, n) * dim**-0.5).masked_fill(~visible, float("-inf")).softmax(-1)
+        logits = (logits.view(kv_heads, -1, w, n) * logit_scale(dim)).masked_fill(~visible, float("-inf")).softmax(-1)
     scores = logits.reshape(-1, n).sum(0)
     return F.avg_pool1d(scores[None, None], kernel_size=pool_size, stride=1, padding=pool_size // 2)[0, 0]
 
