@@ -89,7 +89,7 @@ def test_the_sweep_runs_every_configuration_and_sharing_the_prefill_changes_no_a
     monkeypatch.setattr(engine, "fill_prefix_caches", lambda *args: passes.append(fill(*args)) or passes[-1])
     shared = ruler.run_ruler(model, tokenizer, specs, [LENGTH], tmp_path / "shared.json", **options)
     alone = ruler.run_ruler(model, tokenizer, specs, [LENGTH], tmp_path / "alone.json", share_prefill=False, **options)
-    configs = ruler.configurations(specs, [0.25, 0.5], ruler.MODES)
+    configs = ruler.configurations(specs, [0.25, 0.5], ruler.DEFAULT_MODES)
     # question mode: 4 presets x 2 budgets + full + critiprefill; agnostic: the 3 with a scorer x 2
     assert len(configs) == 10 + 6 and len(shared["rows"]) == len(configs)
     key = lambda r: (r["index"], r["method"], r["budget"], r["mode"])  # noqa: E731
@@ -125,6 +125,40 @@ def test_the_sweep_runs_every_configuration_and_sharing_the_prefill_changes_no_a
     # a random-weight model scores nothing: the report says so, with full attention's calibration
     assert "Full attention scores below 20 on every task run." in text
     assert "| vt | 0.0 | 1 | no: full attention scores 0.0 < 20" in text
+
+
+def test_the_unmarked_mode_answers_as_a_completions_request_does(model, tokenizer, cases_folder, tmp_path, monkeypatch):
+    """The unmarked mode gives each preset the case's whole prompt as token ids, nothing marking the question (what
+    `/v1/completions` and `generate` on ids get): each request's prompt is `ids_prompt` of those ids, each answer
+    exactly `kvsieve.run` on it, and no stored context is used. IMDC's guided pruning then reads the prompt's last
+    16 tokens where the question mode gives it the case's question."""
+    from kvsieve import Sampling
+    from kvsieve.prompt import QUESTION_WINDOW, ids_prompt
+
+    prompts = []
+    request = engine.Request
+    monkeypatch.setattr(engine, "Request", lambda prompt, *a, **k: prompts.append(prompt) or request(prompt, *a, **k))
+    specs = registry.methods("full,imdc,snapkv")
+    options = dict(tasks=["vt"], samples=1, budgets=[0.25], modes=["unmarked"], cases=cases_folder, say=print)
+    document = ruler.run_ruler(model, tokenizer, specs, [LENGTH], tmp_path / "unmarked.json", **options)
+    rows = {r["method"]: r for r in document["rows"]}
+    assert set(rows) == {"imdc", "snapkv"}  # full attention, without a budget, is the question mode's reference
+    assert {r["mode"] for r in rows.values()} == {"unmarked"} and {r["reuse"] for r in rows.values()} == {"off"}
+    [case] = ruler.load_cases(tokenizer, "vt", LENGTH, 1, 42, cases_folder)
+    ids = case.prompt.ids[0].tolist()
+    assert len(prompts) == 2
+    for prompt in prompts:
+        assert prompt.ids[0].tolist() == ids and not prompt.asked and prompt.tail_len == QUESTION_WINDOW
+    runs = {}
+    for name, row in rows.items():
+        spec = ruler.spec_at(specs[name], 0.25, len(ids))
+        runs[name] = kvsieve.run(model, tokenizer, ids_prompt(ids), method=spec, sampling=Sampling(case.max_new_tokens))
+        assert row["answer"] == runs[name].text, name
+    marked = kvsieve.run(model, tokenizer, case.prompt, method=ruler.spec_at(specs["imdc"], 0.25, len(ids)),
+                         sampling=Sampling(case.max_new_tokens))  # fmt: skip
+    guided = {r.stage: r.details.get("question_tokens") for r in runs["imdc"].stages}
+    assert guided["feed"] == QUESTION_WINDOW
+    assert {r.stage: r.details.get("question_tokens") for r in marked.stages}["feed"] == case.prompt.tail_len > 16
 
 
 def test_a_rerun_resumes_and_other_settings_are_refused(model, tokenizer, cases_folder, tmp_path):

@@ -207,9 +207,15 @@ def leaderboard(rows: Sequence[Mapping[str, Any]], tasks: Sequence[str] | None =
                 families=families,
             )
         )
-    entries.sort(key=lambda e: (e.key != FULL, e.method != CONTROL, e.mode != "question", e.method, e.budget or 1.0))
+    entries.sort(key=_order)
     tasks = [t for t in chosen if any(c[0] == t for c in reference)]
     return Board(entries, reference, tasks, incomplete, beside_repeats(table, complete, reference))
+
+
+def _order(entry: Entry) -> tuple:
+    """Full attention, its control, the question mode's rows, then the other modes', by method and budget."""
+    e = entry
+    return e.key != FULL, e.method != CONTROL, e.mode != "question", e.mode, e.method, e.budget or 1.0
 
 
 def _sweep(rows: Mapping[Case, Mapping[str, Any]]) -> Any:

@@ -17,7 +17,9 @@ VERDICT_CASES = 15
 MODE_TITLES = {
     "question": "question in the prompt",
     "agnostic": "question-agnostic (context compressed first)",
+    "unmarked": "no question marked (the prompt as token ids)",
 }
+MODE_SENTENCES = {"question": "With the question", "agnostic": "Question-agnostic", "unmarked": "Unmarked"}
 
 
 def _budget(value: float | None) -> str:
@@ -166,7 +168,7 @@ def which_method_when(board: Board, methods: Sequence[str]) -> list[str]:
             by_verdict: dict[str, list[str]] = {}
             for e in mine:  # a method without a KV budget has one entry, which keeps every KV entry
                 by_verdict.setdefault(verdict(e), []).append("" if e.budget is None else f"{e.budget:g}")
-            where = "With the question" if mode == "question" else "Question-agnostic"
+            where = MODE_SENTENCES[mode]
             said = "; ".join(
                 f"{v} full attention" + (f" at {', '.join(budgets)}" if any(budgets) else "")
                 for v, budgets in by_verdict.items()

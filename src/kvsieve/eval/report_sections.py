@@ -153,7 +153,7 @@ def glance(results: Results, figure: Path | None, root: Path) -> list[str]:
                 mine = [r for r in doc["rows"] if r["method"] == method and r["length"] == n]
                 cells.append(f"{sum(r['hit'] for r in mine)}/{len(mine)}" if mine else "-")
         if results.ruler:
-            cells.append(" / ".join(fmt(results.ruler_average(method, mode), 1) for mode in ruler.MODES))
+            cells.append(" / ".join(fmt(results.ruler_average(method, mode), 1) for mode in ruler.DEFAULT_MODES))
         cost = results.cost(method, length)
         cells += [spread(cost["speedup"]), f"{point['memory_ratio']:.3f}", f"{point['kv_ratio']:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")

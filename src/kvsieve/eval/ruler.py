@@ -13,13 +13,18 @@ the essay haystacks' sentence splitter (nltk's punkt_tab model) comes from llama
 (`punkt_folder`), so nothing is downloaded at run time.
 
 Configurations: each preset at each budget, a share of the prompt set on the preset's KV budget field
-(`budget_field`), and the presets without one (full attention, the ceiling; CritiPrefill) once. Two modes:
+(`budget_field`), and the presets without one (full attention, the ceiling; CritiPrefill) once. Three modes (the
+first two by default):
 - "question": the method sees the question in the prompt, as `kvsieve generate` does;
 - "agnostic": the context (instructions and document, everything before the question) is first compressed by the
   method's own scorer to the budget without the question (the server's `--reuse-budget`, kvpress's default); the
   question's tokens are then appended and nothing is pruned again with their scores (an evicting method keeps that
   size while it decodes). Only presets with a scorer (`reuse_compress`) have this mode; full attention (run once,
-  with the question) is the ceiling of both.
+  with the question) is the ceiling of every mode.
+- "unmarked": the whole prompt as token ids with nothing marking where its question starts, as a completions
+  request (`/v1/completions`, `generate` on ids) gives it: the question-guided stages (IMDC's chunk pruning,
+  GemFilter's kept tail) read the prompt's last `kvsieve.prompt.QUESTION_WINDOW` tokens instead (`ids_prompt`).
+  Presets with a KV budget; each runs its prompt whole (no stored context: nothing says where one ends).
 
 The sweep shares its expensive part through the engine's prefix cache: before a case's configurations run, its
 context is prefilled once per kind of exact state (`fill_prefix_caches`), which stores the state every question-mode
@@ -54,7 +59,7 @@ from kvsieve.errors import KvsieveError
 from kvsieve.eval import records
 from kvsieve.eval.methods import check_lengths
 from kvsieve.models import architecture
-from kvsieve.prompt import Prompt, build_task_prompt
+from kvsieve.prompt import Prompt, build_task_prompt, ids_prompt
 from kvsieve.spec import MethodSpec
 
 CATEGORIES = {
@@ -66,7 +71,8 @@ CATEGORIES = {
 }  # fmt: skip
 TASKS = [task for tasks in CATEGORIES.values() for task in tasks]
 BUDGETS = (0.1, 0.25, 0.5, 0.75)  # shares of the prompt kept: the report's x axis
-MODES = ("question", "agnostic")
+MODES = ("question", "agnostic", "unmarked")
+DEFAULT_MODES = ("question", "agnostic")
 # The field that sets a preset's KV budget, first found first: what the cache keeps after the prefill.
 BUDGET_FIELDS = ("compress.budget", "evict.budget", "feed.memory", "select.k")
 GENERATOR_SECONDS = 600  # one task's cases; 4K cases take seconds, a length too small never ends
@@ -263,8 +269,8 @@ class Config:
 
 def configurations(specs: Mapping[str, MethodSpec], budgets: Sequence[float], modes: Sequence[str]) -> list[Config]:
     """Every (preset, budget, mode) a sweep runs: presets with a KV budget at each budget, the others once (full
-    attention, the ceiling of both modes, in question mode); the agnostic mode for presets whose context a scorer
-    can compress without the question (`reuse_compress`)."""
+    attention, the ceiling of every mode, in question mode); the agnostic mode for presets whose context a scorer
+    can compress without the question (`reuse_compress`); the unmarked mode for every preset with a KV budget."""
     from kvsieve.engine import reuse_compress
 
     configs = []
@@ -275,7 +281,7 @@ def configurations(specs: Mapping[str, MethodSpec], budgets: Sequence[float], mo
                     configs.append(Config(name, None, mode))
                 continue
             for budget in budgets:
-                if mode == "question" or reuse_compress(spec, budget) is not None:
+                if mode != "agnostic" or reuse_compress(spec, budget) is not None:
                     configs.append(Config(name, budget, mode))
     return configs
 
@@ -314,7 +320,7 @@ def run_ruler(
     samples: int = 10,
     seed: int = 42,
     budgets: Sequence[float] = BUDGETS,
-    modes: Sequence[str] = MODES,
+    modes: Sequence[str] = DEFAULT_MODES,
     share_prefill: bool = True,
     cache_bytes: int = 2 * 10**9,
     model_name: str | None = None,
@@ -410,18 +416,23 @@ def _answer_case(
 
     length = case.prompt.length
     caches = {
-        (mode, reuse): PrefixCache(model, cache_bytes, reuse) if share_prefill or mode == "agnostic" else None
+        (mode, reuse): PrefixCache(model, cache_bytes, reuse)
+        if mode == "agnostic" or (share_prefill and mode == "question")
+        else None
         for mode, reuse in todo
     }
+    unmarked = ids_prompt(case.prompt.ids[0].tolist())  # no question marked: the prompt's tail stands in for it
     jobs = [(caches[group], c, spec_at(specs[c.method], c.budget, length)) for group, cs in todo.items() for c in cs]
-    if share_prefill and (entries := [(cache, spec) for cache, _, spec in jobs if fillable(spec, cache.budget)]):
+    if share_prefill and (
+        entries := [(cache, spec) for cache, _, spec in jobs if cache is not None and fillable(spec, cache.budget)]
+    ):
         fill_prefix_caches(model, case.prompt.ids[0, : case.boundary].tolist(), entries)
     # Every configuration decodes in one batch, each request with its group's prefix cache: one step feeds all of
     # them (groups decoding one after another would step as many times more, each reading every weight).
     scheduler = Scheduler(model, tokenizer, max_batch=len(jobs))
     requests = [
-        (config, Request(case.prompt, spec, Sampling(case.max_new_tokens), boundary=case.boundary, keep_cache=False,
-                         prefix_cache=cache))
+        (config, Request(unmarked if config.mode == "unmarked" else case.prompt, spec, Sampling(case.max_new_tokens),
+                         boundary=case.boundary, keep_cache=False, prefix_cache=cache))
         for cache, config, spec in jobs
     ]  # fmt: skip
     scheduler.run_to_end([request for _, request in requests])
