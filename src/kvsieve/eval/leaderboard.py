@@ -212,9 +212,8 @@ def leaderboard(rows: Sequence[Mapping[str, Any]], tasks: Sequence[str] | None =
     return Board(entries, reference, tasks, incomplete, beside_repeats(table, complete, reference))
 
 
-def _order(entry: Entry) -> tuple:
+def _order(e: Entry) -> tuple:
     """Full attention, its control, the question mode's rows, then the other modes', by method and budget."""
-    e = entry
     return e.key != FULL, e.method != CONTROL, e.mode != "question", e.mode, e.method, e.budget or 1.0
 
 
@@ -227,11 +226,12 @@ def beside_repeats(
 ) -> list[Beside]:
     """Each repeat row of a method other than full attention (full's is the board's control row), against the
     method's first answers, and each method of the repeat's own sweep (the rows' `sweep`, set by
-    `report_results.merge`) at the same budget and mode against the repeat: paired differences on `reference`."""
+    `report_results.merge`) at the same budget and mode against the repeat: paired differences on `reference` (none
+    without cases: a board whose tasks full attention cannot do)."""
     found = []
-    for again in complete:
+    for again in complete if reference else ():
         method = repeat_of(again[0])
-        if method is None or again == FULL or again[0] == CONTROL:
+        if method is None or again[0] == CONTROL:
             continue
         first = (method, *again[1:])
         pairs = [(again, first)] if first in complete else []
