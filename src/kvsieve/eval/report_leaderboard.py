@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvsieve import figures
-from kvsieve.eval.leaderboard import CONTROL, FULL, Board, Entry, Key, repeat_of
+from kvsieve.eval.leaderboard import CONTROL, FULL, Beside, Board, Entry, Key, repeat_of
 
 SEEDS = ("gemfilter", "critiprefill", "imdc", "a2sf")  # the four papers' presets
 # Fewer cases a task than this and the bootstrap intervals do not hold (5 cases whose answers all agree give a
@@ -31,8 +31,9 @@ def fewest_cases(board: Board) -> int:
     return min((sum(1 for case in board.cases if case[0] == task) for task in board.tasks), default=0)
 
 
-def _interval(entry: Entry, judged: bool) -> str:
-    if entry.key == FULL:
+def _interval(entry: Entry | Beside, judged: bool) -> str:
+    """A paired difference with its interval where the board has enough cases to judge (the point alone else)."""
+    if isinstance(entry, Entry) and entry.key == FULL:
         return "-"
     if not judged:
         return f"{entry.difference:+.1f} (no interval)"
@@ -122,11 +123,7 @@ def control_note(board: Board) -> list[str]:
         ]
     if board.beside:
         judged = fewest_cases(board) >= VERDICT_CASES
-        said = [
-            f"- `{_name(b.key)}` against `{_name(b.against)}`: "
-            + (f"{b.difference:+.1f} [{b.low:+.1f}, {b.high:+.1f}]" if judged else f"{b.difference:+.1f} (no interval)")
-            for b in board.beside
-        ]
+        said = [f"- `{_name(b.key)}` against `{_name(b.against)}`: {_interval(b, judged)}" for b in board.beside]
         lines += [
             "",
             "A row named `...-again` is a method a later sweep answered again on the same cases, so that the methods "
