@@ -421,7 +421,8 @@ def _answer_case(
         else None
         for mode, reuse in todo
     }
-    unmarked = ids_prompt(case.prompt.ids[0].tolist())  # no question marked: the prompt's tail stands in for it
+    # The unmarked mode's prompt, where it runs: the case's ids with no question marked (their tail stands in for it).
+    prompts = {"unmarked": ids_prompt(case.prompt.ids[0].tolist())} if any(m == "unmarked" for m, _ in todo) else {}
     jobs = [(caches[group], c, spec_at(specs[c.method], c.budget, length)) for group, cs in todo.items() for c in cs]
     if share_prefill and (
         entries := [(cache, spec) for cache, _, spec in jobs if cache is not None and fillable(spec, cache.budget)]
@@ -431,7 +432,7 @@ def _answer_case(
     # them (groups decoding one after another would step as many times more, each reading every weight).
     scheduler = Scheduler(model, tokenizer, max_batch=len(jobs))
     requests = [
-        (config, Request(unmarked if config.mode == "unmarked" else case.prompt, spec, Sampling(case.max_new_tokens),
+        (config, Request(prompts.get(config.mode, case.prompt), spec, Sampling(case.max_new_tokens),
                          boundary=case.boundary, keep_cache=False, prefix_cache=cache))
         for cache, config, spec in jobs
     ]  # fmt: skip
