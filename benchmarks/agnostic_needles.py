@@ -4,7 +4,8 @@ known (`generate(..., [question], reuse_budget=...)`, what the server's --reuse-
     python benchmarks/agnostic_needles.py --length 2000 --budget 0.1 --depths 0.1,0.3,0.5,0.7,0.9 \
         --methods snapkv,kvzip,kvzip:across_layers=true
 
-SmolLM2 float32. A method may carry settings of its compress policy after a colon. Quality only (the answers do not
+SmolLM2 float32. A method may carry settings of its compress policy (or, named in full, its compress stage) after a
+colon. Quality only (the answers do not
 depend on timing): it may share the machine.
 """
 
@@ -21,9 +22,10 @@ from kvsieve.spec import parse_settings
 
 
 def spec_of(text: str):
-    """`kvzip:across_layers=true` -> the kvzip preset with compress.policy.across_layers=true (`--set`'s parser)."""
+    """`kvzip:across_layers=true` -> the kvzip preset with compress.policy.across_layers=true (`--set`'s parser); a
+    setting of the stage itself is named in full (`kvzip:compress.head_budgets=false`)."""
     name, *fields = text.split(":")
-    return method(name, parse_settings([f"compress.policy.{field}" for field in fields]))
+    return method(name, parse_settings([f if f.startswith("compress.") else f"compress.policy.{f}" for f in fields]))
 
 
 def main() -> None:

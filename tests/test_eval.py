@@ -191,8 +191,9 @@ def test_every_method_name_runs_in_a_grid(model, chat_tokenizer, tmp_path):
     assert list(rows) == list(REGISTRY) and len(rows) == 27
     assert rows["full"]["kv_length"] == rows["critiprefill"]["kv_length"] == 160
     kv = ("gemfilter", "gemfilter-paper", "snapkv", "snapkv-paper", "h2o", "a2sf", "a2sf-paper", "streaming", "local")
-    kv += ("tova", "knorm", "expected-attention", "kvzip")
+    kv += ("tova", "knorm", "expected-attention", "kvzip", "adakv", "adakv-expected-attention")
     assert all(rows[m]["kv_length"] == 32 for m in kv)
+    assert 32 <= rows["pyramidkv"]["kv_length"] <= 160  # budgets per layer: a row's kv_length is its longest layer's
 
 
 def test_parse_names_and_settings_apply_where_the_field_exists():

@@ -66,6 +66,38 @@ def test_maxima_equal_the_largest_probability_of_the_reference_softmax(monkeypat
     assert accumulating_attention(query, key, value, 0.3, [1.0])[2] is None
 
 
+@pytest.mark.parametrize("rows", [1, 3, 256])
+@pytest.mark.parametrize(("q_len", "n"), [(20, 50), (1, 30)])
+def test_maxima_within_some_keys_are_those_of_the_softmax_over_them(monkeypatch, rows, q_len, n):
+    """KVzip's score as its authors compute it: the softmax over the sinks, the repeated chunk and the pass's own
+    keys only (`AttentionMaxima.within`), the output still attending to every key. The fused rows and the observer's
+    own computation (`AttentionMaxima.__call__`, where no dense pass runs) both equal the reference softmax over
+    those keys, and a key outside scores 0."""
+    monkeypatch.setattr(accumulate, "MAX_ROWS", rows)
+    query, key, value = _qkv(q_len, n)
+    cached = torch.zeros(n - q_len, dtype=torch.bool)
+    cached[:2] = cached[5:12] = True  # two sinks and a chunk
+    received = {}
+    observer = accumulate.AttentionMaxima(lambda layer, m: received.update({layer: m}), reference, cached)
+    allowed = observer.columns(n, q_len)
+    assert allowed is not None and allowed[n - q_len :].all() and allowed[: n - q_len].equal(cached)
+    out, _, maxima = accumulating_attention(query, key, value, 0.3, [], maxima=True, within=allowed)
+    over = attention_probs(query[0], key[0][:, allowed], 0.3)  # (h, q, k): the reference softmax over those keys
+    expected = torch.zeros(2, n)
+    expected[:, allowed] = over.view(2, 3 * q_len, -1).amax(1)
+    torch.testing.assert_close(maxima, expected, atol=1e-6, rtol=1e-5)
+    assert not maxima[:, ~allowed].any()
+    torch.testing.assert_close(out, dense_attention(query, key, value, 0.3), atol=1e-5, rtol=1e-5)
+    observer(0, query * 0.3 / 8**-0.5, key)  # the observer's own path (it scales by head_dim ** -0.5)
+    torch.testing.assert_close(received[0], expected, atol=1e-5, rtol=1e-5)
+
+
+def reference(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The largest probability per key of the plain softmax (KVzip's `prompt_scores` without a policy)."""
+    kv_heads, n = key.shape[0], key.shape[1]
+    return attention_probs(query, key, scaling).view(kv_heads, -1, n).amax(1)
+
+
 def test_rows_whose_weights_underflow_go_through_sdpa_and_still_match(monkeypatch):
     """alpha = 0.01: only the last ~20 rows carry weight; the 480 before them are plain SDPA."""
     calls = []

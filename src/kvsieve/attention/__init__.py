@@ -194,6 +194,8 @@ def _hooked(
     if rows and query.shape[2] != 1:
         raise ValueError(f"AttentionRows observe decoding steps (one query per row), got {query.shape[2]} queries")
     fused = [o for o in observers if isinstance(o, AccumulatedScores | AttentionMaxima)]
+    maxima = [o for o in fused if isinstance(o, AttentionMaxima)]
+    fused = [o for o in fused if not isinstance(o, AttentionMaxima) or o.within is maxima[0].within]  # one softmax
     if not fused or rows or prefill is not None or lengths is not None or query.shape[0] != 1:
         fused = []  # no dense prefill pass to take the scores from: they compute their own
     for observer in observers:
@@ -208,13 +210,14 @@ def _hooked(
     elif fused:
         summed = [f for f in fused if isinstance(f, AccumulatedScores)]
         highest = [f for f in fused if isinstance(f, AttentionMaxima)]
-        out, scores, maxima = accumulating_attention(
-            query, key, value, scaling, [f.alpha for f in summed], maxima=bool(highest)
+        within = highest[0].columns(key.shape[2], query.shape[2]) if highest else None
+        out, scores, best = accumulating_attention(
+            query, key, value, scaling, [f.alpha for f in summed], maxima=bool(highest), within=within
         )
         for observer, layer_scores in zip(summed, scores, strict=True):
             observer.receive(layer, layer_scores, query.shape[2])
         for observer in highest:
-            observer.receive(layer, cast(torch.Tensor, maxima))
+            observer.receive(layer, cast(torch.Tensor, best))
     elif prefill is None:
         out = dense_attention(query, key, value, scaling)
     else:

@@ -82,15 +82,43 @@ class AccumulatedScores:
 class AttentionMaxima:
     """An observer asking for every layer's largest attention per key: (kv_heads, n) float32, the most any of the
     pass's queries (and the KV head's query heads) pays each key (KVzip's score). Where kvsieve's attention computes a
-    dense pass it delivers them from that pass's own softmax rows (`accumulating_attention`), so the keys' attention is
+    dense pass it delivers them from that pass's own softmax rows (`accumulating_attention`), so the keys' logits are
     computed once; anywhere else it is called like any observer and computes them with `reference(query, key,
-    scaling)` (query (h, q, d), key (kv_heads, n, d))."""
+    scaling)` (query (h, q, d), key (kv_heads, n, d)).
+
+    `within` (a bool mask over the entries cached before the pass): the softmax the maxima are taken from runs over
+    those entries and the pass's own keys only (KVzip's sinks and repeated chunk), the others scoring 0; None: over
+    every key the query sees."""
 
     receive: Callable[[int, torch.Tensor], None]
     reference: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    within: torch.Tensor | None = None
+
+    def columns(self, n: int, q: int) -> torch.Tensor | None:
+        """The (n,) bool mask of the keys of a pass of `q` queries over `n` keys (its own the last q) that the maxima's
+        softmax runs over; None: all. A layer that holds fewer cached entries (a sliding window's latest) reads the
+        mask's last ones."""
+        if self.within is None:
+            return None
+        cached = n - q
+        if not 0 <= cached <= self.within.shape[0]:
+            raise ValueError(
+                f"A pass of {q} queries over {n} keys does not follow the {self.within.shape[0]} entries its maxima "
+                "are normalised within."
+            )
+        own = torch.ones(q, dtype=torch.bool, device=self.within.device)
+        return torch.cat([self.within[self.within.shape[0] - cached :], own])
 
     def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
-        self.receive(layer, self.reference(query[0], key[0], logit_scale(query.shape[-1])))
+        scale = logit_scale(query.shape[-1])
+        keep = self.columns(key.shape[2], query.shape[2])
+        if keep is None:
+            self.receive(layer, self.reference(query[0], key[0], scale))
+            return
+        keep = keep.to(key.device)
+        scores = torch.zeros(key.shape[1], key.shape[2], dtype=torch.float32, device=key.device)
+        scores[:, keep] = self.reference(query[0], key[0][:, keep], scale)  # the pass's own keys stay its last
+        self.receive(layer, scores)
 
 
 @dataclass(frozen=True)
@@ -123,9 +151,11 @@ def accumulating_attention(
     scaling: float | None,
     alphas: Sequence[float],
     maxima: bool = False,
+    within: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
     """Causal attention (1, h, q, d) of the last q of n positions, A2SF eq. 5's scores per alpha and, with `maxima`,
-    each key's largest attention over every query and the KV head's query heads (`AttentionMaxima`; else None).
+    each key's largest attention over every query and the KV head's query heads (`AttentionMaxima`; else None), from
+    the softmax over the keys of the (n,) bool mask `within` where given (`AttentionMaxima.columns`), else over all.
 
     query (1, h, q, d), key/value (1, kv_heads, n, d), bottom-right causal. Scores are float32
     (kv_heads, n), summed over each KV head's query heads (h // n_rep). Softmax in float32 or
@@ -139,11 +169,12 @@ def accumulating_attention(
     compute = torch.promote_types(query.dtype, torch.float32)
     if q_len == 1:  # one query: its attention row is every alpha's score (weight alpha^0 = 1)
         grouped_row = query[0].reshape(kv_heads, n_rep, dim).to(compute) * scale
-        probs = torch.bmm(grouped_row, key[0].transpose(1, 2).to(compute)).softmax(-1)  # (g, n_rep, n)
+        logits = torch.bmm(grouped_row, key[0].transpose(1, 2).to(compute))  # (g, n_rep, n)
+        probs = logits.softmax(-1)
         out = torch.bmm(probs, value[0].to(compute)).view(1, heads, 1, dim).to(query.dtype)
         row = probs.sum(1).float()
         rows = [row.clone() for _ in alphas]
-        return out, rows, probs.amax(1).float() if maxima else None
+        return out, rows, _highest(logits, probs, within).float() if maxima else None
     plans = [accumulation_weights(alpha, q_len, device) for alpha in alphas]
     first = 0 if maxima else min(start for _, start in plans)  # the maxima read every row
     totals = [torch.zeros(kv_heads, n, dtype=compute, device=device) for _ in alphas]
@@ -173,5 +204,15 @@ def accumulating_attention(
             row_weights = w[start:stop].repeat(n_rep).expand(kv_heads, 1, n_rep * block)
             total[:, :visible] += torch.bmm(row_weights, probs)[:, 0]
         if best is not None:
-            torch.maximum(best[:, :visible], probs.amax(1), out=best[:, :visible])
+            allowed = within[:visible] if within is not None else None
+            flat = logits.view(kv_heads, n_rep * block, visible)
+            torch.maximum(best[:, :visible], _highest(flat, probs, allowed), out=best[:, :visible])
     return out, [total.float() for total in totals], best.float() if best is not None else None
+
+
+def _highest(logits: torch.Tensor, probs: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """Each key's largest probability over the rows (dim 1) of (g, rows, k) `probs`, the softmax of `logits`; where
+    `allowed` (k,) is given, of the softmax over those keys alone (every row holds its own key, always allowed)."""
+    if allowed is not None:
+        probs = logits.masked_fill(~allowed.to(logits.device), float("-inf")).softmax(-1)
+    return probs.amax(1)

@@ -38,6 +38,18 @@ Reading = Literal["queries", "keys", "values", "rotary", "second_pass", "attenti
 
 
 @dataclass(frozen=True)
+class Reread:
+    """One pass of a policy's second pass (`Policy.second_pass`): its token ids (1, m), run on top of a cache of n
+    entries, and `within`, a (n,) bool mask of the cached entries its scores' softmax runs over besides the pass's own
+    m keys (KVzip's sinks and the chunk the pass repeats); None: every cached entry. An entry outside scores 0 in
+    that pass. The pass's hidden states still attend to every entry: only the scores are normalised over fewer keys.
+    """
+
+    tokens: torch.Tensor
+    within: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class LayerPass:
     """What a prompt scorer reads of one layer's forward pass (the prompt's, or a chunk's), batch row 0.
 
@@ -107,10 +119,10 @@ class Policy:
             return self.from_sums(sums, seen.query.shape[1])
         return None
 
-    def second_pass(self, ids: torch.Tensor, encode: Callable[[str], list[int]]) -> list[torch.Tensor]:
-        """For a policy that reads "second_pass": the token ids (1, m) of each pass run on top of a cache holding
-        `ids` (1, n) and dropped again, whose `LayerPass`es it scores (`kvsieve.feed.reconstruction`); `encode` turns
-        text into the model's token ids."""
+    def second_pass(self, ids: torch.Tensor, encode: Callable[[str], list[int]]) -> list[Reread]:
+        """For a policy that reads "second_pass": each pass run on top of a cache holding `ids` (1, n) and dropped
+        again, whose `LayerPass`es it scores (`kvsieve.feed.reconstruction`); `encode` turns text into the model's
+        token ids."""
         raise NotImplementedError(f"{self.name} reads no second pass.")
 
     @property

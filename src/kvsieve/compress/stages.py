@@ -133,6 +133,7 @@ def score_observers(
     prior: PrefixSums | None = None,
     blind: bool = False,
     arch: Architecture | None = None,
+    within: torch.Tensor | None = None,
 ) -> list[Observer | PassReader]:
     """Observers storing `policy`'s scores of every layer's keys in `into`; none for position-only policies.
 
@@ -144,7 +145,8 @@ def score_observers(
     prefill attention itself, added to the `prior` sums of a stored prefix's queries when the pass
     continues one. `blind`: the pass's queries add nothing (a question asked of a context compressed without it,
     question-agnostic reuse: the question must not choose what is evicted later either); the scores are the prior
-    sums' alone, zero for the pass's own keys.
+    sums' alone, zero for the pass's own keys. `within`: a second pass's `Reread.within`, the cached keys its
+    attention maxima are normalised over besides the pass's own.
     """
     if policy.position_only:
         return []
@@ -172,7 +174,7 @@ def score_observers(
                 raise KvsieveError(f"{policy.name} reads attention maxima but computes none from a pass.")
             return scores
 
-        return [AttentionMaxima(highest, reference)]
+        return [AttentionMaxima(highest, reference, within)]
 
     if "rotary" in policy.reads and arch is None:
         raise KvsieveError(

@@ -318,7 +318,7 @@ def _feed_one_pass(
         if stored.compressed:  # go on from the state later requests will start from
             cache = _snapshot(model, stored.cache)
     context_entries = kv_entries(cache)
-    compressed = context_entries < position  # a context compressed without what follows it (agnostic reuse)
+    compressed = kv_entries(cache, least=True) < position  # a context compressed without what follows (agnostic reuse)
     if compressed:  # the new tokens are appended to it; nothing is pruned again with their scores
         for run in runs:
             run.hold(context_entries + ids.shape[1] - start_at)

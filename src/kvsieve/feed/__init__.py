@@ -72,8 +72,8 @@ class PromptState:
 
     @property
     def compressed(self) -> bool:
-        """Whether entries were dropped (fewer entries than tokens)."""
-        return self.kv_entries < self.length
+        """Whether entries were dropped (a budgeted layer holds fewer entries than tokens)."""
+        return kv_entries(self.cache, least=True) < self.length
 
     @property
     def cuttable(self) -> bool:

@@ -1,6 +1,7 @@
 """The second pass a policy may read (`Policy.second_pass`, KVzip's context reconstruction): its passes run on top of
 the prompt's cache, each scored by the policy like any pass (`score_observers`) and then dropped (`ask_question`),
-so the cache ends as it began; an entry's score is its best over the passes."""
+so the cache ends as it began; an entry's score is its best over the passes (each pass scoring the entries its
+`Reread.within` names)."""
 
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ def second_pass_scores(
     from its second pass: the elementwise maximum over its passes, each run at positions n onwards."""
     arch = architecture(model)
     best: dict[int, torch.Tensor] = {}
-    for tokens in policy.second_pass(ids, encode):
+    for reread in policy.second_pass(ids, encode):
         scores: dict[int, torch.Tensor] = {}
+        observers = score_observers(policy, scores, arch=arch, within=reread.within)
         with torch.no_grad():
-            ask_question(model, cache, tokens, ids.shape[1], score_observers(policy, scores, arch=arch), scores)
+            ask_question(model, cache, reread.tokens, ids.shape[1], observers, scores)
         for layer, layer_scores in scores.items():
             best[layer] = layer_scores if layer not in best else torch.maximum(best[layer], layer_scores)
     return best

@@ -54,19 +54,22 @@ def budgeted_layers(cache: Cache) -> list[int]:
     return [j for j, layer in enumerate(cache.layers) if not is_windowed(layer)]
 
 
-def kv_entries(cache: Cache) -> int:
+def kv_entries(cache: Cache, least: bool = False) -> int:
     """Entries per KV head in the longest budgeted layer (in the longest layer where every layer is windowed; 0
     for an empty cache): what a cache holds of the prompt. `cache.get_seq_length()` reads layer 0, which on a
-    hybrid model may be windowed and count every token it has seen instead."""
+    hybrid model may be windowed and count every token it has seen instead. `least`: in the shortest such layer
+    instead (budgets chosen across layers leave the layers different counts: entries were dropped where any layer
+    holds fewer than the prompt's tokens)."""
     layers = [layer for layer in cache.layers if layer.is_initialized]
     budgeted = [layer for layer in layers if not is_windowed(layer)] or layers
-    return max((_entries_per_head(layer) for layer in budgeted), default=0)
+    return (min if least else max)((_entries_per_head(layer, least) for layer in budgeted), default=0)
 
 
-def _entries_per_head(layer: CacheLayerMixin) -> int:
-    """A layer's entries per KV head; per-head budgets (`SegmentedLayer`): their mean, rounded up."""
+def _entries_per_head(layer: CacheLayerMixin, least: bool = False) -> int:
+    """A layer's entries per KV head; per-head budgets (`SegmentedLayer`): their mean, rounded up (down with
+    `least`: below the prompt's length as soon as any head dropped an entry)."""
     if is_segmented(layer):
-        return -(-layer.entries // layer.kv_heads)
+        return layer.entries // layer.kv_heads if least else -(-layer.entries // layer.kv_heads)
     return layer.keys.shape[2]
 
 

@@ -4,20 +4,23 @@
 After the context's prefill the model reads a "repeat the previous context" prompt followed by the context again, in
 chunks of `chunk` tokens (2K in the paper), each chunk's pass on top of the context's cache and then dropped; an
 entry's score is the largest attention any repeating query pays it (over the chunk's queries and the KV head's query
-heads, the softmax over every key the query sees). A chunk after the first starts its prompt with the previous
-chunk's last `overlap` tokens (the paper's "starting with ..."). The first `sinks` positions are kept.
+heads). As in the authors' code (and kvpress's), that attention is a softmax over the first `sinks` entries, the chunk
+being repeated and the pass's own keys (`Reread.within`), not over the whole context: an entry is scored by the pass
+that repeats it, and a chunk's scores do not shrink because other chunks exist. The pass's hidden states still attend
+to every entry. A chunk after the first starts its prompt with the previous chunk's last `overlap` tokens (the paper's
+"starting with ..."). The first `sinks` positions are kept.
 
 The passes are the policy's second pass (`reads` "second_pass"): `kvsieve.feed.reconstruction` runs them, and the
 scores are each key's largest attention (`reads` "attention_max"), which kvsieve's attention takes from its own
-softmax rows while it computes the pass (`kvsieve.attention.AttentionMaxima`, supplied by `score_observers`), so the
-attention is computed once; `prompt_scores` computes the same from a pass's queries and keys where no dense pass runs
+logits while it computes the pass (`kvsieve.attention.AttentionMaxima`, supplied by `score_observers`), so the keys'
+logits are computed once; `prompt_scores` computes the same from a pass's queries and keys where no dense pass runs
 (a soft-capped layer). The prompt's own pass scores nothing. Their cost against a full prefill is measured by `kvsieve
 bench` (docs/PERFORMANCE.md).
 
-Selection is per layer and KV head at the stage's budget by default, as for every kvsieve scorer. The paper selects
-globally across heads and layers; `across_layers` ranks the layers' entries together and gives each layer its share
-(its heads' mean, since kvsieve's cache holds one length per layer and head: across heads needs per-head storage, not
-in kvsieve yet), in the compress stage only.
+The paper selects globally across heads and layers: the `kvzip` preset does (`across_layers` gives each layer its
+share of one ranking of every layer's entries, and the stage's `head_budgets` with no floor shares a layer's among its
+KV heads by one ranking of their entries, held per head in `kvsieve.kv.heads`). The class alone selects per layer and
+KV head at the stage's budget, as every kvsieve scorer does.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import ClassVar
 
 import torch
 
-from kvsieve.compress.policy import LayerPass, PromptScorer, Reading
+from kvsieve.compress.policy import LayerPass, PromptScorer, Reading, Reread
 from kvsieve.compress.scorers import attention_probs
 from kvsieve.errors import KvsieveError
 from kvsieve.spec import component, option
@@ -46,7 +49,7 @@ class KVzip(PromptScorer):
     chunk: int = option(2048, "context tokens repeated by one reconstruction pass (paper: 2048)")
     overlap: int = option(8, "the previous chunk's last tokens that open the next chunk's prompt (paper: 8)")
     sinks: int = option(4, "first positions always kept (paper: 4)")
-    across_layers: bool = option(False, "rank every layer's entries together, budgets per layer (paper: yes)")
+    across_layers: bool = option(False, "rank every layer's entries together, budgets per layer (the preset: yes)")
     first: str = option("\n\nRepeat the previous context exactly.", "the first chunk's prompt (paper's)")
     later: str = option(
         "\n\nRepeat the part of the previous context exactly, starting with", "a later chunk's prompt (paper's)"
@@ -68,7 +71,8 @@ class KVzip(PromptScorer):
     def allocate(self, scores: dict[int, torch.Tensor], budget: int, layers: list[int]) -> dict[int, int] | None:
         """With `across_layers`, the paper's selection across layers: the budgeted layers' entries (sinks apart) are
         ranked together, and a layer keeps, per KV head, its share of the best budget x layers x heads of them (the
-        mean over its heads, since a layer's cache holds one length per head), sinks included, at least 1 more."""
+        mean over its heads, which the stage's `head_budgets` then shares among them by the same scores), sinks
+        included, at least 1 more."""
         if not self.across_layers or not layers:
             return None
         ranked = [scores[j][:, self.sinks :].float() for j in layers]
@@ -97,9 +101,11 @@ class KVzip(PromptScorer):
             best[:, :visible] = torch.maximum(best[:, :visible], rows)
         return best
 
-    def second_pass(self, ids: torch.Tensor, encode: Callable[[str], list[int]]) -> list[torch.Tensor]:
-        """The passes that repeat the context `ids` (1, n): per chunk, its prompt then the chunk's ids, (1, m) each."""
+    def second_pass(self, ids: torch.Tensor, encode: Callable[[str], list[int]]) -> list[Reread]:
+        """The passes that repeat the context `ids` (1, n): per chunk, its prompt then the chunk's ids, (1, m) each,
+        scored within the sinks and the chunk it repeats."""
         passes = []
+        position = torch.arange(ids.shape[1], device=ids.device)
         for start in range(0, ids.shape[1], self.chunk):
             part = ids[:, start : start + self.chunk]
             if start == 0:
@@ -107,5 +113,6 @@ class KVzip(PromptScorer):
             else:
                 prompt = torch.tensor([encode(self.later)], dtype=ids.dtype, device=ids.device)
                 opening = torch.cat([prompt, ids[:, max(0, start - self.overlap) : start]], dim=1)
-            passes.append(torch.cat([opening, part], dim=1))
+            within = (position < self.sinks) | ((position >= start) & (position < start + part.shape[1]))
+            passes.append(Reread(torch.cat([opening, part], dim=1), within))
         return passes
