@@ -92,6 +92,22 @@ def test_maxima_within_some_keys_are_those_of_the_softmax_over_them(monkeypatch,
     torch.testing.assert_close(received[0], expected, atol=1e-5, rtol=1e-5)
 
 
+def test_maxima_within_some_keys_hold_where_a_key_outside_takes_a_rows_whole_softmax():
+    """A row whose attention goes all to a key outside (a logit gap past float32's exp range): its share of the keys
+    within underflows to 0, and the maxima still equal the softmax over those keys."""
+    query, key, value = _qkv(6, 30)
+    key[0, :, 3] = 0.0
+    key[0, :, 3, 0] = 50.0  # a cached key outside the mask ...
+    query[0, :, 0] = 0.0
+    query[0, :, 0, 0] = 50.0  # ... that the first query's logits favour by some 700
+    allowed = torch.ones(30, dtype=torch.bool)
+    allowed[3] = False
+    _, _, maxima = accumulating_attention(query, key, value, 0.3, [], maxima=True, within=allowed)
+    expected = torch.zeros(2, 30)
+    expected[:, allowed] = attention_probs(query[0], key[0][:, allowed], 0.3).view(2, 18, -1).amax(1)
+    torch.testing.assert_close(maxima, expected, atol=1e-6, rtol=1e-5)
+
+
 def reference(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
     """The largest probability per key of the plain softmax (KVzip's `prompt_scores` without a policy)."""
     kv_heads, n = key.shape[0], key.shape[1]

@@ -212,7 +212,16 @@ def accumulating_attention(
 
 def _highest(logits: torch.Tensor, probs: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
     """Each key's largest probability over the rows (dim 1) of (g, rows, k) `probs`, the softmax of `logits`; where
-    `allowed` (k,) is given, of the softmax over those keys alone (every row holds its own key, always allowed)."""
-    if allowed is not None:
-        probs = logits.masked_fill(~allowed.to(logits.device), float("-inf")).softmax(-1)
-    return probs.amax(1)
+    `allowed` (k,) is given, of the softmax over those keys alone, 0 for the others (every row holds its own key,
+    always allowed).
+
+    The softmax over fewer keys is the whole one divided by their share of each row, so no second exponential is
+    needed; a block in which some row's share underflows (all of its allowed logits some 87 below its largest) takes
+    the softmax over them directly."""
+    if allowed is None:
+        return probs.amax(1)
+    allowed = allowed.to(probs.device)
+    share = torch.matmul(probs, allowed.to(probs.dtype)).unsqueeze(-1)  # (g, rows, 1)
+    if bool((share > 0).all()):
+        return (probs / share).amax(1).masked_fill_(~allowed, 0.0)
+    return logits.masked_fill(~allowed, float("-inf")).softmax(-1).amax(1)
