@@ -180,6 +180,13 @@ def test_a_later_sweeps_repeat_of_a_method_is_what_its_new_methods_are_compared_
     assert "`snapkv 0.25 question` against" not in text  # the first sweep's rows are not compared with the repeat
     assert "**snapkv-again**" not in text and "**adakv**" in text
 
+    # A repeat is the same method: a later file's snapkv with other settings is refused, by name and field.
+    other = document(second, "snapkv,adakv")
+    other["settings"]["methods"]["snapkv"]["compress"]["policy"]["pool_size"] = 5
+    records.save(tmp_path / "other.json", other)
+    with pytest.raises(KvsieveError, match=r"'snapkv' in .*other.json has other settings.*compress.policy.pool_size"):
+        write_report(tmp_path / "docs" / "R.md", ruler_files=[tmp_path / "sweep.json", tmp_path / "other.json"])
+
 
 def test_a_rows_ttft_speedup_is_its_own_budgets_or_none(tmp_path):
     """The TTFT column reads the bench only where the bench ran the row's budget: the committed bench ran snapkv at

@@ -40,7 +40,7 @@ def merge(documents: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     seen: set[tuple[str, int | None]] = set()
     for sweep, doc in enumerate(documents):
         if doc.get("kind") == "ruler":
-            doc = _as_repeats({**doc, "rows": [{**r, "sweep": sweep} for r in doc["rows"]]}, seen)
+            doc = _as_repeats({**doc, "rows": [{**r, "sweep": sweep} for r in doc["rows"]]}, seen, merged)
         new = {(r["method"], _length(r)) for r in doc["rows"]} - seen
         seen |= new
         for method in dict.fromkeys(m for m, _ in new):
@@ -49,12 +49,21 @@ def merge(documents: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     return merged
 
 
-def _as_repeats(doc: dict[str, Any], seen: set[tuple[str, int | None]]) -> dict[str, Any]:
+def _as_repeats(doc: dict[str, Any], seen: set[tuple[str, int | None]], merged: dict[str, Any]) -> dict[str, Any]:
     """`doc` with its rows of a method at a length `seen` already holds renamed to the method's repeat
-    (`leaderboard.AGAIN`)."""
+    (`leaderboard.AGAIN`). A repeat must be the same method: one whose settings differ from the first file's (in a
+    field both record: a field added to the library later is absent from older files) is refused."""
     again = {(r["method"], _length(r)) for r in doc["rows"]} & seen
     if not again:
         return doc
+    for method in dict.fromkeys(m for m, _ in again):
+        before, now = merged["settings"]["methods"].get(method), doc["settings"]["methods"].get(method)
+        if before is not None and now is not None and not _same_settings(before, now):
+            raise KvsieveError(
+                f"'{method}' in {doc.get('file', 'a later file')} has other settings than in an earlier file "
+                f"({json.dumps(_differences(before, now))}): a later sweep's row of a method is its repeat, on the "
+                "same settings. Report the files apart, or give the method its settings' own name in one of them."
+            )
     rows = [
         {**r, "method": r["method"] + leaderboard.AGAIN} if (r["method"], _length(r)) in again else r
         for r in doc["rows"]
@@ -62,6 +71,21 @@ def _as_repeats(doc: dict[str, Any], seen: set[tuple[str, int | None]]) -> dict[
     methods = dict(doc["settings"]["methods"])
     methods.update({m + leaderboard.AGAIN: methods[m] for m in dict.fromkeys(m for m, _ in again)})
     return {**doc, "rows": rows, "settings": {**doc["settings"], "methods": methods}}
+
+
+def _same_settings(first: Any, later: Any) -> bool:
+    """Whether two recorded method specs agree in every field both hold (the preset's summary text apart)."""
+    return not _differences(first, later)
+
+
+def _differences(first: Any, later: Any, path: str = "") -> dict[str, list[Any]]:
+    """The fields both specs hold with different values, by dotted path: [first's, later's]."""
+    if isinstance(first, dict) and isinstance(later, dict):
+        found: dict[str, list[Any]] = {}
+        for key in first.keys() & later.keys() - {"summary"}:
+            found |= _differences(first[key], later[key], f"{path}.{key}" if path else key)
+        return found
+    return {} if first == later else {path: [first, later]}
 
 
 def _bench_summary(documents: Sequence[dict[str, Any]], baseline: str) -> list[dict]:
