@@ -17,10 +17,10 @@ logits are computed once; `prompt_scores` computes the same from a pass's querie
 (a soft-capped layer). The prompt's own pass scores nothing. Their cost against a full prefill is measured by `kvsieve
 bench` (docs/PERFORMANCE.md).
 
-The paper selects globally across heads and layers: the `kvzip` preset does (`across_layers` gives each layer its
-share of one ranking of every layer's entries, and the stage's `head_budgets` with no floor shares a layer's among its
-KV heads by one ranking of their entries, held per head in `kvsieve.kv.heads`). The class alone selects per layer and
-KV head at the stage's budget, as every kvsieve scorer does.
+The paper selects globally across heads and layers: `across_layers` gives each layer its share of one ranking of
+every layer's entries, and the stage's `head_budgets` with no floor shares a layer's among its KV heads by one ranking
+of their entries, held per head in `kvsieve.kv.heads`. The `kvzip` preset keeps one budget per layer and KV head, as
+every kvsieve scorer does by default: on SmolLM2 it kept needles the global selection lost (docs/METHODS.md).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class KVzip(PromptScorer):
     chunk: int = option(2048, "context tokens repeated by one reconstruction pass (paper: 2048)")
     overlap: int = option(8, "the previous chunk's last tokens that open the next chunk's prompt (paper: 8)")
     sinks: int = option(4, "first positions always kept (paper: 4)")
-    across_layers: bool = option(False, "rank every layer's entries together, budgets per layer (the preset: yes)")
+    across_layers: bool = option(False, "rank every layer's entries together, budgets per layer (paper: yes)")
     first: str = option("\n\nRepeat the previous context exactly.", "the first chunk's prompt (paper's)")
     later: str = option(
         "\n\nRepeat the part of the previous context exactly, starting with", "a later chunk's prompt (paper's)"
