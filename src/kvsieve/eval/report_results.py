@@ -58,10 +58,10 @@ def _as_repeats(doc: dict[str, Any], seen: set[tuple[str, int | None]], merged: 
         return doc
     for method in dict.fromkeys(m for m, _ in again):
         before, now = merged["settings"]["methods"].get(method), doc["settings"]["methods"].get(method)
-        if before is not None and now is not None and not _same_settings(before, now):
+        if before is not None and now is not None and (differ := _differences(before, now)):
             raise KvsieveError(
                 f"'{method}' in {doc.get('file', 'a later file')} has other settings than in an earlier file "
-                f"({json.dumps(_differences(before, now))}): a later sweep's row of a method is its repeat, on the "
+                f"({json.dumps(differ)}): a later sweep's row of a method is its repeat, on the "
                 "same settings. Report the files apart, or give the method its settings' own name in one of them."
             )
     rows = [
@@ -73,13 +73,9 @@ def _as_repeats(doc: dict[str, Any], seen: set[tuple[str, int | None]], merged: 
     return {**doc, "rows": rows, "settings": {**doc["settings"], "methods": methods}}
 
 
-def _same_settings(first: Any, later: Any) -> bool:
-    """Whether two recorded method specs agree in every field both hold (the preset's summary text apart)."""
-    return not _differences(first, later)
-
-
 def _differences(first: Any, later: Any, path: str = "") -> dict[str, list[Any]]:
-    """The fields both specs hold with different values, by dotted path: [first's, later's]."""
+    """The fields two recorded method specs both hold with different values (the preset's summary text apart), by
+    dotted path: [first's, later's]."""
     if isinstance(first, dict) and isinstance(later, dict):
         found: dict[str, list[Any]] = {}
         for key in first.keys() & later.keys() - {"summary"}:
