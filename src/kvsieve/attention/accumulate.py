@@ -169,12 +169,11 @@ def accumulating_attention(
     compute = torch.promote_types(query.dtype, torch.float32)
     if q_len == 1:  # one query: its attention row is every alpha's score (weight alpha^0 = 1)
         grouped_row = query[0].reshape(kv_heads, n_rep, dim).to(compute) * scale
-        logits = torch.bmm(grouped_row, key[0].transpose(1, 2).to(compute))  # (g, n_rep, n)
-        probs = logits.softmax(-1)
+        probs = torch.bmm(grouped_row, key[0].transpose(1, 2).to(compute)).softmax(-1)  # (g, n_rep, n)
         out = torch.bmm(probs, value[0].to(compute)).view(1, heads, 1, dim).to(query.dtype)
         row = probs.sum(1).float()
         rows = [row.clone() for _ in alphas]
-        return out, rows, _highest(logits, probs, within).float() if maxima else None
+        return out, rows, _highest(probs, within).float() if maxima else None
     plans = [accumulation_weights(alpha, q_len, device) for alpha in alphas]
     first = 0 if maxima else min(start for _, start in plans)  # the maxima read every row
     totals = [torch.zeros(kv_heads, n, dtype=compute, device=device) for _ in alphas]
@@ -205,23 +204,20 @@ def accumulating_attention(
             total[:, :visible] += torch.bmm(row_weights, probs)[:, 0]
         if best is not None:
             allowed = within[:visible] if within is not None else None
-            flat = logits.view(kv_heads, n_rep * block, visible)
-            torch.maximum(best[:, :visible], _highest(flat, probs, allowed), out=best[:, :visible])
+            torch.maximum(best[:, :visible], _highest(probs, allowed), out=best[:, :visible])
     return out, [total.float() for total in totals], best.float() if best is not None else None
 
 
-def _highest(logits: torch.Tensor, probs: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
-    """Each key's largest probability over the rows (dim 1) of (g, rows, k) `probs`, the softmax of `logits`; where
+def _highest(probs: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """Each key's largest probability over the rows (dim 1) of (g, rows, k) `probs`, a softmax over k keys; where
     `allowed` (k,) is given, of the softmax over those keys alone, 0 for the others (every row holds its own key,
     always allowed).
 
-    The softmax over fewer keys is the whole one divided by their share of each row, so no second exponential is
-    needed; a block in which some row's share underflows (all of its allowed logits some 87 below its largest) takes
-    the softmax over them directly."""
+    The softmax over fewer keys is the whole one divided by their share of each row, so no second exponential (nor
+    a read of the device) is needed. Its one limit: a row whose allowed keys all lie some 87 logits below another key
+    (their share underflows float32) adds nothing, where the softmax over them alone would give them its weights."""
     if allowed is None:
         return probs.amax(1)
     allowed = allowed.to(probs.device)
     share = torch.matmul(probs, allowed.to(probs.dtype)).unsqueeze(-1)  # (g, rows, 1)
-    if bool((share > 0).all()):
-        return (probs / share).amax(1).masked_fill_(~allowed, 0.0)
-    return logits.masked_fill(~allowed, float("-inf")).softmax(-1).amax(1)
+    return (probs / share.clamp_min(torch.finfo(probs.dtype).tiny)).amax(1).masked_fill_(~allowed, 0.0)
