@@ -130,10 +130,10 @@ def test_the_sweep_runs_every_configuration_and_sharing_the_prefill_changes_no_a
 def test_the_unmarked_mode_answers_as_a_completions_request_does(model, tokenizer, cases_folder, tmp_path, monkeypatch):
     """The unmarked mode gives each preset the case's whole prompt as token ids, nothing marking the question (what
     `/v1/completions` and `generate` on ids get): each request's prompt is `ids_prompt` of those ids, each answer
-    exactly `kvsieve.run` on it, and no stored context is used. IMDC's guided pruning then reads the prompt's last
-    16 tokens where the question mode gives it the case's question."""
+    exactly `kvsieve.run` on it, and no stored context is used. IMDC's guided pruning then reads the prompt's
+    stand-in question (`question_tail` with the tokenizer) where the question mode gives it the case's question."""
     from kvsieve import Sampling
-    from kvsieve.prompt import QUESTION_WINDOW, ids_prompt
+    from kvsieve.prompt import ids_prompt, question_tail
 
     prompts = []
     request = engine.Request
@@ -146,18 +146,19 @@ def test_the_unmarked_mode_answers_as_a_completions_request_does(model, tokenize
     assert {r["mode"] for r in rows.values()} == {"unmarked"} and {r["reuse"] for r in rows.values()} == {"off"}
     [case] = ruler.load_cases(tokenizer, "vt", LENGTH, 1, 42, cases_folder)
     ids = case.prompt.ids[0].tolist()
+    stand_in = question_tail(ids, tokenizer=tokenizer)
     assert len(prompts) == 2
     for prompt in prompts:
-        assert prompt.ids[0].tolist() == ids and not prompt.asked and prompt.tail_len == QUESTION_WINDOW
-    runs = {}
+        assert prompt.ids[0].tolist() == ids and not prompt.asked and prompt.tail_len == stand_in
+    runs, unmarked = {}, ids_prompt(ids, tokenizer=tokenizer)
     for name, row in rows.items():
         spec = ruler.spec_at(specs[name], 0.25, len(ids))
-        runs[name] = kvsieve.run(model, tokenizer, ids_prompt(ids), method=spec, sampling=Sampling(case.max_new_tokens))
+        runs[name] = kvsieve.run(model, tokenizer, unmarked, method=spec, sampling=Sampling(case.max_new_tokens))
         assert row["answer"] == runs[name].text, name
     marked = kvsieve.run(model, tokenizer, case.prompt, method=ruler.spec_at(specs["imdc"], 0.25, len(ids)),
                          sampling=Sampling(case.max_new_tokens))  # fmt: skip
     guided = {r.stage: r.details.get("question_tokens") for r in runs["imdc"].stages}
-    assert guided["feed"] == QUESTION_WINDOW
+    assert guided["feed"] == stand_in
     assert {r.stage: r.details.get("question_tokens") for r in marked.stages}["feed"] == case.prompt.tail_len > 16
 
 

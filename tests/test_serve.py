@@ -29,20 +29,20 @@ from kvsieve.compress.stages import Compress
 from kvsieve.decode import TextStream, extend
 from kvsieve.engine import output as output_module
 from kvsieve.engine.prefix_cache import BLOCK, reuse_tail
-from kvsieve.prompt import ids_prompt
+from kvsieve.prompt import ids_prompt, question_tail
 from kvsieve.serve import ServerThread, create_server
 
 TEMPLATE = (
     "{% for m in messages %}<s> question {{ m['content'] }} </s>{% endfor %}"
     "{% if add_generation_prompt %} answer{% endif %}"
 )
-WORDS = ["[UNK]", "<s>", "</s>", *"the pass key is what remember it answer question hello world".split()]
+WORDS = ["[UNK]", "<s>", "</s>", *"the pass key is what remember it answer question hello world .".split()]
 DOC = " ".join(["the pass key is hello world remember it"] * 12)  # 96 words
 SMALL = {"compress.budget": 24, "compress.policy.window": 4}
 
 
 def word_tokenizer() -> PreTrainedTokenizerFast:
-    """One word per id for all 256 ids of the tiny model (w14 ... w255 after the real words)."""
+    """One word per id for all 256 ids of the tiny model (w15 ... w255 after the real words and the period)."""
     vocab = {w: i for i, w in enumerate(WORDS + [f"w{i}" for i in range(len(WORDS), 256)])}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -82,10 +82,10 @@ def client(server: ServerThread, key: str = "none") -> openai.OpenAI:
 
 
 def reference(tiny, ids: list[int], name: str = "full", settings=None, tokens: int = 8, tail: int | None = None) -> str:
-    """What the library answers for these token ids (the last `tail` the question, none: the library's window for a
-    prompt that names none): the text the server must return."""
+    """What the library answers for these token ids (the last `tail` the question, none: the library's stand-in for
+    a prompt that names none): the text the server must return."""
     model, tokenizer = tiny
-    prompt = ids_prompt(ids, tail)
+    prompt = ids_prompt(ids, tail, tokenizer=tokenizer)
     return run(model, tokenizer, prompt, method=method(name, settings or {}), sampling=Sampling(tokens)).text
 
 
@@ -134,6 +134,20 @@ def test_completions_with_token_ids_and_text_match_the_library(server, tiny):
     assert out.usage.prompt_tokens == len(ids)
     streamed = client(server).completions.create(model="tiny", prompt=DOC, max_tokens=8, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in streamed) == reference(tiny, ids_of(tiny, DOC))
+
+
+def test_a_completion_s_stand_in_question_is_its_last_sentence(server, tiny):
+    """A completions prompt marks no question: IMDC's pruning reads the library's stand-in (`question_tail` with the
+    server's tokenizer), here the 20 words after the document's last period, longer than the 16-token window."""
+    question = "what is the pass key hello world remember it the pass key is what is the key hello world it"
+    ids = ids_of(tiny, f"{DOC} . {question}")
+    assert question_tail(ids, tokenizer=tiny[1]) == len(question.split()) == 20
+    settings = {"feed.chunk": 32, "feed.memory": 24}
+    extra = {"kvsieve": {"method": "imdc", "set": settings, "cache": False}}
+    out = client(server).completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0, extra_body=extra)
+    [feed] = [s for s in out.model_extra["kvsieve"]["stages"] if s["stage"] == "feed"]
+    assert feed["details"]["question_tokens"] == 20
+    assert out.choices[0].text == reference(tiny, ids, "imdc", settings)
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,9 @@ cannot answer it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -39,23 +40,43 @@ class Prompt:
 
 
 # Tokens at a prompt's end that stand in for its question where nothing marks one (token ids, a completion, a
-# chat's single message): the question-guided stages (IMDC's chunk pruning, GemFilter's kept tail) read them.
+# chat's single message): the question-guided stages (IMDC's chunk pruning, GemFilter's kept tail) read them. The
+# window reaches back to the start of the sentence its first token lies in, up to QUESTION_LONGEST tokens: a
+# question longer than the window (RULER's multi-query one names four keys in some 30 tokens) is read whole.
 QUESTION_WINDOW = 16
+QUESTION_LONGEST = 64
 
 
-def question_tail(length: int, marked: int | None = None) -> int:
-    """How many of a `length`-token prompt's last tokens are its question: the `marked` ones where the caller
-    knows them (the last chat message, the question given apart), else the last `QUESTION_WINDOW` (all but the
-    first token of a shorter prompt): the one rule every entry point uses for a prompt that names no question."""
+def question_tail(ids: Sequence[int], marked: int | None = None, tokenizer: Any = None) -> int:
+    """How many of a prompt's last tokens are its question: the `marked` ones where the caller knows them (the last
+    chat message, the question given apart), else the last `QUESTION_WINDOW` (all but the first token of a shorter
+    prompt) reaching back to the start of their first token's sentence, if one starts within the last
+    `QUESTION_LONGEST` tokens (a sentence ends at a token whose text holds a line break or ends with ".", "?" or
+    "!"; without a `tokenizer`, or one that decodes nothing, the window alone): the one rule every entry point uses
+    for a prompt that names no question."""
     if marked is not None:
         return marked
-    return max(0, min(QUESTION_WINDOW, length - 1))
+    window = max(0, min(QUESTION_WINDOW, len(ids) - 1))
+    if window < QUESTION_WINDOW or tokenizer is None:
+        return window
+    for start in range(len(ids) - window, max(len(ids) - QUESTION_LONGEST, 1) - 1, -1):
+        if _ends_sentence(tokenizer.decode([ids[start - 1]], skip_special_tokens=False)):
+            return len(ids) - start
+    return window
 
 
-def ids_prompt(ids: list[int], tail: int | None = None, device: torch.device | str | None = None) -> Prompt:
+def _ends_sentence(text: str) -> bool:
+    return "\n" in text or text.rstrip().endswith((".", "?", "!"))
+
+
+def ids_prompt(
+    ids: list[int], tail: int | None = None, device: torch.device | str | None = None, tokenizer: Any = None
+) -> Prompt:
     """A prompt given as token ids (a completions request, a `generate` call): the last `tail` tokens are its
-    question, the rest its context; with no tail (nothing marks a question in plain ids) `question_tail`'s window."""
-    return Prompt(torch.tensor([ids], device=device), 0, len(ids) - question_tail(len(ids), tail), tail is not None)
+    question, the rest its context; with no tail (nothing marks a question in plain ids) `question_tail`'s stand-in,
+    read with `tokenizer` where there is one."""
+    question = question_tail(ids, tail, tokenizer)
+    return Prompt(torch.tensor([ids], device=device), 0, len(ids) - question, tail is not None)
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
@@ -96,7 +117,8 @@ def build_prompt(
     prompt = _assemble(tokenizer, bos, prefix, context, suffix)
     if question:
         return prompt
-    tail = min(max(prompt.tail_len, question_tail(prompt.length)), prompt.length - prompt.context_start)
+    stand_in = question_tail(prompt.ids[0].tolist(), tokenizer=tokenizer)
+    tail = min(max(prompt.tail_len, stand_in), prompt.length - prompt.context_start)
     return Prompt(prompt.ids, prompt.context_start, prompt.length - prompt.context_start - tail, asked=False)
 
 

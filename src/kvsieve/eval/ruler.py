@@ -422,7 +422,8 @@ def _answer_case(
         for mode, reuse in todo
     }
     # The unmarked mode's prompt, where it runs: the case's ids with no question marked (their tail stands in for it).
-    prompts = {"unmarked": ids_prompt(case.prompt.ids[0].tolist())} if any(m == "unmarked" for m, _ in todo) else {}
+    unmarked = any(m == "unmarked" for m, _ in todo)
+    prompts = {"unmarked": ids_prompt(case.prompt.ids[0].tolist(), tokenizer=tokenizer)} if unmarked else {}
     jobs = [(caches[group], c, spec_at(specs[c.method], c.budget, length)) for group, cs in todo.items() for c in cs]
     if share_prefill and (
         entries := [(cache, spec) for cache, _, spec in jobs if cache is not None and fillable(spec, cache.budget)]

@@ -61,7 +61,7 @@ def decoding(method: MethodSpec | str = "full", settings: Mapping[str, Any] | No
         check_eos(model, tokenizer, generation_config)
         mask = model_kwargs.get("attention_mask")
         rows = [row[mask[i].bool()] if mask is not None else row for i, row in enumerate(input_ids)]
-        prompts = [ids_prompt(row.tolist(), device=input_ids.device) for row in rows]
+        prompts = [ids_prompt(row.tolist(), device=input_ids.device, tokenizer=tokenizer) for row in rows]
         sampling = sampling_of(generation_config, input_ids.shape[1])
         if streamer is not None:
             results = [cast(GenerationResult, run(model, tokenizer, prompts[0], method=spec, sampling=sampling,

@@ -212,10 +212,11 @@ class Front:
         )
         events = RequestEvents(request)
         reply = Reply(chat, new_id("chatcmpl" if chat else "cmpl"), self.config.model_name, len(prompt.ids))
+        ids = as_prompt(prompt, self.tokenizer)
         if self.relay is not None:
-            return await self.relay.answer(request, body, spec, prompt, sampling, events, reply, arrived)
+            return await self.relay.answer(request, body, spec, ids, sampling, events, reply, arrived)
         job = Request(
-            as_prompt(prompt),
+            ids,
             spec,
             sampling,
             events.emit,

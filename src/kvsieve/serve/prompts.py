@@ -66,6 +66,7 @@ def completion_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[int
     return PromptIds(list(prompt))
 
 
-def as_prompt(prompt: PromptIds) -> Prompt:
-    """The library's prompt for a request's token ids: the last `tail` tokens are its question (`ids_prompt`)."""
-    return ids_prompt(prompt.ids, prompt.tail)
+def as_prompt(prompt: PromptIds, tokenizer: PreTrainedTokenizerBase) -> Prompt:
+    """The library's prompt for a request's token ids: the last `tail` tokens are its question, else the stand-in
+    the tokenizer's sentences bound (`ids_prompt`)."""
+    return ids_prompt(prompt.ids, prompt.tail, tokenizer=tokenizer)

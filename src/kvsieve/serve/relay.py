@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvsieve.decode import Sampling
 from kvsieve.engine import Request, Selected
+from kvsieve.prompt import Prompt
 from kvsieve.serve.metrics import Metrics
 from kvsieve.serve.openai_types import (
     CLIENT_CLOSED,
@@ -29,7 +30,6 @@ from kvsieve.serve.openai_types import (
     sse,
     usage,
 )
-from kvsieve.serve.prompts import PromptIds, as_prompt
 from kvsieve.serve.upstream import Upstream, UpstreamPiece
 from kvsieve.spec import MethodSpec
 
@@ -46,7 +46,7 @@ class Relay:
         request: HttpRequest,
         body: ChatRequest | CompletionRequest,
         spec: MethodSpec,
-        prompt: PromptIds,
+        prompt: Prompt,
         sampling: Sampling,
         events: Any,
         reply: Reply,
@@ -65,7 +65,7 @@ class Relay:
                 param="kvsieve",
                 code="invalid_method",
             )
-        job = Request(as_prompt(prompt), spec, sampling, events.emit, select_only=True)
+        job = Request(prompt, spec, sampling, events.emit, select_only=True)
         selected = await self.first_event(job, events)
         if selected is None:
             return Response(status_code=CLIENT_CLOSED)
