@@ -92,6 +92,34 @@ def test_a_streamer_receives_the_prompt_then_the_answer(tokenizer, single_thread
                        streamer=Recording(), custom_generate=kvsieve.decoding())  # fmt: skip
 
 
+class Periods(FakeTokenizer):
+    """FakeTokenizer whose id 7 reads as a period: where a sentence ends, for the stand-in question."""
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "." if list(ids) == [7] else super().decode(ids, skip_special_tokens)
+
+
+def test_the_stand_in_question_reads_the_tokenizer_given_to_generate(monkeypatch, single_thread):
+    """The tokenizer given to `decoding` reaches the stand-in rule (`question_tail`): the window reaches back to the
+    sentence start the tokenizer shows; without one, the 16-token window alone."""
+    from kvsieve.integrations import custom_generate
+
+    model = build_model("llama", num_layers=3)
+    model.generation_config.eos_token_id = None
+    prompt = ids(60)
+    prompt[0, 60 - 25 :] = 5  # no period among the last 25 tokens
+    prompt[0, 60 - 26] = 7  # a period before them: a 25-token sentence ends the prompt
+    tails = []
+    real = custom_generate.ids_prompt
+    monkeypatch.setattr(
+        custom_generate, "ids_prompt", lambda *a, **k: tails.append(real(*a, **k).tail_len) or real(*a, **k)
+    )
+    for tokenizer in (Periods(), None):
+        model.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=0,
+                       custom_generate=kvsieve.decoding("imdc", PRESET_SETTINGS["imdc"], tokenizer))  # fmt: skip
+    assert tails == [25, 16]
+
+
 @pytest.mark.parametrize("name", list(PRESET_SETTINGS))
 def test_each_method_gives_the_tokens_kvsieve_run_gives(name, model):
     prompt = ids(48)

@@ -23,7 +23,7 @@ first two by default):
   with the question) is the ceiling of every mode.
 - "unmarked": the whole prompt as token ids with nothing marking where its question starts, as a completions
   request (`/v1/completions`, `generate` on ids) gives it: the question-guided stages (IMDC's chunk pruning,
-  GemFilter's kept tail) read the prompt's last `kvsieve.prompt.QUESTION_WINDOW` tokens instead (`ids_prompt`).
+  GemFilter's kept tail) read the library's stand-in for a question instead (`kvsieve.prompt.question_tail`).
   Presets with a KV budget; each runs its prompt whole (no stored context: nothing says where one ends).
 
 The sweep shares its expensive part through the engine's prefix cache: before a case's configurations run, its

@@ -32,10 +32,15 @@ from kvsieve.prompt import ids_prompt
 from kvsieve.spec import MethodSpec
 
 
-def decoding(method: MethodSpec | str = "full", settings: Mapping[str, Any] | None = None) -> Callable[..., Any]:
+def decoding(
+    method: MethodSpec | str = "full", settings: Mapping[str, Any] | None = None, tokenizer: Any = None
+) -> Callable[..., Any]:
     """A decoding method for `model.generate(..., custom_generate=kvsieve.decoding(method))` that runs `method` (a
     registered name or a `MethodSpec`, its fields changed by `settings` as `--set` does: {"compress.budget": 0.25}).
-    A bad method or setting fails here, before any generation."""
+    A bad method or setting fails here, before any generation. `tokenizer` lets the stand-in question end at its
+    sentence's start (`kvsieve.prompt.question_tail`) and a streamer get text as it becomes final: transformers hands
+    a callable `custom_generate` no `tokenizer=` of the `generate` call (it keeps that one for its own stopping
+    criteria), so it is given here."""
     spec = resolve_method(method, {}).with_settings(dict(settings or {}))
 
     def kvsieve_decoding(
@@ -45,7 +50,6 @@ def decoding(method: MethodSpec | str = "full", settings: Mapping[str, Any] | No
         stopping_criteria: StoppingCriteriaList,
         generation_config: GenerationConfig,
         synced_gpus: bool = False,
-        tokenizer: Any = None,
         **model_kwargs: Any,
     ) -> torch.Tensor | GenerateDecoderOnlyOutput:
         refuse_what_it_cannot_do(generation_config, logits_processor, stopping_criteria)
@@ -55,19 +59,20 @@ def decoding(method: MethodSpec | str = "full", settings: Mapping[str, Any] | No
         streamer = generate_argument(model, "streamer")
         if streamer is not None and input_ids.shape[0] > 1:
             raise KvsieveError(f"A streamer takes one prompt; this batch has {input_ids.shape[0]}.")
-        if tokenizer is None:  # the text decides when streamed tokens are final: the streamer's tokenizer, if any
-            tokenizer = getattr(streamer, "tokenizer", None) or IdsOnly()
+        # The text decides when streamed tokens are final and where the stand-in question's sentence starts: the
+        # tokenizer given to `decoding`, else the streamer's, else none (token ids only).
+        text = tokenizer if tokenizer is not None else getattr(streamer, "tokenizer", None) or IdsOnly()
         streamer = cast(BaseStreamer | None, streamer)
-        check_eos(model, tokenizer, generation_config)
+        check_eos(model, text, generation_config)
         mask = model_kwargs.get("attention_mask")
         rows = [row[mask[i].bool()] if mask is not None else row for i, row in enumerate(input_ids)]
-        prompts = [ids_prompt(row.tolist(), device=input_ids.device, tokenizer=tokenizer) for row in rows]
+        prompts = [ids_prompt(row.tolist(), device=input_ids.device, tokenizer=text) for row in rows]
         sampling = sampling_of(generation_config, input_ids.shape[1])
         if streamer is not None:
-            results = [cast(GenerationResult, run(model, tokenizer, prompts[0], method=spec, sampling=sampling,
+            results = [cast(GenerationResult, run(model, text, prompts[0], method=spec, sampling=sampling,
                                                   stream=AfterPrompt(streamer)))]  # fmt: skip
         else:  # a list of prompts gives a list: one result each (sampling.n is 1)
-            results = cast(list[GenerationResult], run(model, tokenizer, prompts, method=spec, sampling=sampling))
+            results = cast(list[GenerationResult], run(model, text, prompts, method=spec, sampling=sampling))
         pad = generation_config.pad_token_id if generation_config.pad_token_id is not None else 0
         longest = max(len(result.tokens) for result in results)
         padded = [result.tokens + [pad] * (longest - len(result.tokens)) for result in results]
@@ -129,8 +134,8 @@ class AfterPrompt(BaseStreamer):
 
 
 class IdsOnly:
-    """What the engine reads of a tokenizer when `generate` is given none: no text (generate returns token ids),
-    and the model's EOS (`check_eos`)."""
+    """What the engine reads of a tokenizer when `decoding` and the streamer give none: no text (generate returns
+    token ids; the stand-in question is the window alone), and the model's EOS (`check_eos`)."""
 
     eos_token_id = None
 
