@@ -158,7 +158,7 @@ def test_a_later_sweeps_full_attention_is_the_boards_control_row(tmp_path):
 def test_a_later_sweeps_repeat_of_a_method_is_what_its_new_methods_are_compared_with(tmp_path):
     """A later sweep that answers snapkv again beside a new method (adakv) keeps its snapkv as `snapkv-again` (not
     dropped as a repeat): adakv is compared with the answers of its own sweep, and snapkv-again with snapkv's first
-    answers; the repeat gets no verdict sentence of its own."""
+    answers; the repeat gets no verdict sentence of its own. A method in a new mode is a row of its own."""
     from kvsieve.eval import records
     from kvsieve.eval.report import write_report
 
@@ -179,6 +179,12 @@ def test_a_later_sweeps_repeat_of_a_method_is_what_its_new_methods_are_compared_
     assert "- `adakv 0.25 question` against `snapkv-again 0.25 question`: +3.1 [" in text  # qa_1: +100 / 16, halved
     assert "`snapkv 0.25 question` against" not in text  # the first sweep's rows are not compared with the repeat
     assert "**snapkv-again**" not in text and "**adakv**" in text
+
+    # A method in a mode no earlier file ran it in is its own row, not a repeat (the unmarked re-measure of a preset).
+    records.save(tmp_path / "unmarked.json", document(rows_of("snapkv", 0.25, "unmarked", moved, kept=25), "snapkv"))
+    text = write_report(tmp_path / "docs" / "R.md", ruler_files=[tmp_path / "sweep.json", tmp_path / "unmarked.json"])
+    text = text.read_text()
+    assert "| snapkv | 0.25 | unmarked | 71.9 | -3.1 [" in text and "snapkv-again" not in text
 
     # A repeat is the same method: a later file's snapkv with other settings is refused, by name and field.
     other = document(second, "snapkv,adakv")

@@ -26,10 +26,16 @@ def _length(row: dict[str, Any]) -> int | None:
     return row.get("requested_length", row.get("length"))
 
 
+def _key(row: dict[str, Any]) -> tuple[str, int | None, str | None]:
+    """What a row answers: its method at its length, in its RULER mode (a mode a method has not run in yet is a new
+    row, not a repeat)."""
+    return row["method"], _length(row), row.get("mode")
+
+
 def merge(documents: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """One document from several result files of one kind: each method's rows at each length (and its spec) come
-    from the first file that has the method at that length, so a later run can add methods, or lengths, next to an
-    earlier one. A later RULER file's method at a length already given becomes that method's repeat row
+    """One document from several result files of one kind: each method's rows at each length (and mode) and its spec
+    come from the first file that has them, so a later run can add methods, lengths or modes next to an earlier
+    one. A later RULER file's method at a length and mode already given becomes that method's repeat row
     (`leaderboard.AGAIN`, the first such file's; full attention's is the control, `leaderboard.CONTROL`), and every
     RULER row says which file (`sweep`, its index) answered it, so a sweep's methods are compared with its own
     repeats."""
@@ -37,26 +43,28 @@ def merge(documents: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
         return None
     first = documents[0]
     merged = {**first, "settings": {**first["settings"], "methods": {}}, "rows": []}
-    seen: set[tuple[str, int | None]] = set()
+    seen: set[tuple[str, int | None, str | None]] = set()
     for sweep, doc in enumerate(documents):
         if doc.get("kind") == "ruler":
             doc = _as_repeats({**doc, "rows": [{**r, "sweep": sweep} for r in doc["rows"]]}, seen, merged)
-        new = {(r["method"], _length(r)) for r in doc["rows"]} - seen
+        new = {_key(r) for r in doc["rows"]} - seen
         seen |= new
-        for method in dict.fromkeys(m for m, _ in new):
+        for method in dict.fromkeys(m for m, _, _ in new):
             merged["settings"]["methods"].setdefault(method, doc["settings"]["methods"][method])
-        merged["rows"] += [r for r in doc["rows"] if (r["method"], _length(r)) in new]
+        merged["rows"] += [r for r in doc["rows"] if _key(r) in new]
     return merged
 
 
-def _as_repeats(doc: dict[str, Any], seen: set[tuple[str, int | None]], merged: dict[str, Any]) -> dict[str, Any]:
+def _as_repeats(
+    doc: dict[str, Any], seen: set[tuple[str, int | None, str | None]], merged: dict[str, Any]
+) -> dict[str, Any]:
     """`doc` with its rows of a method at a length `seen` already holds renamed to the method's repeat
     (`leaderboard.AGAIN`). A repeat must be the same method: one whose settings differ from the first file's (in a
     field both record: a field added to the library later is absent from older files) is refused."""
-    again = {(r["method"], _length(r)) for r in doc["rows"]} & seen
+    again = {_key(r) for r in doc["rows"]} & seen
     if not again:
         return doc
-    for method in dict.fromkeys(m for m, _ in again):
+    for method in dict.fromkeys(m for m, _, _ in again):
         before, now = merged["settings"]["methods"].get(method), doc["settings"]["methods"].get(method)
         if before is not None and now is not None and (differ := _differences(before, now)):
             raise KvsieveError(
@@ -64,12 +72,9 @@ def _as_repeats(doc: dict[str, Any], seen: set[tuple[str, int | None]], merged: 
                 f"({json.dumps(differ)}): a later sweep's row of a method is its repeat, on the "
                 "same settings. Report the files apart, or give the method its settings' own name in one of them."
             )
-    rows = [
-        {**r, "method": r["method"] + leaderboard.AGAIN} if (r["method"], _length(r)) in again else r
-        for r in doc["rows"]
-    ]
+    rows = [{**r, "method": r["method"] + leaderboard.AGAIN} if _key(r) in again else r for r in doc["rows"]]
     methods = dict(doc["settings"]["methods"])
-    methods.update({m + leaderboard.AGAIN: methods[m] for m in dict.fromkeys(m for m, _ in again)})
+    methods.update({m + leaderboard.AGAIN: methods[m] for m in dict.fromkeys(m for m, _, _ in again)})
     return {**doc, "rows": rows, "settings": {**doc["settings"], "methods": methods}}
 
 
