@@ -66,6 +66,7 @@ def test_a_stand_in_question_reaches_back_to_the_start_of_its_sentence(ids, expe
     assert ids_prompt(ids, tokenizer=Sentences()).tail_len == expected
 
 
+@pytest.mark.real_model
 def test_the_stand_in_is_a_ruler_multi_query_question_whole(smollm):
     """On SmolLM2's tokenizer and RULER's multi-query wording (four keys in the answer's lead, some 30 tokens): the
     stand-in is that sentence, every key in it, where the window alone holds the last two."""
