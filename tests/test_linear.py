@@ -103,6 +103,42 @@ def test_other_dtypes_gradients_and_a_switch_keep_pytorchs_product(monkeypatch):
     assert calls == []
 
 
+def product_dtypes(monkeypatch) -> list[torch.dtype]:
+    """Record the dtype each call of PyTorch's product multiplies in."""
+    dtypes: list[torch.dtype] = []
+    pytorchs = F.linear
+
+    def recording(x, weight, bias=None):
+        dtypes.append(x.dtype)
+        return pytorchs(x, weight, bias)
+
+    monkeypatch.setattr(products.F, "linear", recording)
+    return dtypes
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_bfloat16_product_is_widened_only_where_the_cpu_lacks_bfloat16(monkeypatch, native):
+    """A prefill's bfloat16 product (more rows than the kernel takes) on a CPU without native bfloat16 runs in float32
+    and comes back in bfloat16, within one bfloat16 step of the exact product (as PyTorch's own is); with native
+    bfloat16, or the switch off, PyTorch's bfloat16 product runs as it is."""
+    monkeypatch.setattr(products, "native_bfloat16", lambda: native)
+    torch.manual_seed(0)
+    layer = fuse_linears(torch.nn.Linear(64, 48, bias=True, dtype=torch.bfloat16))
+    x = torch.randn(2, 20, 64, dtype=torch.bfloat16)
+    exact = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+    dtypes = product_dtypes(monkeypatch)
+    with torch.no_grad():
+        out = layer(x)
+        assert out.dtype == torch.bfloat16 and out.shape == (2, 20, 48)
+        torch.testing.assert_close(out.double(), exact, rtol=2**-8, atol=1e-6)
+        with fast_paths.using(widened_products=False):
+            assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+        quantized = Int8Linear(torch.nn.Linear(64, 48, bias=False))
+        assert quantized(x).dtype == torch.bfloat16
+    widened = torch.bfloat16 if native else torch.float32
+    assert dtypes[0] == widened and dtypes[1] == torch.bfloat16 and dtypes[-1] == widened
+
+
 def test_prepare_fuses_every_linear_and_keeps_weights_tied():
     config = tiny_config("llama")
     config.tie_word_embeddings = True

@@ -2,6 +2,8 @@
 
     attention_kernel  KVSIEVE_ATTENTION_KERNEL  on   the CPU's C++ decoding attention (`kernels.attention`)
     fused_products    KVSIEVE_FUSED_PRODUCTS    on   the CPU's C++ few-row products (`kernels.products`)
+    widened_products  KVSIEVE_WIDENED_PRODUCTS  on   on a CPU without native bfloat16 products, a bfloat16 product of
+                                                     more rows computed in float32 (`kernels.products`)
     compiled_steps    KVSIEVE_COMPILED_STEPS    off  decoding steps compiled by torch.compile (`engine.static_step`)
     cuda_graphs       KVSIEVE_CUDA_GRAPHS       on   on CUDA, the static decoding step captured as a CUDA graph
     flex_attention    KVSIEVE_FLEX_ATTENTION    on   on CUDA, CritiPrefill's block-sparse prefill as one FlexAttention
@@ -31,6 +33,7 @@ class FastPaths:
 
     attention_kernel: bool = True
     fused_products: bool = True
+    widened_products: bool = True
     compiled_steps: bool = False
     cuda_graphs: bool = True
     flex_attention: bool = True

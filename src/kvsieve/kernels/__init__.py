@@ -4,7 +4,9 @@ kernel or holds a fallback.
 
     operator                 dispatch                                   C++ (a CPU's)    PyTorch (any device)
     a step's attention       `attention.decode_attention`, `_probs`     `attention.cpp`  grouped product, SDPA
-    a step's linear products `products.linear` (`FusedLinear`)          `products.cpp`   `F.linear`, a traced row
+    a step's linear products `products.linear` (`FusedLinear`)          `products.cpp`   `F.linear` (bfloat16 widened
+                                                                                         where the CPU lacks it), a
+                                                                                         traced row
     a steady row's eviction  `eviction.steady_eviction`                 `eviction.cpp`   the same function's tensors
 
 One prefill operator has a fused kernel on CUDA: block-sparse attention (`block_sparse.segment_block_attention`,

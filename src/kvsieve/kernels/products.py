@@ -13,18 +13,25 @@ the registers, with fused multiply-adds in independent chains (SmolLM2-135M's 21
 also made every new process compile it first.
 
 `FusedLinear` is `torch.nn.Linear` whose forward takes the kernel for up to `FUSED_ROWS` rows on a CPU
-(float32 and bfloat16 weights; the rows go in as float32 and come out in their dtype) and `F.linear`
-otherwise (a prefill, a GPU, float16); inside a caller's own `torch.compile` (the compiled step) the kernel
-is called from the graph, except for one row, whose product is traced into it (`traced_product`: inductor
-fuses it with the operators around it, which measured faster than the call). `kvsieve.prepare` gives a
+(float32 and bfloat16 weights; the rows go in as float32 and come out in their dtype) and PyTorch's product
+(`pytorch_product`) otherwise (a prefill, a GPU, float16); inside a caller's own `torch.compile` (the compiled
+step) the kernel is called from the graph, except for one row, whose product is traced into it (`traced_product`:
+inductor fuses it with the operators around it, which measured faster than the call). `kvsieve.prepare` gives a
 model's linear layers this forward (`fuse_linears`). int8 weights (`kvsieve.quantize`) use the same
 kernel with a scale. Where the library cannot be built, PyTorch's product runs (`kvsieve.kernels.native` warns
 once). The switch `fused_products` (`kvsieve.fast_paths`) turns the kernel off: every product is then
 PyTorch's own.
+
+PyTorch's own product of bfloat16 on a CPU that oneDNN cannot multiply bfloat16 on (no AVX-512: our AMD EPYC host
+has AVX2 only) takes a slow path: a (4096 x 576) x (576 x 1536) product, SmolLM2's MLP at a 4K prefill, 0.90 s
+against 0.15 s for the same product in float32. `pytorch_product` multiplies such bfloat16 in float32 and rounds
+the result to bfloat16: what a bfloat16 product computes (it accumulates in float32 too; the two differ in the order
+of the sum, one bfloat16 step on 0.013% of that product's outputs). The switch `widened_products` turns it off.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import TypeVar
 
 import torch
@@ -75,6 +82,33 @@ def traced_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 TRACED_ROWS = 1
 
 
+@functools.cache
+def native_bfloat16() -> bool:
+    """Whether oneDNN multiplies bfloat16 on this CPU (its own check: AVX-512 or Arm's bfloat16); where it does not,
+    PyTorch's CPU product of bfloat16 takes a slow path. An unknown answer counts as native (nothing changes)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return True
+
+
+def pytorch_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`; bfloat16 on a CPU without native bfloat16 products is multiplied in float32 and
+    rounded back (the module docstring says why), unless the switch `widened_products` is off or a graph is being
+    compiled (inductor chooses its own product)."""
+    if (
+        x.dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and fast_paths.current().widened_products
+        and not torch.compiler.is_compiling()
+        and not native_bfloat16()
+    ):
+        wide_bias = None if bias is None else bias.float()
+        return F.linear(x.float(), weight.float(), wide_bias).to(torch.bfloat16)
+    return F.linear(x, weight, bias)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through the kernel where `fused_rows(x)` (`kernel_product`, also from inside a
     compiled graph); inside a compiled graph (the CPU's compiled step) a product of `TRACED_ROWS` row is traced into
@@ -87,7 +121,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
             out = kernel_product(x, weight)
             out = out.to(x.dtype) if out is not None and out.dtype != x.dtype else out
     if out is None:
-        return F.linear(x, weight, bias)
+        return pytorch_product(x, weight, bias)
     return out if bias is None else out + bias
 
 
@@ -113,7 +147,7 @@ def fuse_linears(model: M) -> M:
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x (..., in) times int8 `weight` (out, in) with per-row `scale` (out,), plus `bias`; in x's dtype
     (`kvsieve.quantize`'s layers). The kernel for up to `KERNEL_ROWS` rows on a CPU (one row in a compiled graph:
-    traced), else the weights dequantized to x's dtype and `F.linear`."""
+    traced), else the weights dequantized to x's dtype and PyTorch's product (`pytorch_product`)."""
     out = None
     if fused_rows(x, KERNEL_ROWS):
         if torch.compiler.is_compiling() and fused_rows(x, TRACED_ROWS):  # one row in a compiled graph: traced
@@ -123,5 +157,5 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
             out = kernel_product(x, weight, scale)  # (..., out)
         out = out.to(x.dtype) if out is not None and out.dtype != x.dtype else out
     if out is None:
-        out = F.linear(x, (weight.float() * scale[:, None]).to(x.dtype))
+        out = pytorch_product(x, (weight.float() * scale[:, None]).to(x.dtype), None)
     return out if bias is None else out + bias
