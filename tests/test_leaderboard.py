@@ -7,6 +7,7 @@ import pytest
 
 from kvsieve.errors import KvsieveError
 from kvsieve.eval import leaderboard
+from kvsieve.prompt import STAND_IN
 
 
 def rows_of(method, budget, mode, scores: dict[str, list[float]], kept: int = 100, length: int = 4096):
@@ -185,6 +186,14 @@ def test_a_later_sweeps_repeat_of_a_method_is_what_its_new_methods_are_compared_
     text = write_report(tmp_path / "docs" / "R.md", ruler_files=[tmp_path / "sweep.json", tmp_path / "unmarked.json"])
     text = text.read_text()
     assert "| snapkv | 0.25 | unmarked | 71.9 | -3.1 [" in text and "snapkv-again" not in text
+    # Unmarked rows answered again by the same stand-in rule are a repeat; by another rule (a file from before the
+    # rule was recorded read the window alone) they are refused, not shown as the same method answered again.
+    sentence = document(rows_of("snapkv", 0.25, "unmarked", scores, kept=25), "snapkv")
+    records.save(tmp_path / "sentence.json", {**sentence, "settings": {**sentence["settings"], "stand_in": STAND_IN}})
+    again = [tmp_path / "sweep.json", tmp_path / "sentence.json", tmp_path / "sentence.json"]
+    assert "| snapkv-again | 0.25 | unmarked | 75.0 |" in write_report(tmp_path / "R.md", ruler_files=again).read_text()
+    with pytest.raises(KvsieveError, match=r"sentence.json took the unmarked mode's stand-in question by another rule"):
+        write_report(tmp_path / "R.md", ruler_files=[tmp_path / "unmarked.json", tmp_path / "sentence.json"])
 
     # A repeat is the same method: a later file's snapkv with other settings is refused, by name and field.
     other = document(second, "snapkv,adakv")

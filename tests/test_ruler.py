@@ -144,6 +144,7 @@ def test_the_unmarked_mode_answers_as_a_completions_request_does(model, tokenize
     rows = {r["method"]: r for r in document["rows"]}
     assert set(rows) == {"imdc", "snapkv"}  # full attention, without a budget, is the question mode's reference
     assert {r["mode"] for r in rows.values()} == {"unmarked"} and {r["reuse"] for r in rows.values()} == {"off"}
+    assert document["settings"]["stand_in"] == {"window": 16, "longest": 64}  # the rule, so a later one is not a resume
     [case] = ruler.load_cases(tokenizer, "vt", LENGTH, 1, 42, cases_folder)
     ids = case.prompt.ids[0].tolist()
     stand_in = question_tail(ids, tokenizer=tokenizer)
@@ -172,6 +173,10 @@ def test_a_rerun_resumes_and_other_settings_are_refused(model, tokenizer, cases_
     assert again["rows"] == first["rows"] and json.loads(out.read_text())["kind"] == "ruler"
     with pytest.raises(KvsieveError, match="other settings"):
         ruler.run_ruler(model, tokenizer, specs, [LENGTH], out, **{**options, "budgets": [0.25]})
+    # The unmarked mode's stand-in rule is a setting of the sweeps that run it, so they resume under it alone.
+    assert "stand_in" not in first["settings"]
+    with pytest.raises(KvsieveError, match=r"other settings \(stand_in differ\)"):
+        ruler.run_ruler(model, tokenizer, specs, [LENGTH], out, **{**options, "modes": ["question", "unmarked"]})
 
 
 def test_tasks_that_cannot_run_offline_are_skipped_saying_why(monkeypatch):

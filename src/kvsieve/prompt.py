@@ -45,6 +45,9 @@ class Prompt:
 # question longer than the window (RULER's multi-query one names four keys in some 30 tokens) is read whole.
 QUESTION_WINDOW = 16
 QUESTION_LONGEST = 64
+# The rule as a result file records it (`kvsieve ruler --modes unmarked`): a file made before it was recorded read
+# the window alone, QUESTION_WINDOW tokens (`report_results` reads an absent record so).
+STAND_IN = {"window": QUESTION_WINDOW, "longest": QUESTION_LONGEST}
 
 
 def question_tail(ids: Sequence[int], marked: int | None = None, tokenizer: Any = None) -> int:

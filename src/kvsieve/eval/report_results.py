@@ -11,6 +11,7 @@ from kvsieve.eval import leaderboard
 from kvsieve.eval.bench import summarize
 from kvsieve.eval.methods import specs_from_settings
 from kvsieve.eval.ruler import BUDGET_FIELDS
+from kvsieve.prompt import QUESTION_WINDOW
 from kvsieve.registry import REGISTRY
 
 GLANCE_BUDGET = 0.25  # the RULER budget the glance table and the pareto figure read: the presets' 1024 entries at 4K
@@ -32,6 +33,15 @@ def _key(row: dict[str, Any]) -> tuple[str, int | None, str | None]:
     return row["method"], _length(row), row.get("mode")
 
 
+# The stand-in rule of an unmarked sweep made before files recorded it: the window alone.
+WINDOW_ALONE = {"window": QUESTION_WINDOW, "longest": QUESTION_WINDOW}
+
+
+def _stand_in(doc: dict[str, Any]) -> dict[str, int]:
+    """The rule a RULER file's unmarked rows took their stand-in question by (`prompt.STAND_IN`, as recorded)."""
+    return doc["settings"].get("stand_in", WINDOW_ALONE)
+
+
 def merge(documents: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     """One document from several result files of one kind: each method's rows at each length (and mode) and its spec
     come from the first file that has them, so a later run can add methods, lengths or modes next to an earlier
@@ -43,12 +53,12 @@ def merge(documents: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
         return None
     first = documents[0]
     merged = {**first, "settings": {**first["settings"], "methods": {}}, "rows": []}
-    seen: set[tuple[str, int | None, str | None]] = set()
+    seen: dict[tuple[str, int | None, str | None], dict[str, int] | None] = {}  # each row's stand-in rule, unmarked
     for sweep, doc in enumerate(documents):
         if doc.get("kind") == "ruler":
             doc = _as_repeats({**doc, "rows": [{**r, "sweep": sweep} for r in doc["rows"]]}, seen, merged)
-        new = {_key(r) for r in doc["rows"]} - seen
-        seen |= new
+        new = {_key(r) for r in doc["rows"]} - seen.keys()
+        seen |= {key: _stand_in(doc) if key[2] == "unmarked" else None for key in new}
         for method in dict.fromkeys(m for m, _, _ in new):
             merged["settings"]["methods"].setdefault(method, doc["settings"]["methods"][method])
         merged["rows"] += [r for r in doc["rows"] if _key(r) in new]
@@ -56,14 +66,22 @@ def merge(documents: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def _as_repeats(
-    doc: dict[str, Any], seen: set[tuple[str, int | None, str | None]], merged: dict[str, Any]
+    doc: dict[str, Any], seen: dict[tuple[str, int | None, str | None], dict[str, int] | None], merged: dict[str, Any]
 ) -> dict[str, Any]:
     """`doc` with its rows of a method at a length `seen` already holds renamed to the method's repeat
     (`leaderboard.AGAIN`). A repeat must be the same method: one whose settings differ from the first file's (in a
-    field both record: a field added to the library later is absent from older files) is refused."""
-    again = {_key(r) for r in doc["rows"]} & seen
+    field both record: a field added to the library later is absent from older files) is refused, and so is an
+    unmarked row whose stand-in question was taken by another rule."""
+    again = {_key(r) for r in doc["rows"]} & seen.keys()
     if not again:
         return doc
+    rule = _stand_in(doc)
+    if other := sorted({json.dumps(seen[key]) for key in again if key[2] == "unmarked" and seen[key] != rule}):
+        raise KvsieveError(
+            f"{doc.get('file', 'A later file')} took the unmarked mode's stand-in question by another rule "
+            f"({json.dumps(rule)}) than an earlier file ({', '.join(other)}): its rows are not a repeat. "
+            "Report the files apart."
+        )
     for method in dict.fromkeys(m for m, _, _ in again):
         before, now = merged["settings"]["methods"].get(method), doc["settings"]["methods"].get(method)
         if before is not None and now is not None and (differ := _differences(before, now)):

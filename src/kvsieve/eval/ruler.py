@@ -59,7 +59,7 @@ from kvsieve.errors import KvsieveError
 from kvsieve.eval import records
 from kvsieve.eval.methods import check_lengths
 from kvsieve.models import architecture
-from kvsieve.prompt import Prompt, build_task_prompt, ids_prompt
+from kvsieve.prompt import STAND_IN, Prompt, build_task_prompt, ids_prompt
 from kvsieve.spec import MethodSpec
 
 CATEGORIES = {
@@ -297,15 +297,22 @@ def spec_at(spec: MethodSpec, budget: float | None, length: int) -> MethodSpec:
 
 
 def settings(
-    specs: Mapping[str, MethodSpec], budgets: Sequence[float], samples: int, seed: int, model: dict[str, Any]
+    specs: Mapping[str, MethodSpec],
+    budgets: Sequence[float],
+    samples: int,
+    seed: int,
+    model: dict[str, Any],
+    modes: Sequence[str] = DEFAULT_MODES,
 ) -> dict[str, Any]:
-    """What makes a sweep's rows comparable; a resumed run must match it (tasks, lengths and modes may grow)."""
+    """What makes a sweep's rows comparable; a resumed run must match it (tasks, lengths and modes may grow). With the
+    unmarked mode, the rule of its stand-in question (`prompt.STAND_IN`): a later rule's answers are not a resume."""
     return {
         "methods": {name: spec.to_dict() for name, spec in specs.items()},
         "budgets": list(budgets),
         "samples": samples,
         "seed": seed,
         **model,
+        **({"stand_in": dict(STAND_IN)} if "unmarked" in modes else {}),
     }
 
 
@@ -347,7 +354,10 @@ def run_ruler(
     configs_ = task_configs()
     check_lengths(specs, list(lengths), 16, architecture(model).max_positions)  # a length includes the answer
     document = records.open_results(
-        out, "ruler", settings(specs, budgets, samples, seed, records.model_settings(model, model_name)), fresh=fresh
+        out,
+        "ruler",
+        settings(specs, budgets, samples, seed, records.model_settings(model, model_name), modes),
+        fresh=fresh,
     )
     done = {(r["task"], r["length"], r["index"], r["method"], r["budget"], r["mode"]) for r in document["rows"]}
     plan = configurations(specs, budgets, modes)
