@@ -84,6 +84,22 @@ def test_kvzip_scores_are_the_largest_attention_the_repeating_queries_pay(make_m
         assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
 
 
+def test_pooled_kvzip_scores_an_entry_by_its_neighbours_best(make_model):
+    """`pool_size` 3: each entry's score is the best of its own and its two neighbours' eager scores (the ends see
+    one neighbour), over the passes."""
+    model = make_model("llama")
+    ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(7))
+    policy = KVzip(chunk=12, overlap=4, pool_size=3)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, **with_cache(model, cache), use_cache=True)
+    scores = second_pass_scores(model, cache, ids, policy, fake_encode)
+    for layer in architecture(model).global_layers:
+        plain = _eager_scores(model, ids, policy.second_pass(ids, fake_encode), layer)
+        expected = torch.stack([plain[:, max(0, i - 1) : i + 2].amax(1) for i in range(30)], dim=1)
+        torch.testing.assert_close(scores[layer], expected, rtol=1e-4, atol=1e-6)
+
+
 def test_kvzip_compresses_a_prompt_by_its_second_pass(make_model):
     model = make_model("llama")
     result = run(model, FakeTokenizer(), make_prompt(80), compress=Compress(KVzip(chunk=32), 24), sampling=Sampling(2))
@@ -99,7 +115,7 @@ def test_kvzip_is_refused_where_no_whole_cache_is_there_to_repeat():
         ChunkedPrefill(pruner=KVzip())
 
 
-@pytest.mark.parametrize("field,value", [("chunk", 0), ("overlap", -1), ("sinks", 1.5)])
+@pytest.mark.parametrize("field,value", [("chunk", 0), ("overlap", -1), ("sinks", 1.5), ("pool_size", 2)])
 def test_kvzip_refuses_bad_settings(field, value):
     with pytest.raises(KvsieveError, match=field):
         KVzip(**{field: value})

@@ -146,6 +146,11 @@ class Policy:
         """Prompt scores (kv_heads, n) from the accumulated attention `sums` of `queries` queries: the sums here."""
         return sums
 
+    def from_second_pass(self, best: torch.Tensor) -> torch.Tensor:
+        """Prompt scores (kv_heads, n) from the best score each cached entry got over the second pass's passes (a
+        policy with a `second_pass`): that best here."""
+        return best
+
     def step_scores(
         self, previous: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor, scaling: float
     ) -> torch.Tensor | None:

@@ -20,7 +20,8 @@ def second_pass_scores(
     model: PreTrainedModel, cache: Cache, ids: torch.Tensor, policy: Policy, encode: Callable[[str], list[int]]
 ) -> dict[int, torch.Tensor]:
     """`policy`'s scores (kv_heads, n) per scored layer of `cache`, which holds `ids` (1, n) at positions 0 .. n-1,
-    from its second pass: the elementwise maximum over its passes, each run at positions n onwards."""
+    from its second pass: the elementwise maximum over its passes, each run at positions n onwards, as the policy
+    makes its scores of it (`Policy.from_second_pass`)."""
     arch = architecture(model)
     best: dict[int, torch.Tensor] = {}
     for reread in policy.second_pass(ids, encode):
@@ -30,4 +31,4 @@ def second_pass_scores(
             ask_question(model, cache, reread.tokens, ids.shape[1], observers, scores)
         for layer, layer_scores in scores.items():
             best[layer] = layer_scores if layer not in best else torch.maximum(best[layer], layer_scores)
-    return best
+    return {layer: policy.from_second_pass(layer_best) for layer, layer_best in best.items()}

@@ -21,6 +21,10 @@ The paper selects globally across heads and layers: `across_layers` gives each l
 every layer's entries, and the stage's `head_budgets` with no floor shares a layer's among its KV heads by one ranking
 of their entries, held per head in `kvsieve.kv.heads`. The `kvzip` preset keeps one budget per layer and KV head, as
 every kvsieve scorer does by default: on SmolLM2 it kept needles the global selection lost (docs/METHODS.md).
+
+`pool_size` (not the paper's; 1, none, by default) makes an entry's score the best of its `pool_size` neighbours'
+(max-pooled, `compress.scorers.pool_scores`): SmolLM2 writes a number one token a digit, so a 7-digit needle needs
+seven entries kept, and an answer one digit short scores nothing.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from typing import ClassVar
 import torch
 
 from kvsieve.compress.policy import LayerPass, PromptScorer, Reading, Reread
-from kvsieve.compress.scorers import attention_probs
+from kvsieve.compress.scorers import attention_probs, check_pool_size, pool_scores
 from kvsieve.errors import KvsieveError
 from kvsieve.spec import component, option
 
@@ -50,6 +54,7 @@ class KVzip(PromptScorer):
     overlap: int = option(8, "the previous chunk's last tokens that open the next chunk's prompt (paper: 8)")
     sinks: int = option(4, "first positions always kept (paper: 4)")
     across_layers: bool = option(False, "rank every layer's entries together, budgets per layer (paper: yes)")
+    pool_size: int = option(1, "neighbours an entry's score is the best of, odd (1: none, the paper's)")
     first: str = option("\n\nRepeat the previous context exactly.", "the first chunk's prompt (paper's)")
     later: str = option(
         "\n\nRepeat the part of the previous context exactly, starting with", "a later chunk's prompt (paper's)"
@@ -60,6 +65,7 @@ class KVzip(PromptScorer):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise KvsieveError(f"KVzip's {name} must be a whole number >= {least}, got {value!r}.")
+        check_pool_size(self.pool_size)
 
     @property
     def budgets_per_layer(self) -> bool:
@@ -86,6 +92,10 @@ class KVzip(PromptScorer):
             j: self.sinks + max(1, round(float((r >= threshold).sum()) / heads))
             for j, r in zip(layers, ranked, strict=True)
         }
+
+    def from_second_pass(self, best: torch.Tensor) -> torch.Tensor:
+        """Each entry's score the best of its `pool_size` neighbours' best (kv_heads, n)."""
+        return best if self.pool_size == 1 else pool_scores(best, self.pool_size, "max")
 
     def prompt_scores(self, seen: LayerPass) -> torch.Tensor:
         """(kv_heads, n): the largest attention each key receives from the pass's queries, over the KV head's
