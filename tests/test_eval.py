@@ -188,10 +188,10 @@ def test_chunked_feeds_run_beyond_the_context(model, chat_tokenizer, tmp_path):
 def test_every_method_name_runs_in_a_grid(model, chat_tokenizer, tmp_path):
     document = grid(model, chat_tokenizer, tmp_path / "n.json", methods=list(REGISTRY), lengths=(160,), depths=(0.5,))
     rows = {r["method"]: r for r in document["rows"]}
-    assert list(rows) == list(REGISTRY) and len(rows) == 27
+    assert list(rows) == list(REGISTRY) and len(rows) == 28
     assert rows["full"]["kv_length"] == rows["critiprefill"]["kv_length"] == 160
     kv = ("gemfilter", "gemfilter-paper", "snapkv", "snapkv-paper", "h2o", "a2sf", "a2sf-paper", "streaming", "local")
-    kv += ("tova", "knorm", "expected-attention", "kvzip", "adakv", "adakv-expected-attention")
+    kv += ("tova", "knorm", "expected-attention", "kvzip", "kvzip-pooled", "adakv", "adakv-expected-attention")
     assert all(rows[m]["kv_length"] == 32 for m in kv)
     assert 32 <= rows["pyramidkv"]["kv_length"] <= 160  # budgets per layer: a row's kv_length is its longest layer's
 

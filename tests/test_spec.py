@@ -9,12 +9,14 @@ import pytest
 
 from kvsieve import A2SF, REGISTRY, TOVA, CritiPrefill, Evict, KvsieveError, MethodSpec, SnapKV, method
 from kvsieve.compress.policies.collie import Collie
+from kvsieve.compress.policies.kvzip import KVzip
 from kvsieve.select.gemfilter import GemFilter
 from kvsieve.spec import component, components, parse_settings
 
 EXPECTED = ["full", "gemfilter", "gemfilter-paper", "critiprefill", "critiprefill-code", "fm", "fm-paper", "im"]
 EXPECTED += ["im-paper", "imdc", "imdc-paper", "snapkv"]
-EXPECTED += ["snapkv-paper", "pyramidkv", "expected-attention", "kvzip", "adakv", "adakv-expected-attention"]
+EXPECTED += ["snapkv-paper", "pyramidkv", "expected-attention", "kvzip", "kvzip-pooled", "adakv"]
+EXPECTED += ["adakv-expected-attention"]
 EXPECTED += ["h2o", "a2sf", "a2sf-paper", "streaming", "local", "tova", "knorm"]
 EXPECTED += ["gemfilter-critiprefill", "gemfilter-snapkv"]
 
@@ -40,6 +42,7 @@ def test_registry_holds_the_presets_with_their_stages_and_provenance():
         method("expected-attention").compress, head_budgets=True
     )
     assert not method("snapkv").compress.head_budgets and method("adakv").compress.head_floor == 0.2
+    assert method("kvzip-pooled").compress == replace(method("kvzip").compress, policy=KVzip(pool_size=5))
     assert method("a2sf").evict.policy == A2SF(alpha=0.9, pool_size=63)  # the study's best at the preset budget
     assert method("a2sf-paper").evict.policy == A2SF() and method("snapkv-paper").compress.policy == SnapKV()
     assert method("gemfilter-paper").select == GemFilter()

@@ -179,6 +179,15 @@ register(
         compress=Compress(KVzip()),
     )
 )
+# KVzip with an entry scored by its 5 neighbours' best: SmolLM2 writes a number one token a digit, and the plain scores
+# kept needles with digits missing (docs/METHODS.md, "How the question-agnostic rows lose").
+register(
+    MethodSpec(
+        "kvzip-pooled",
+        f"KVzip, each entry scored by the best of its 5 neighbours, so a needle's tokens stay together [{TUNED}]",
+        compress=Compress(KVzip(pool_size=5)),
+    )
+)
 # AdaKV's per-head budgets over the tuned SnapKV's and Expected Attention's scores: a layer's heads share its budget,
 # each holding its own count in a segmented cache (`kvsieve.kv.heads`).
 register(
