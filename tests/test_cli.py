@@ -253,8 +253,9 @@ def test_evaluation_bad_input(capsys, tmp_path, argv, message):
 def test_methods_lists_the_registry_with_every_field(capsys):
     code, out, _ = run_cli(capsys, "methods", "--json")
     specs = json.loads(out)
-    assert code == 0 and len(specs) == 27
+    assert code == 0 and len(specs) == 28
     assert {"tova", "knorm", "imdc", "imdc-paper", "critiprefill", "a2sf-paper", "snapkv-paper"} <= set(specs)
+    assert specs["kvzip-pooled"]["compress"]["policy"]["pool_size"] == 5
     assert specs["critiprefill"]["attention"] == {
         "type": "critiprefill",
         "segment": 512,
