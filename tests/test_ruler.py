@@ -179,6 +179,25 @@ def test_a_rerun_resumes_and_other_settings_are_refused(model, tokenizer, cases_
         ruler.run_ruler(model, tokenizer, specs, [LENGTH], out, **{**options, "modes": ["question", "unmarked"]})
 
 
+def test_a_sweep_grows_to_more_samples_keeping_the_cases_it_answered(model, tokenizer, cases_folder, tmp_path):
+    """A board grown from 1 case a task to 2 keeps its answers (NVIDIA's generator makes the same first case for a
+    larger count), takes the new count, and refuses rows of another case or a smaller count."""
+    specs = registry.methods("full")
+    out = tmp_path / "ruler.json"
+    options = dict(tasks=["vt"], budgets=[0.5], modes=["question"], cases=cases_folder, say=print)
+    first = ruler.run_ruler(model, tokenizer, specs, [LENGTH], out, samples=1, **options)
+    grown = ruler.run_ruler(model, tokenizer, specs, [LENGTH], out, samples=2, **options)
+    assert grown["settings"]["samples"] == 2 and json.loads(out.read_text())["settings"]["samples"] == 2
+    assert grown["rows"][:1] == first["rows"] and [r["index"] for r in grown["rows"]] == [0, 1]
+    with pytest.raises(KvsieveError, match=r"other settings \(samples differ\)"):
+        ruler.run_ruler(model, tokenizer, specs, [LENGTH], out, samples=1, **options)
+    tampered = json.loads(out.read_text())
+    tampered["rows"][1]["references"] = ["NOT-THIS-CASE"]
+    out.write_text(json.dumps(tampered))
+    with pytest.raises(KvsieveError, match="holds answers to another vt case 1 at 1024 tokens"):
+        ruler.run_ruler(model, tokenizer, specs, [LENGTH], out, samples=2, **options)
+
+
 def test_tasks_that_cannot_run_offline_are_skipped_saying_why(monkeypatch):
     runnable, skipped = ruler.available_tasks()
     assert runnable == ruler.TASKS and not skipped  # make setup installs every file RULER reads

@@ -15,6 +15,7 @@ import os
 import platform
 import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,11 +82,15 @@ def check_writable(path: Path) -> None:
         raise KvsieveError(f"Cannot write results to {path}: {error}. Choose another --out.") from error
 
 
-def open_results(path: Path, kind: str, settings: dict[str, Any], fresh: bool = False) -> dict[str, Any]:
+def open_results(
+    path: Path, kind: str, settings: dict[str, Any], fresh: bool = False, grows: Sequence[str] = ()
+) -> dict[str, Any]:
     """The result document to fill: the existing one when it was made with `settings`, else a new one.
 
     Raises when `path` holds another kind of result or other settings (unless `fresh`, which
-    starts over and overwrites it at the first save).
+    starts over and overwrites it at the first save). A count named in `grows` may be larger than the file's (a
+    sweep grown to more cases): the file then takes the new count, and the caller checks that the rows it holds
+    are of the cases it now runs.
     """
     check_writable(path)
     settings = json.loads(json.dumps(settings))  # the form it takes once saved (tuples -> lists)
@@ -99,14 +104,25 @@ def open_results(path: Path, kind: str, settings: dict[str, Any], fresh: bool = 
         raise KvsieveError(f"{path} exists but is not a kvsieve result file ({error}); use --fresh or --out.") from None
     if old.get("kind") != kind or old.get("schema") != SCHEMA:
         raise KvsieveError(f"{path} holds {old.get('kind')!r} results, not {kind!r}; choose another --out.")
-    if old.get("settings") != settings:
-        changed = sorted(k for k in {*settings, *old.get("settings", {})} if settings.get(k) != old["settings"].get(k))
+    before = old.get("settings", {})
+    changed = sorted(
+        key
+        for key in {*settings, *before}
+        if settings.get(key) != before.get(key) and not (key in grows and _grown(before.get(key), settings.get(key)))
+    )
+    if changed:
         raise KvsieveError(
             f"{path} was made with other settings ({', '.join(changed)} differ), so its rows cannot be resumed. "
             "Rerun with the same settings, add --fresh to start over, or choose another --out."
         )
     commands = commands_of(old)
     return {**new, "commands": commands + ([command] if command not in commands else []), "rows": old.get("rows", [])}
+
+
+def _grown(before: Any, now: Any) -> bool:
+    """Whether a recorded count `before` grew to `now` (a count only: an absent or other value is a change)."""
+    counts = all(isinstance(v, int) and not isinstance(v, bool) for v in (before, now))
+    return counts and now > before
 
 
 def commands_of(document: dict[str, Any]) -> list[str]:

@@ -304,8 +304,9 @@ def settings(
     model: dict[str, Any],
     modes: Sequence[str] = DEFAULT_MODES,
 ) -> dict[str, Any]:
-    """What makes a sweep's rows comparable; a resumed run must match it (tasks, lengths and modes may grow). With the
-    unmarked mode, the rule of its stand-in question (`prompt.STAND_IN`): a later rule's answers are not a resume."""
+    """What makes a sweep's rows comparable; a resumed run must match it (tasks, lengths, modes and samples may
+    grow). With the unmarked mode, the rule of its stand-in question (`prompt.STAND_IN`): a later rule's answers are
+    not a resume."""
     return {
         "methods": {name: spec.to_dict() for name, spec in specs.items()},
         "budgets": list(budgets),
@@ -358,6 +359,7 @@ def run_ruler(
         "ruler",
         settings(specs, budgets, samples, seed, records.model_settings(model, model_name), modes),
         fresh=fresh,
+        grows=("samples",),
     )
     done = {(r["task"], r["length"], r["index"], r["method"], r["budget"], r["mode"]) for r in document["rows"]}
     plan = configurations(specs, budgets, modes)
@@ -377,6 +379,7 @@ def run_ruler(
     case_sets = {(task, length): load_cases(tokenizer, task, length, samples, seed, folder) for task, length in work}
     if short := [f"{task} at {length} ({len(c)})" for (task, length), c in case_sets.items() if len(c) < samples]:
         raise KvsieveError(f"RULER's generators made fewer than {samples} cases for: {', '.join(short)}.")
+    same_stored_cases(document["rows"], case_sets, out)
     bar = tqdm(total=len(work) * samples * len(plan), desc="RULER", unit="answer")
     seconds = 0.0
     # Sample by sample across the tasks: a run stopped part way holds the first samples of every task, a smaller
@@ -403,6 +406,24 @@ def run_ruler(
     document["seconds"] = round(seconds, 3)
     records.save(out, document)
     return document
+
+
+def same_stored_cases(
+    rows: Sequence[Mapping[str, Any]], case_sets: Mapping[tuple[str, int], list[Case]], out: Path
+) -> None:
+    """Refuse to resume `out` when a row it holds is of another case than the one now at its task, length and index
+    (its references or prompt length differ). A sweep grown to more samples keeps its rows only because RULER's
+    generators make the first cases of a larger count the same (they draw case after case from one seeded stream);
+    this checks it on every row rather than trusting it."""
+    now = {(task, length, case.index): case for (task, length), cases in case_sets.items() for case in cases}
+    for row in rows:
+        case = now.get((row["task"], row["length"], row["index"]))
+        if case is not None and (row["references"] != case.references or row["prompt_tokens"] != case.prompt.length):
+            raise KvsieveError(
+                f"{out} holds answers to another {row['task']} case {row['index']} at {row['length']} tokens than "
+                "RULER's generator makes now (other references or prompt length), so its rows cannot be resumed. "
+                "Add --fresh to start over, or choose another --out."
+            )
 
 
 def _answer_case(
