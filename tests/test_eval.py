@@ -149,6 +149,21 @@ def test_resume_refuses_other_settings(model, chat_tokenizer, tmp_path):
         grid(model, chat_tokenizer, tmp_path / "other.json", methods=("full",), lengths=(160,), depths=(0.5,))
 
 
+def test_a_file_from_before_a_field_existed_resumes_where_the_field_keeps_its_default(tmp_path):
+    """A method recorded before the library gave its stage a field (here per-head budgets) is read with the field's
+    default: the same run resumes it, a run that sets the field is refused."""
+    out = tmp_path / "ruler.json"
+    snapkv = registry.method("snapkv").to_dict()
+    older = json.loads(json.dumps(snapkv))
+    del older["compress"]["head_budgets"], older["compress"]["head_floor"]
+    records.save(out, {**records.open_results(out, "ruler", {"methods": {"snapkv": older}}), "rows": [{"a": 1}]})
+    resumed = records.open_results(out, "ruler", {"methods": {"snapkv": snapkv}})
+    assert resumed["rows"] == [{"a": 1}] and resumed["settings"]["methods"]["snapkv"] == json.loads(json.dumps(snapkv))
+    per_head = registry.method("snapkv").with_settings([("compress.head_budgets", True)]).to_dict()
+    with pytest.raises(KvsieveError, match=r"other settings \(methods differ\)"):
+        records.open_results(out, "ruler", {"methods": {"snapkv": per_head}})
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvsieve.errors import KvsieveError
-from kvsieve.spec import renamed_settings
+from kvsieve.spec import MethodSpec, renamed_settings
 
 SCHEMA = 1
 
@@ -104,7 +104,7 @@ def open_results(
         raise KvsieveError(f"{path} exists but is not a kvsieve result file ({error}); use --fresh or --out.") from None
     if old.get("kind") != kind or old.get("schema") != SCHEMA:
         raise KvsieveError(f"{path} holds {old.get('kind')!r} results, not {kind!r}; choose another --out.")
-    before = old.get("settings", {})
+    before = read_today(old.get("settings", {}))
     changed = sorted(
         key
         for key in {*settings, *before}
@@ -117,6 +117,21 @@ def open_results(
         )
     commands = commands_of(old)
     return {**new, "commands": commands + ([command] if command not in commands else []), "rows": old.get("rows", [])}
+
+
+def read_today(settings: dict[str, Any]) -> dict[str, Any]:
+    """Recorded settings as this library reads them: each method's spec rebuilt from its record (`MethodSpec`), so a
+    field the library added since takes its default and a renamed field its new name. A file from before a field
+    existed then resumes under a run that leaves the field at its default, and only there; a spec this library cannot
+    read stays as recorded (and differs)."""
+    methods = settings.get("methods")
+    if not isinstance(methods, dict):
+        return settings
+    try:
+        read = {name: MethodSpec.from_dict(data).to_dict() for name, data in methods.items()}
+    except KvsieveError:
+        return settings
+    return {**settings, "methods": json.loads(json.dumps(read))}
 
 
 def _grown(before: Any, now: Any) -> bool:
