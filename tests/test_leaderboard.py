@@ -67,6 +67,12 @@ def test_the_board_compares_every_configuration_on_full_attentions_cases():
     assert [e.key for e in board.entries] == [("full", None, "question"), ("snapkv", 0.1, "question"),
                                               ("snapkv", 0.5, "question")]  # fmt: skip
     assert board.incomplete == {("h2o", 0.1, "question"): 8}  # left out: its average would cover other cases
+    # ... shown apart, on the 8 cases it answered, beside full attention on those (qa: 100 against 100, 0)
+    (so_far,) = board.interim
+    assert (so_far.key, so_far.cases, so_far.average, so_far.difference) == (("h2o", 0.1, "question"), 8, 100.0, 25.0)
+    from kvsieve.eval.report_leaderboard import interim_table
+
+    assert "| h2o | 0.1 | question | 8 | 100.0 | 75.0 | +25.0 |" in interim_table(board)
     entry = {e.key: e for e in board.entries}
     assert entry[("snapkv", 0.5, "question")].difference == 0.0 and entry[("snapkv", 0.5, "question")].matches_full
     loses = entry[("snapkv", 0.1, "question")]

@@ -160,14 +160,16 @@ class Beside:
 @dataclass(frozen=True)
 class Board:
     """The leaderboard: its entries (full attention first), the common cases, the configurations left out
-    because they have not answered every one of them (a run still going), with the cases they have, and the
-    comparisons with repeat rows (`Beside`)."""
+    because they have not answered every one of them (a run still going), with the cases they have, the
+    comparisons with repeat rows (`Beside`), and the left-out configurations on the cases each has answered so far
+    (`interim`: a look at a run still going, not a row of the board)."""
 
     entries: list[Entry]
     cases: list[Case]
     tasks: list[str]
     incomplete: dict[Key, int]
     beside: list[Beside]
+    interim: list[Entry]
 
 
 def leaderboard(rows: Sequence[Mapping[str, Any]], tasks: Sequence[str] | None = None) -> Board:
@@ -180,36 +182,44 @@ def leaderboard(rows: Sequence[Mapping[str, Any]], tasks: Sequence[str] | None =
     reference = common_cases(table, [FULL], chosen)
     complete = [key for key in table if set(reference) <= set(table[key])]
     incomplete = {key: sum(1 for case in table[key] if case[0] in chosen) for key in table if key not in complete}
-    entries = []
-    for key in complete:
-        mine = table[key]
-        scores = {case: mine[case]["score"] for case in reference}
-        differences = {case: mine[case]["score"] - table[FULL][case]["score"] for case in reference}
-        difference, low, high = paired_difference(differences) if reference else (0.0, 0.0, 0.0)
-        per_task: dict[str, list[float]] = {}
-        for case, value in scores.items():
-            per_task.setdefault(case[0], []).append(value)
-        families = {}
-        for family, members in FAMILIES.items():
-            own = {case: value for case, value in differences.items() if case[0] in members}
-            if own:
-                families[family] = paired_difference(own)
-        entries.append(
-            Entry(
-                *key,
-                average=ruler_average(scores) if scores else 0.0,
-                difference=difference,
-                low=low,
-                high=high,
-                kept=sum(kept_share(mine[case]) for case in reference) / max(len(reference), 1),
-                cases=len(reference),
-                tasks={task: sum(v) / len(v) for task, v in per_task.items()},
-                families=families,
-            )
-        )
+    entries = [_entry(key, table[key], table[FULL], reference) for key in complete]
+    interim = [
+        _entry(key, table[key], table[FULL], answered)
+        for key in incomplete
+        if (answered := [case for case in reference if case in table[key]])
+    ]
     entries.sort(key=_order)
     tasks = [t for t in chosen if any(c[0] == t for c in reference)]
-    return Board(entries, reference, tasks, incomplete, beside_repeats(table, complete, reference))
+    return Board(entries, reference, tasks, incomplete, beside_repeats(table, complete, reference), interim)
+
+
+def _entry(
+    key: Key, mine: Mapping[Case, Mapping[str, Any]], full: Mapping[Case, Mapping[str, Any]], cases: Sequence[Case]
+) -> Entry:
+    """`key`'s row on `cases` (every one answered by it and by full attention): its average, the paired difference
+    from full attention with its interval, overall and per task family."""
+    scores = {case: mine[case]["score"] for case in cases}
+    differences = {case: mine[case]["score"] - full[case]["score"] for case in cases}
+    difference, low, high = paired_difference(differences) if cases else (0.0, 0.0, 0.0)
+    per_task: dict[str, list[float]] = {}
+    for case, value in scores.items():
+        per_task.setdefault(case[0], []).append(value)
+    families = {}
+    for family, members in FAMILIES.items():
+        own = {case: value for case, value in differences.items() if case[0] in members}
+        if own:
+            families[family] = paired_difference(own)
+    return Entry(
+        *key,
+        average=ruler_average(scores) if scores else 0.0,
+        difference=difference,
+        low=low,
+        high=high,
+        kept=sum(kept_share(mine[case]) for case in cases) / max(len(cases), 1),
+        cases=len(cases),
+        tasks={task: sum(v) / len(v) for task, v in per_task.items()},
+        families=families,
+    )
 
 
 def _order(e: Entry) -> tuple:

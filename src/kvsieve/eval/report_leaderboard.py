@@ -92,6 +92,27 @@ def leaderboard_section(
             f"{m} {_budget(b)} {mode} ({n} of {len(board.cases)})" for (m, b, mode), n in board.incomplete.items()
         )
         lines += ["", f"Left out until they have answered every case (a run still going): {waiting}."]
+        lines += interim_table(board)
+    return lines
+
+
+def interim_table(board: Board) -> list[str]:
+    """The left-out configurations on the cases each has answered so far, beside full attention on the same cases:
+    a look at a run still going, a point each (fewer cases, and not every row's), never a verdict."""
+    if not board.interim:
+        return []
+    lines = [
+        "",
+        "So far, each on the cases it has answered (full attention on the same cases beside it; points only, no "
+        "verdict: the cases are fewer than the board's and differ between rows):",
+        "",
+        "| method | budget | mode | cases | RULER average | full on those cases | vs full |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for e in board.interim:
+        cells = [e.method, _budget(e.budget), e.mode, str(e.cases), f"{e.average:.1f}"]
+        cells += [f"{e.average - e.difference:.1f}", f"{e.difference:+.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
