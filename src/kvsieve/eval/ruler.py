@@ -302,7 +302,7 @@ def settings(
     samples: int,
     seed: int,
     model: dict[str, Any],
-    modes: Sequence[str] = DEFAULT_MODES,
+    modes: Sequence[str],
 ) -> dict[str, Any]:
     """What makes a sweep's rows comparable; a resumed run must match it (tasks, lengths, modes and samples may
     grow). With the unmarked mode, the rule of its stand-in question (`prompt.STAND_IN`): a later rule's answers are
