@@ -2,7 +2,7 @@
 of its tokens missing, another value, or no value at all, read from sweep result files (no model is run).
 
     python benchmarks/ruler_failures.py docs/results/ruler/smollm2_4k.json \
-        docs/results/ruler/smollm2_4k_agnostic_new.json
+        docs/results/ruler/smollm2_4k_agnostic_scorers.json
 
 "Needle, tokens missing": a wrong answer holding a value of two or more characters whose characters all appear, in
 order, in a reference (" 8092." for 8090293: the cache kept some of the needle's digits, one token each on SmolLM2,
