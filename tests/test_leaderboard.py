@@ -226,3 +226,12 @@ def test_a_rows_ttft_speedup_is_its_own_budgets_or_none(tmp_path):
     board = text.read_text().split("| method | budget | mode | RULER average |")[1].split("\n\n")[0]
     cells = {row.split("|")[2].strip(): row.split("|")[6].strip() for row in board.splitlines() if "| snapkv |" in row}
     assert cells["0.25"].endswith("x") and cells["0.5"] == "-"
+
+
+def test_a_board_of_many_methods_draws_no_two_alike():
+    """The figure's colour cycle has 10 colours; the agnostic panel alone holds more methods than that."""
+    from kvsieve.eval.report_leaderboard import line_styles
+
+    looks = line_styles([f"m{i}" for i in range(25)])
+    assert len(set(looks.values())) == 25
+    assert looks["m0"] == ("C0", "o", "-") and looks["m10"] == ("C0", "^", "--")

@@ -253,6 +253,18 @@ def per_task_section(board: Board) -> list[str]:
     return lines
 
 
+MARKERS = "o^Dv"  # with the 10 colours of matplotlib's cycle: 40 methods, no two drawn alike
+
+
+def line_styles(methods: Sequence[str]) -> dict[str, tuple[str, str, str]]:
+    """Each method's (colour, marker, line) on the board's figure: the colour cycle's 10 colours, then the same
+    colours with another marker and a dashed line, so a board of more than 10 methods draws no two alike."""
+    return {
+        method: (f"C{i % 10}", MARKERS[(i // 10) % len(MARKERS)], "-" if (i // 10) % 2 == 0 else "--")
+        for i, method in enumerate(methods)
+    }
+
+
 def plot_board(board: Board, path: Path, title: str) -> Path:
     """RULER average against the KV share kept (measured), one line per method over its budgets, one panel per
     mode, full attention as the dashed ceiling; each point's bar is its 90% interval against full attention,
@@ -264,7 +276,7 @@ def plot_board(board: Board, path: Path, title: str) -> Path:
     fig, axes = plt.subplots(1, len(modes), figsize=(6.2 * len(modes), 4.6), sharey=True, squeeze=False)
     full = next((e for e in board.entries if e.key == FULL), None)
     methods = list(dict.fromkeys(e.method for e in board.entries if e.key != FULL))
-    colours = {method: f"C{i % 10}" for i, method in enumerate(methods)}
+    looks = line_styles(methods)
     for ax, mode in zip(axes[0], modes, strict=True):
         for method in methods:
             points = sorted(
@@ -276,8 +288,9 @@ def plot_board(board: Board, path: Path, title: str) -> Path:
             xs, ys = [e.kept for e in points], [e.average for e in points]
             below = [e.difference - e.low for e in points]
             above = [e.high - e.difference for e in points]
-            style = "o-" if len(points) > 1 else "s"
-            ax.errorbar(xs, ys, yerr=[below, above], fmt=style, color=colours[method], label=method, capsize=2,
+            colour, marker, line = looks[method]
+            style = marker + line if len(points) > 1 else "s"
+            ax.errorbar(xs, ys, yerr=[below, above], fmt=style, color=colour, label=method, capsize=2,
                         linewidth=1.2, markersize=4, alpha=0.85)  # fmt: skip
         if full is not None:
             ax.axhline(full.average, color="black", linestyle="--", linewidth=1, label=f"full ({full.average:.1f})")
