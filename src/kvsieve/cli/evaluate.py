@@ -275,7 +275,10 @@ def add(sub: argparse._SubParsersAction) -> None:
         help="RULER lengths in tokens: prompt plus answer (default 4096)",
     )
     p.add_argument("--tasks", default="", help="comma-separated RULER tasks (default: every one that runs offline)")
-    p.add_argument("--samples", type=int, default=10, help="cases per task and length (default 10)")
+    p.add_argument(
+        "--samples", type=int, default=10,
+        help="cases per task and length (default 10); a larger count than --out's resumes it, keeping its answers",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=42, help="the generators' random seed (default 42, as RULER's)")
     p.add_argument(
         "--budgets", type=options.float_list, default=[0.1, 0.25, 0.5, 0.75],
