@@ -3,6 +3,8 @@ paired bootstrap interval."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvsieve.errors import KvsieveError
@@ -207,6 +209,15 @@ def test_a_later_sweeps_repeat_of_a_method_is_what_its_new_methods_are_compared_
     records.save(tmp_path / "other.json", other)
     with pytest.raises(KvsieveError, match=r"'snapkv' in .*other.json has other settings.*compress.policy.pool_size"):
         write_report(tmp_path / "docs" / "R.md", ruler_files=[tmp_path / "sweep.json", tmp_path / "other.json"])
+    # ... and so is one that sets a field the first file's record predates: that file ran it at the field's default.
+    per_head = document(second, "snapkv,adakv")
+    per_head["settings"]["methods"]["snapkv"]["compress"]["head_budgets"] = True
+    records.save(tmp_path / "per_head.json", per_head)
+    older = json.loads((tmp_path / "sweep.json").read_text())
+    del older["settings"]["methods"]["snapkv"]["compress"]["head_budgets"]
+    records.save(tmp_path / "older.json", older)
+    with pytest.raises(KvsieveError, match=r"'snapkv' in .*per_head.json has other settings.*compress.head_budgets"):
+        write_report(tmp_path / "docs" / "R.md", ruler_files=[tmp_path / "older.json", tmp_path / "per_head.json"])
 
 
 def test_a_rows_ttft_speedup_is_its_own_budgets_or_none(tmp_path):

@@ -127,11 +127,15 @@ def read_today(settings: dict[str, Any]) -> dict[str, Any]:
     methods = settings.get("methods")
     if not isinstance(methods, dict):
         return settings
+    return {**settings, "methods": {name: spec_today(data) for name, data in methods.items()}}
+
+
+def spec_today(recorded: Any) -> Any:
+    """One recorded method spec as this library reads it (`read_today`); as recorded where it cannot."""
     try:
-        read = {name: MethodSpec.from_dict(data).to_dict() for name, data in methods.items()}
+        return json.loads(json.dumps(MethodSpec.from_dict(recorded).to_dict()))
     except KvsieveError:
-        return settings
-    return {**settings, "methods": json.loads(json.dumps(read))}
+        return recorded
 
 
 def _grown(before: Any, now: Any) -> bool:

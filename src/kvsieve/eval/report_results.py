@@ -10,6 +10,7 @@ from kvsieve.errors import KvsieveError
 from kvsieve.eval import leaderboard
 from kvsieve.eval.bench import summarize
 from kvsieve.eval.methods import specs_from_settings
+from kvsieve.eval.records import spec_today
 from kvsieve.eval.ruler import BUDGET_FIELDS
 from kvsieve.prompt import QUESTION_WINDOW
 from kvsieve.registry import REGISTRY
@@ -69,9 +70,9 @@ def _as_repeats(
     doc: dict[str, Any], seen: dict[tuple[str, int | None, str | None], dict[str, int] | None], merged: dict[str, Any]
 ) -> dict[str, Any]:
     """`doc` with its rows of a method at a length `seen` already holds renamed to the method's repeat
-    (`leaderboard.AGAIN`). A repeat must be the same method: one whose settings differ from the first file's (in a
-    field both record: a field added to the library later is absent from older files) is refused, and so is an
-    unmarked row whose stand-in question was taken by another rule."""
+    (`leaderboard.AGAIN`). A repeat must be the same method: one whose settings differ from the first file's, each
+    read as this library reads it (`records.spec_today`: a field added since takes its default), is refused, and so
+    is an unmarked row whose stand-in question was taken by another rule."""
     again = {_key(r) for r in doc["rows"]} & seen.keys()
     if not again:
         return doc
@@ -84,7 +85,7 @@ def _as_repeats(
         )
     for method in dict.fromkeys(m for m, _, _ in again):
         before, now = merged["settings"]["methods"].get(method), doc["settings"]["methods"].get(method)
-        if before is not None and now is not None and (differ := _differences(before, now)):
+        if before is not None and now is not None and (differ := _differences(spec_today(before), spec_today(now))):
             raise KvsieveError(
                 f"'{method}' in {doc.get('file', 'a later file')} has other settings than in an earlier file "
                 f"({json.dumps(differ)}): a later sweep's row of a method is its repeat, on the "
