@@ -121,7 +121,8 @@ def _bench_summary(documents: Sequence[dict[str, Any]], baseline: str) -> list[d
 
 def same_cases(documents: Sequence[dict[str, Any]], fields: Sequence[str]) -> None:
     """Refuse to put RULER files on one board unless they answered the same cases: the same model and seed (and,
-    among the sweep's files, as many cases per task); rows of other cases would be compared as if paired."""
+    among the sweep's files at one length, as many cases per task: `same_counts`); rows of other cases would be
+    compared as if paired."""
     for name in fields:
         values = {json.dumps(d["settings"].get(name)) for d in documents}
         if len(values) > 1:
@@ -130,6 +131,14 @@ def same_cases(documents: Sequence[dict[str, Any]], fields: Sequence[str]) -> No
                 f"These RULER files answered different cases ({name} differs: {files}); one board compares rows on "
                 "the same cases. Report them apart, or run the missing rows with the same settings."
             )
+
+
+def same_counts(documents: Sequence[dict[str, Any]]) -> None:
+    """`same_cases` on the case count, length by length: each length is a board of its own, so a 16K sweep of 5
+    cases a task sits beside a 4K board of 15, while two files at 4K must hold as many."""
+    lengths = {r["length"] for d in documents for r in d["rows"]}
+    for length in sorted(lengths):
+        same_cases([d for d in documents if any(r["length"] == length for r in d["rows"])], ("samples",))
 
 
 class Results:
@@ -147,7 +156,8 @@ class Results:
     ) -> None:
         if not niah_docs and not ppl_docs and not bench_docs and not ruler_docs:
             raise KvsieveError("Nothing to report: give at least one of --niah, --ppl, --bench, --ruler.")
-        same_cases(ruler_docs, ("model", "seed", "samples"))
+        same_cases(ruler_docs, ("model", "seed"))
+        same_counts(ruler_docs)
         same_cases([*ruler_docs, *calibration_docs], ("model", "seed"))
         probes = dict.fromkeys(d["settings"]["probe"] for d in niah_docs)
         self.niah_docs = [merge([d for d in niah_docs if d["settings"]["probe"] == p]) for p in probes]
