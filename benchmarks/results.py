@@ -63,12 +63,12 @@ def calibration(args: argparse.Namespace, length: str, tasks: list[str] | None) 
     ]  # fmt: skip
 
 
-def leaderboard(args: argparse.Namespace, length: str, tasks: list[str], modes: str) -> list[str]:
-    """The leaderboard's presets on the tasks the calibration kept."""
+def leaderboard(args: argparse.Namespace, length: str, tasks: list[str], modes: str, samples: int) -> list[str]:
+    """The leaderboard's presets on the tasks the calibration kept, `samples` cases a task."""
     return [
         sys.executable, "-m", "kvsieve.cli", "ruler", *_model(args), "--methods", args.ruler_methods,
         "--tasks", ",".join(tasks), "--budgets", args.ruler_budgets, "--modes", modes, "--lengths", length,
-        "--samples", str(args.ruler_samples), "--out", str(args.run / f"ruler_{length}.json"),
+        "--samples", str(samples), "--out", str(args.run / f"ruler_{length}.json"),
     ]  # fmt: skip
 
 
@@ -80,14 +80,16 @@ def kept_tasks(path: Path) -> list[str]:
 
 def ruler_steps(args: argparse.Namespace) -> None:
     """Per RULER length: full attention's calibration (at a longer length, on the tasks the shorter one kept), then
-    the leaderboard on the tasks it keeps (at a longer length, its best `--long-max-tasks` in `--long-modes`)."""
+    the leaderboard on the tasks it keeps (at a longer length, its best `--long-max-tasks` in `--long-modes`, with
+    `--long-samples` cases a task)."""
     tasks = None
     for position, length in enumerate(args.ruler_lengths.split(",")):
         run(calibration(args, length, tasks))
         tasks = kept_tasks(args.run / f"ruler_calibration_{length}.json")
         longer = position > 0
         chosen = tasks[: args.long_max_tasks] if longer and args.long_max_tasks else tasks
-        run(leaderboard(args, length, chosen, args.long_modes if longer else args.ruler_modes))
+        modes, samples = (args.long_modes, args.long_samples) if longer else (args.ruler_modes, args.ruler_samples)
+        run(leaderboard(args, length, chosen, modes, samples or args.ruler_samples))
 
 
 def _model(args: argparse.Namespace) -> list[str]:
@@ -123,6 +125,7 @@ def main() -> None:
         "--ruler-dtype", default="bfloat16", help="RULER's dtype (default bfloat16: docs/EVALUATION.md)"
     )
     parser.add_argument("--long-modes", default="question", help="modes after the first RULER length")
+    parser.add_argument("--long-samples", type=int, help="cases per task after the first length (default: the first's)")
     parser.add_argument("--long-max-tasks", type=int, default=3, help="tasks after the first length (0: all kept)")
     parser.add_argument("--run", type=Path, default=Path("runs/results"), help="folder of the result files")
     parser.add_argument(
