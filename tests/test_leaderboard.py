@@ -241,6 +241,27 @@ def test_a_rows_ttft_speedup_is_its_own_budgets_or_none(tmp_path):
     assert cells["0.25"].endswith("x") and cells["0.5"] == "-"
 
 
+def test_the_side_by_side_table_has_no_row_for_a_method_it_measured_nothing_of(tmp_path):
+    """A method only RULER ran (kvzip here) is in the board, but the per-length table of probes and cost gives it no
+    row of dashes; a method the bench ran at that length keeps its row."""
+    from pathlib import Path
+
+    from kvsieve.eval import records
+    from kvsieve.eval.report import write_report
+
+    scores = {"niah_single_1": [100] * 16}
+    rows = rows_of("full", None, "question", scores) + rows_of("snapkv", 0.25, "question", scores, kept=25)
+    rows += rows_of("kvzip", 0.25, "agnostic", scores, kept=25)
+    records.save(tmp_path / "ruler.json", ruler_document(rows, "full,snapkv,kvzip", [0.25], 16))
+    bench = Path(__file__).parent.parent / "docs" / "results" / "ruler" / "bench_4k_bf16.json"
+    text = write_report(tmp_path / "docs" / "R.md", bench_files=[bench], ruler_files=[tmp_path / "ruler.json"])
+    text = text.read_text()
+    assert "| kvzip | 0.25 | agnostic | 100.0 |" in text
+    table = text.split("### 4096 prompt tokens")[1].split("\n\n")[1]
+    methods = [row.split("|")[1].strip() for row in table.splitlines()[2:]]
+    assert "snapkv" in methods and "full" in methods and "kvzip" not in methods
+
+
 def test_a_board_of_many_methods_draws_no_two_alike():
     """The figure's colour cycle has 10 colours; the agnostic panel alone holds more methods than that."""
     from kvsieve.eval.report_leaderboard import line_styles

@@ -84,6 +84,15 @@ def test_specs_say_what_their_stages_can_do():
     assert MethodSpec("bare").prompt_logprobs  # no stage at all: the one-pass feed
 
 
+@pytest.mark.parametrize("name", EXPECTED)
+def test_every_spec_describes_itself_in_one_line(name):
+    """`describe` is one line (a row of `kvsieve methods` and of the report's tables), KVzip's prompts included."""
+    text = REGISTRY[name].describe()
+    assert "\n" not in text and text.isprintable()
+    if name == "kvzip":
+        assert "first='\\n\\nRepeat the previous context exactly.'" in text
+
+
 def test_settings_change_nested_fields_and_whole_stages():
     spec = method("imdc", [("feed.pruner", "a2sf"), ("feed.pruner.alpha", "0.5"), ("feed.chunk", "512")])
     assert spec.feed.pruner.alpha == 0.5 and spec.feed.chunk == 512 and spec.feed.decremental

@@ -460,8 +460,14 @@ def _short(obj: Any) -> str:
     items = []
     for f in _fields(type(obj)):
         value = getattr(obj, f.name)
-        items.append(f"{f.name}={_short(value) if f.metadata.get('kind') else value}")
+        items.append(f"{f.name}={_short(value) if f.metadata.get('kind') else _one_line(value)}")
     return f"{obj.tag}({', '.join(items)})"
+
+
+def _one_line(value: Any) -> Any:
+    """A field's value as `describe` shows it: a string that would break its line (KVzip's prompts open with blank
+    lines) quoted with its escapes, so a method's description stays one line (a row of the report's tables)."""
+    return repr(value) if isinstance(value, str) and not value.isprintable() else value
 
 
 def _stage_choices(stage: str) -> list[str]:

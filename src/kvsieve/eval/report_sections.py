@@ -161,6 +161,8 @@ def glance(results: Results, figure: Path | None, root: Path) -> list[str]:
 
 
 def side_by_side(results: Results) -> list[str]:
+    """Per prompt length, each method's probes, perplexity and cost in one row; a method measured at none of them at
+    that length (a RULER-only method) has no row there."""
     lines = ["", "## Quality and cost side by side", "", measured_on(results.documents), ""]
     probes = [d["settings"]["probe"] for d in results.niah_docs]
     for length in results.lengths:
@@ -190,7 +192,8 @@ def side_by_side(results: Results) -> list[str]:
                     f"{cost['peak_mb'][1]:.0f} ({fmt(memory, 3)})",
                     str(max(kv)) if kv else "-",
                 ]
-            lines.append("| " + " | ".join(cells) + " |")
+            if any(cell != "-" for cell in cells[1:]):
+                lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     return lines
 
