@@ -88,8 +88,9 @@ def ruler_steps(args: argparse.Namespace) -> None:
         tasks = kept_tasks(args.run / f"ruler_calibration_{length}.json")
         longer = position > 0
         chosen = tasks[: args.long_max_tasks] if longer and args.long_max_tasks else tasks
-        modes, samples = (args.long_modes, args.long_samples) if longer else (args.ruler_modes, args.ruler_samples)
-        run(leaderboard(args, length, chosen, modes, samples or args.ruler_samples))
+        modes = args.long_modes if longer else args.ruler_modes
+        samples = (args.long_samples or args.ruler_samples) if longer else args.ruler_samples
+        run(leaderboard(args, length, chosen, modes, samples))
 
 
 def _model(args: argparse.Namespace) -> list[str]:
