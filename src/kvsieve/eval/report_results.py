@@ -136,9 +136,9 @@ def same_cases(documents: Sequence[dict[str, Any]], fields: Sequence[str]) -> No
 def same_counts(documents: Sequence[dict[str, Any]]) -> None:
     """`same_cases` on the case count, length by length: each length is a board of its own, so a 16K sweep of 5
     cases a task sits beside a 4K board of 15, while two files at 4K must hold as many."""
-    lengths = {r["length"] for d in documents for r in d["rows"]}
-    for length in sorted(lengths):
-        same_cases([d for d in documents if any(r["length"] == length for r in d["rows"])], ("samples",))
+    held = [{r["length"] for r in d["rows"]} for d in documents]
+    for length in sorted(set().union(*held)):
+        same_cases([d for d, lengths in zip(documents, held, strict=True) if length in lengths], ("samples",))
 
 
 class Results:
